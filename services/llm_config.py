@@ -1,0 +1,103 @@
+"""Configuration of the LLM replica deployment: vLLM engine arguments plus Serve deployment options."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sluice.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS
+from sluice.tiny_model import SERVED_MODEL_NAME
+
+EngineArgValue = str | int | float | bool
+
+
+class EngineConfig(BaseModel):
+    """vLLM engine arguments. Named fields are the ones sluice relies on; `extra_args` passes any
+    other `vllm serve` flag through vLLM's own argument parser (so vLLM validates it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    served_model_name: str = SERVED_MODEL_NAME
+    max_model_len: int = Field(1024, gt=0)
+    max_num_seqs: int = Field(64, gt=0)
+    dtype: str = "bfloat16"
+    # CPU facts (DESIGN.md §5): compiled mode costs +40 s at start and its cache reload fails.
+    enforce_eager: bool = True
+    # A small KV cache: the VM's memory node reports ~9 GiB, so vLLM's default does not fit.
+    kv_cache_memory_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    seed: int = 0
+    # Named `tool_choice` needs a tool parser; the tiny model speaks ChatML + Hermes tool tags.
+    tool_call_parser: str | None = "hermes"
+    enable_auto_tool_choice: bool = True
+    # "parameter": tool-call arguments always obey the tool's JSON schema, as if every tool were
+    # `strict: true` (vLLM's "auto" only enforces it for tools that ask).
+    tool_strict_level: Literal["auto", "function", "parameter"] = "parameter"
+    extra_args: dict[str, EngineArgValue] = Field(default_factory=dict)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _flag_names(cls, value: dict[str, EngineArgValue]) -> dict[str, EngineArgValue]:
+        for name in value:
+            if not name.replace("-", "_").replace("_", "a").isalnum():
+                raise ValueError(f"invalid engine flag name {name!r}")
+        return value
+
+    def cli_args(self) -> list[str]:
+        """The `vllm serve` command line these settings stand for."""
+        named: dict[str, EngineArgValue] = {
+            "model": self.model,
+            "served-model-name": self.served_model_name,
+            "max-model-len": self.max_model_len,
+            "max-num-seqs": self.max_num_seqs,
+            "dtype": self.dtype,
+            "enforce-eager": self.enforce_eager,
+            "kv-cache-memory-bytes": self.kv_cache_memory_bytes,
+            "seed": self.seed,
+            "enable-auto-tool-choice": self.enable_auto_tool_choice and self.tool_call_parser is not None,
+        }
+        if self.tool_call_parser is not None:
+            named["tool-call-parser"] = self.tool_call_parser
+            named["tool-strict-level"] = self.tool_strict_level
+        named.update({k.replace("_", "-"): v for k, v in self.extra_args.items()})
+        args: list[str] = []
+        for flag, value in named.items():
+            if isinstance(value, bool):
+                if value:
+                    args.append(f"--{flag}")
+            else:
+                args += [f"--{flag}", str(value)]
+        return args
+
+
+class ReplicaDeploymentConfig(BaseModel):
+    """Serve options of the LLM deployment. `max_ongoing_requests` is always explicit: Ray's
+    default of 5 silently queues everything past the fifth stream."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "LLMReplica"
+    num_replicas: int = Field(2, ge=1)
+    max_ongoing_requests: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
+    # How long a stopping replica lets in-flight streams finish before they are aborted.
+    drain_grace_s: float = Field(DEFAULT_DRAIN_GRACE_S, gt=0)
+    num_cpus: float = Field(0.25, ge=0)
+    health_check_period_s: float = Field(5.0, gt=0)
+
+    def serve_options(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "num_replicas": self.num_replicas,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "graceful_shutdown_timeout_s": self.drain_grace_s,
+            "health_check_period_s": self.health_check_period_s,
+            "ray_actor_options": {"num_cpus": self.num_cpus},
+        }
+
+
+class LLMAppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig
+    deployment: ReplicaDeploymentConfig = Field(default_factory=ReplicaDeploymentConfig)

@@ -1,0 +1,59 @@
+"""The LLM replica: a Ray Serve replica running a real vLLM engine behind vLLM's own OpenAI app.
+
+The app is served on the replica's own port by Serve's direct ingress (DESIGN.md §5), so Serve
+still counts every request against `max_ongoing_requests` and autoscaling. Serve's
+`/-/healthz` on that port answers 200 only once the constructor (engine start) has finished and
+`check_health` passes, and 503 while the replica drains. On shutdown Serve drains in-flight
+requests for up to `graceful_shutdown_timeout_s` (the configured `drain_grace_s`), then aborts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.deployment import Application
+
+from services.asgi_call import ResponseStart, stream_asgi
+from services.llm_config import LLMAppConfig
+from services.replica_headers import ReplicaHeadersMiddleware
+from services.vllm_app import build_openai_app, parse_engine_args, start_engine
+
+
+@serve.ingress()
+class LLMReplica:
+    async def __init__(self, config: dict[str, Any]) -> None:
+        self._config = LLMAppConfig.model_validate(config)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._args = parse_engine_args(self._config.engine)
+        self._engine = start_engine(self._args)
+        self._app = await build_openai_app(self._engine, self._args)
+        # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds
+        # it lazily with ours outermost.
+        self._app.middleware_stack = None
+        self._app.add_middleware(ReplicaHeadersMiddleware, replica_id=self.replica_id, echo_request_id=False)
+        self._handle_app = ReplicaHeadersMiddleware(self._app, self.replica_id, echo_request_id=True)
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        return self._app
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    async def stream(
+        self, method: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[ResponseStart | bytes]:
+        """The HTTP request run through the same app in-process (for DeploymentHandle callers)."""
+        async for item in stream_asgi(self._handle_app, method, path, body, headers):
+            yield item
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def llm_application(config: LLMAppConfig) -> Application:
+    deployment = serve.deployment(LLMReplica).options(**config.deployment.serve_options())
+    return deployment.bind(config.model_dump())

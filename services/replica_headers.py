@@ -1,0 +1,62 @@
+"""ASGI middleware: stamp every response with the serving replica and the request id.
+
+Pure ASGI (not Starlette's BaseHTTPMiddleware) so SSE chunks pass through unbuffered and a client
+disconnect still reaches vLLM, which then aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from sluice.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_REQUEST_ID = REQUEST_ID_HEADER.encode()
+_REPLICA = REPLICA_HEADER.encode()
+MAX_REQUEST_ID_LEN = 128
+
+
+def _valid_request_id(raw: bytes) -> bool:
+    return 0 < len(raw) <= MAX_REQUEST_ID_LEN and all(0x21 <= b <= 0x7E for b in raw)
+
+
+class ReplicaHeadersMiddleware:
+    """Give the request an `x-request-id` (the client's, or a new one when absent or malformed) and
+    stamp the response with `x-serve-replica`.
+
+    `echo_request_id` also writes `x-request-id` on the response. Serve's direct ingress already
+    echoes it on the HTTP path (it would appear twice), so only the in-process handle path sets it.
+    """
+
+    def __init__(self, app: ASGIApp, replica_id: str, echo_request_id: bool) -> None:
+        self.app = app
+        self.replica_id = replica_id.encode()
+        self.echo_request_id = echo_request_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != _REQUEST_ID]
+        sent = [v for k, v in scope["headers"] if k.lower() == _REQUEST_ID]
+        request_id = sent[0] if sent and _valid_request_id(sent[0]) else uuid.uuid4().hex.encode()
+        scope["headers"] = [*headers, (_REQUEST_ID, request_id)]
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                stamped = (_REQUEST_ID, _REPLICA) if self.echo_request_id else (_REPLICA,)
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in stamped]
+                kept.append((_REPLICA, self.replica_id))
+                if self.echo_request_id:
+                    kept.append((_REQUEST_ID, request_id))
+                message["headers"] = kept
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

@@ -1,0 +1,52 @@
+"""The one place sluice touches Ray Serve private APIs (Ray 2.60): a Ray upgrade edits this file.
+
+Replica endpoint discovery asks the Serve controller for the direct-ingress target groups of an
+application. The controller lists only RUNNING replicas whose port is allocated, so a stopping
+replica disappears at once and a replaced replica shows up with its new port.
+"""
+
+from __future__ import annotations
+
+import ray
+from pydantic import BaseModel, ConfigDict
+from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX, ReplicaID, RequestProtocol
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+
+class ReplicaEndpoint(BaseModel):
+    """Where one live replica serves HTTP, keyed by its Serve replica id."""
+
+    model_config = ConfigDict(frozen=True)
+
+    replica_id: str
+    deployment: str
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+async def list_replica_endpoints(app_name: str) -> list[ReplicaEndpoint]:
+    """Endpoints of the running replicas of `app_name`'s ingress deployment, sorted by id."""
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    groups = await controller.get_target_groups.remote(app_name, True)
+    endpoints = []
+    for group in groups:
+        if group.protocol != RequestProtocol.HTTP or group.app_name != app_name:
+            continue
+        for target in group.targets:
+            # With no running replica the controller lists Serve's proxies instead: skip those.
+            if not target.name.startswith(REPLICA_ID_FULL_ID_STR_PREFIX):
+                continue
+            replica = ReplicaID.from_full_id_str(target.name)
+            endpoints.append(
+                ReplicaEndpoint(
+                    replica_id=replica.unique_id,
+                    deployment=replica.deployment_id.name,
+                    host=target.ip,
+                    port=target.port,
+                )
+            )
+    return sorted(endpoints, key=lambda e: e.replica_id)

@@ -1,0 +1,50 @@
+"""Start and stop the embedded local Ray cluster and Serve, on loopback only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from sluice.runtime import DEFAULT_SERVE_PROXY_PORT, LOOPBACK, apply_process_env, ray_temp_dir
+
+
+def start_local_cluster(serve_proxy_port: int = DEFAULT_SERVE_PROXY_PORT, num_cpus: int | None = None) -> None:
+    """A fresh local Ray (127.0.0.1, no dashboard) with Serve; replicas bind `LOOPBACK`."""
+    env = apply_process_env()
+    import ray
+    from ray import serve
+
+    ray_temp_dir().mkdir(parents=True, exist_ok=True)
+    ray.init(
+        address="local",
+        _node_ip_address=LOOPBACK,
+        include_dashboard=False,
+        _temp_dir=str(ray_temp_dir()),
+        num_cpus=num_cpus,
+        runtime_env={"env_vars": env},
+        log_to_driver=True,
+    )
+    serve.start(http_options={"host": LOOPBACK, "port": serve_proxy_port})
+
+
+def stop_local_cluster() -> None:
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+def wait_for_endpoints(app_name: str, count: int, timeout_s: float = 180.0) -> list:
+    """Block until `app_name` has exactly `count` live replica endpoints; return them."""
+    from services.serve_internals import list_replica_endpoints
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        endpoints = asyncio.run(list_replica_endpoints(app_name))
+        if len(endpoints) == count:
+            return endpoints
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{app_name}: {len(endpoints)} endpoints after {timeout_s}s, wanted {count}")
+        time.sleep(0.5)

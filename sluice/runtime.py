@@ -1,0 +1,63 @@
+"""Process environment for Ray, Serve and vLLM: loopback only, offline, every cache in one folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+# Serve's head proxy also serves the app; it must stay off HAProxy's port (8000).
+DEFAULT_SERVE_PROXY_PORT = 8100
+# Serve keeps a stopping replica reachable this long so load balancers can deregister it
+# (Ray's default is 30 s); sluice's syncer drops a stopping replica at once.
+DIRECT_INGRESS_MIN_DRAINING_PERIOD_S = 1.0
+
+
+def cache_dir() -> Path:
+    """The one folder for every cache: `SLUICE_CACHE_DIR`, else `.cache/` in the work tree."""
+    return Path(os.environ.get("SLUICE_CACHE_DIR", REPO_ROOT / ".cache")).resolve()
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / "sluice-tiny"
+
+
+def ray_temp_dir() -> Path:
+    # Ray's unix socket paths must stay under 107 bytes: keep this short.
+    return cache_dir() / "ray"
+
+
+def process_env() -> dict[str, str]:
+    """Variables every Ray worker and vLLM engine of sluice runs with."""
+    root = cache_dir()
+    return {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_ENABLE_HA_PROXY": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DIRECT_INGRESS_MIN_DRAINING_PERIOD_S),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "VLLM_HOST_IP": LOOPBACK,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CACHE_ROOT": str(root / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "torchinductor"),
+        "TRITON_CACHE_DIR": str(root / "triton"),
+        "HF_HOME": str(root / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def apply_process_env() -> dict[str, str]:
+    """Set `process_env()` on this process (before Ray or vLLM is imported) and return it."""
+    env = process_env()
+    os.environ.update(env)
+    for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME"):
+        Path(env[key]).mkdir(parents=True, exist_ok=True)
+    return env

@@ -1,0 +1,53 @@
+import pytest
+from pydantic import ValidationError
+
+from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
+from services.vllm_app import parse_engine_args
+
+
+def test_cli_args_render_named_and_extra_flags() -> None:
+    config = EngineConfig(model="/m", max_model_len=512, extra_args={"max_num_batched_tokens": 4096})
+    args = config.cli_args()
+    assert args[args.index("--model") + 1] == "/m"
+    assert args[args.index("--max-model-len") + 1] == "512"
+    assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
+    assert "--enforce-eager" in args
+    assert args[args.index("--tool-call-parser") + 1] == "hermes"
+
+
+def test_false_flags_are_omitted() -> None:
+    args = EngineConfig(model="/m", enforce_eager=False, tool_call_parser=None).cli_args()
+    assert "--enforce-eager" not in args
+    assert "--tool-call-parser" not in args
+    assert "--enable-auto-tool-choice" not in args
+
+
+def test_vllm_parser_accepts_the_settings() -> None:
+    args = parse_engine_args(EngineConfig(model="/m", kv_cache_memory_bytes=1 << 26))
+    assert args.model == "/m"
+    assert args.kv_cache_memory_bytes == 1 << 26
+    assert args.enforce_eager is True
+    assert args.tool_call_parser == "hermes"
+
+
+def test_vllm_rejects_an_unknown_engine_flag() -> None:
+    with pytest.raises(SystemExit):
+        parse_engine_args(EngineConfig(model="/m", extra_args={"no_such_flag": 1}))
+
+
+def test_bad_values_are_refused() -> None:
+    with pytest.raises(ValidationError):
+        EngineConfig(model="/m", max_model_len=0)
+    with pytest.raises(ValidationError):
+        EngineConfig(model="/m", extra_args={"model; rm -rf": 1})
+    with pytest.raises(ValidationError):
+        ReplicaDeploymentConfig(max_ongoing_requests=0)
+    with pytest.raises(ValidationError):
+        LLMAppConfig.model_validate({"engine": {"model": "/m", "typo_field": 1}})
+
+
+def test_serve_options_set_max_ongoing_requests_explicitly() -> None:
+    options = ReplicaDeploymentConfig(num_replicas=3, max_ongoing_requests=17, drain_grace_s=7).serve_options()
+    assert options["max_ongoing_requests"] == 17
+    assert options["num_replicas"] == 3
+    assert options["graceful_shutdown_timeout_s"] == 7

@@ -1,0 +1,48 @@
+import subprocess
+import sys
+from pathlib import Path
+
+from sluice.tiny_model import EOS_TOKEN, HIDDEN_SIZE, NUM_LAYERS, VOCAB_SIZE
+
+
+def _build(out: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "model", "build", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_two_builds_are_byte_identical(tmp_path: Path) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    _build(first)
+    _build(second)
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in second.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(names)
+    for name in names:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+
+
+def test_transformers_loads_it_offline(tiny_model_dir: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    assert model.config.hidden_size == HIDDEN_SIZE
+    assert model.config.num_hidden_layers == NUM_LAYERS
+    assert len(tokenizer) == VOCAB_SIZE
+    assert tokenizer.eos_token == EOS_TOKEN
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert tokenizer.decode(ids[0]) == prompt
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 4
