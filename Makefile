@@ -30,6 +30,9 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest -v tests/unit
 
+bench: $(STAMP)
+	$(VENV)/bin/sluice bench replica
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 

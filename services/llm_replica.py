@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
-from ray.serve.deployment import Application
+from ray.serve.deployment import Application, Deployment
 
 from services.asgi_call import ResponseStart, stream_asgi
 from services.llm_config import LLMAppConfig
@@ -54,6 +54,9 @@ class LLMReplica:
             engine.shutdown()
 
 
+def llm_deployment(config: LLMAppConfig) -> Deployment:
+    return serve.deployment(LLMReplica).options(**config.deployment.serve_options())
+
+
 def llm_application(config: LLMAppConfig) -> Application:
-    deployment = serve.deployment(LLMReplica).options(**config.deployment.serve_options())
-    return deployment.bind(config.model_dump())
+    return llm_deployment(config).bind(config.model_dump())

@@ -1,4 +1,4 @@
-"""The one place sluice touches Ray Serve private APIs (Ray 2.60): a Ray upgrade edits this file.
+"""The one place sluice touches Ray and Ray Serve private APIs (Ray 2.60): a Ray upgrade edits this file.
 
 Replica endpoint discovery asks the Serve controller for the direct-ingress target groups of an
 application. The controller lists only RUNNING replicas whose port is allocated, so a stopping
@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import ray
 from pydantic import BaseModel, ConfigDict
+from ray._private import ray_constants
 from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX, ReplicaID, RequestProtocol
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+
+def ray_resolves_node_ip_to_loopback() -> bool:
+    """Whether this process's Ray keeps a node on 127.0.0.1. Ray reads
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` once, at import: set to 0 any later and Ray silently
+    swaps 127.0.0.1 for the machine's address and listens on every interface."""
+    return not ray_constants.ENABLE_RAY_CLUSTER
 
 
 class ReplicaEndpoint(BaseModel):

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from sluice.runtime import DEFAULT_SERVE_PROXY_PORT, default_model_dir
+from sluice.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir
 
 EMBEDDED_APP_NAME = "llm"
 
@@ -61,6 +61,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_replica(args: argparse.Namespace) -> int:
+    from sluice.bench import run_replica_bench
+
+    run_replica_bench(ensure_model(Path(args.model)), replicas=args.replicas)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -76,10 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int, default=2)
     serve.add_argument("--serve-proxy-port", type=int, default=DEFAULT_SERVE_PROXY_PORT)
     serve.set_defaults(func=_serve)
+
+    bench = commands.add_parser("bench", help="benchmarks (not tests)")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    replica = bench_commands.add_parser("replica", help="startup, memory, TTFT and tokens/s of the replicas")
+    replica.add_argument("--model", default=str(default_model_dir()))
+    replica.add_argument("--replicas", type=int, default=2)
+    replica.set_defaults(func=_bench_replica)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_process_env()
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -14,6 +14,14 @@ def start_local_cluster(serve_proxy_port: int = DEFAULT_SERVE_PROXY_PORT, num_cp
     import ray
     from ray import serve
 
+    from services.serve_internals import ray_resolves_node_ip_to_loopback
+
+    if not ray_resolves_node_ip_to_loopback():
+        raise RuntimeError(
+            "Ray was imported before sluice.runtime.apply_process_env(); it would bind the machine's "
+            "address instead of 127.0.0.1. Call apply_process_env() before importing ray."
+        )
+
     ray_temp_dir().mkdir(parents=True, exist_ok=True)
     ray.init(
         address="local",

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from sluice.runtime import apply_process_env
 
-import pytest
+# Before anything imports ray: Ray reads its loopback switch once, at import.
+apply_process_env()
 
-from sluice.cli import ensure_model
-from sluice.runtime import default_model_dir
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from sluice.cli import ensure_model  # noqa: E402
+from sluice.runtime import default_model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -51,3 +51,17 @@ def test_serve_options_set_max_ongoing_requests_explicitly() -> None:
     assert options["max_ongoing_requests"] == 17
     assert options["num_replicas"] == 3
     assert options["graceful_shutdown_timeout_s"] == 7
+
+
+def test_the_serve_deployment_carries_the_options() -> None:
+    from services.llm_replica import llm_deployment
+
+    deployment = llm_deployment(
+        LLMAppConfig(
+            engine=EngineConfig(model="/m"),
+            deployment=ReplicaDeploymentConfig(num_replicas=3, max_ongoing_requests=17, drain_grace_s=7),
+        )
+    )
+    assert deployment.max_ongoing_requests == 17
+    assert deployment.num_replicas == 3
+    assert deployment.name == "LLMReplica"

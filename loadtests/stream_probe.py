@@ -1,0 +1,87 @@
+"""Measure TTFT and token throughput of SSE completions against one or more base URLs (HTTP only).
+
+Each line is stamped with `time.perf_counter()` as it arrives, before parsing (DESIGN.md §5), and
+the request asks for `Accept-Encoding: identity` so nothing buffers the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+from pydantic import BaseModel
+
+
+class StreamResult(BaseModel):
+    ttft_s: float
+    total_s: float
+    completion_tokens: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_s = self.total_s - self.ttft_s
+        return (self.completion_tokens - 1) / decode_s if decode_s > 0 else 0.0
+
+
+class ProbeReport(BaseModel):
+    streams: int
+    max_tokens: int
+    wall_s: float
+    ttft_p50_ms: float
+    ttft_max_ms: float
+    per_stream_tokens_per_s: float
+    aggregate_tokens_per_s: float
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> StreamResult:
+    body = {
+        "model": model,
+        "prompt": "ka lo mi ne ru",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first_token_at: float | None = None
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            now = time.perf_counter()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk["choices"] and chunk["choices"][0]["text"] and first_token_at is None:
+                first_token_at = now
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    if first_token_at is None:
+        raise RuntimeError(f"{url}: stream carried no tokens")
+    return StreamResult(ttft_s=first_token_at - start, total_s=end - start, completion_tokens=tokens)
+
+
+async def probe(urls: list[str], model: str, streams: int, max_tokens: int, timeout_s: float = 300) -> ProbeReport:
+    """Run `streams` concurrent streams spread round-robin over `urls` and summarise them."""
+    limits = httpx.Limits(max_connections=streams)
+    headers = {"accept-encoding": "identity"}
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(one_stream(client, urls[i % len(urls)], model, max_tokens) for i in range(streams))
+        )
+        wall = time.perf_counter() - start
+    ttfts = [r.ttft_s * 1000 for r in results]
+    return ProbeReport(
+        streams=streams,
+        max_tokens=max_tokens,
+        wall_s=wall,
+        ttft_p50_ms=statistics.median(ttfts),
+        ttft_max_ms=max(ttfts),
+        per_stream_tokens_per_s=statistics.mean(r.decode_tokens_per_s for r in results),
+        aggregate_tokens_per_s=sum(r.completion_tokens for r in results) / wall,
+    )

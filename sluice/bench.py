@@ -1,0 +1,67 @@
+"""`sluice bench replica`: startup time, memory and streaming speed of the tiny-model replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import psutil
+
+from loadtests.stream_probe import probe
+
+BENCH_APP = "bench"
+
+
+def replica_memory_mib(app: str) -> list[tuple[float, float]]:
+    """(RSS, unique set size) in MiB per replica, its vLLM engine child processes included."""
+    sizes = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if not cmdline.startswith(f"ray::ServeReplica:{app}:"):
+            continue
+        tree = [process, *process.children(recursive=True)]
+        infos = [p.memory_full_info() for p in tree]
+        sizes.append((sum(i.rss for i in infos) / 2**20, sum(i.uss for i in infos) / 2**20))
+    return sizes
+
+
+def run_replica_bench(model: Path, replicas: int = 2) -> None:
+    from ray import serve
+
+    from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
+    from services.llm_replica import llm_application
+    from sluice.cluster import start_local_cluster, stop_local_cluster, wait_for_endpoints
+
+    started = time.monotonic()
+    start_local_cluster()
+    ray_ready = time.monotonic() - started
+    try:
+        config = LLMAppConfig(
+            engine=EngineConfig(model=str(model)),
+            deployment=ReplicaDeploymentConfig(num_replicas=replicas, max_ongoing_requests=64),
+        )
+        deploy_started = time.monotonic()
+        serve.run(llm_application(config), name=BENCH_APP, route_prefix="/", blocking=False)
+        endpoints = wait_for_endpoints(BENCH_APP, replicas)
+        deploy_s = time.monotonic() - deploy_started
+        urls = [e.url for e in endpoints]
+        name = config.engine.served_model_name
+        asyncio.run(probe(urls[:1], name, streams=2, max_tokens=16))
+        print(f"ray+serve start: {ray_ready:.1f} s; deploy-to-ready of {replicas} replicas: {deploy_s:.1f} s")
+        for rss, uss in replica_memory_mib(BENCH_APP):
+            print(f"replica memory: RSS {rss:.0f} MiB, unique {uss:.0f} MiB (replica + engine process)")
+        print(f"{'case':<34}{'TTFT p50 ms':>12}{'TTFT max ms':>12}{'tok/s/stream':>14}{'tok/s total':>12}")
+        cases = [
+            ("1 stream x128, one replica", urls[:1], 1),
+            ("16 streams x128, one replica", urls[:1], 16),
+            (f"16 streams x128, {replicas} replicas", urls, 16),
+        ]
+        for label, targets, streams in cases:
+            report = asyncio.run(probe(targets, name, streams=streams, max_tokens=128))
+            print(
+                f"{label:<34}{report.ttft_p50_ms:>12.1f}{report.ttft_max_ms:>12.1f}"
+                f"{report.per_stream_tokens_per_s:>14.0f}{report.aggregate_tokens_per_s:>12.0f}"
+            )
+    finally:
+        stop_local_cluster()

@@ -1,0 +1,66 @@
+"""One local Ray + Serve with two tiny-model replicas for the whole integration session."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
+from services.serve_internals import ReplicaEndpoint
+from sluice.cluster import start_local_cluster, stop_local_cluster, wait_for_endpoints
+
+LLM_APP = "llm"
+
+
+@dataclass
+class LLMCluster:
+    app: str
+    config: LLMAppConfig
+    endpoints: list[ReplicaEndpoint]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _assert_no_process_left(timeout_s: float = 20.0) -> None:
+    """Every Ray worker and vLLM engine this session started must be gone after shutdown."""
+    deadline = time.monotonic() + timeout_s
+    while (left := psutil.Process().children(recursive=True)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for process in left:
+        process.kill()
+    assert not left, f"processes left behind: {[p.pid for p in left]}"
+
+
+def deploy_llm_app(
+    name: str, model: Path, deployment: ReplicaDeploymentConfig, route_prefix: str = "/"
+) -> LLMAppConfig:
+    """Deploy an LLM app; its replicas serve `route_prefix` + vLLM's paths on their own ports."""
+    from ray import serve
+
+    from services.llm_replica import llm_application
+
+    config = LLMAppConfig(engine=EngineConfig(model=str(model)), deployment=deployment)
+    serve.run(llm_application(config), name=name, route_prefix=route_prefix, blocking=False)
+    return config
+
+
+@pytest.fixture(scope="session")
+def llm_cluster(tiny_model_dir: Path) -> Iterator[LLMCluster]:
+    start_local_cluster(serve_proxy_port=free_port())
+    try:
+        config = deploy_llm_app(LLM_APP, tiny_model_dir, ReplicaDeploymentConfig(num_replicas=2))
+        endpoints = wait_for_endpoints(LLM_APP, 2, timeout_s=300)
+        yield LLMCluster(app=LLM_APP, config=config, endpoints=endpoints)
+    finally:
+        stop_local_cluster()
+        _assert_no_process_left()

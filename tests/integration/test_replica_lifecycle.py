@@ -1,0 +1,103 @@
+"""Replica lifecycle: a replaced replica's new port replaces the old one; a stopping replica drains."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from services.llm_config import ReplicaDeploymentConfig
+from services.serve_internals import list_replica_endpoints
+from sluice.cluster import wait_for_endpoints
+from tests.integration.conftest import LLMCluster, deploy_llm_app
+from tests.integration.sse import chunks
+
+pytestmark = pytest.mark.integration
+
+APP = "lifecycle"
+PREFIX = "/lifecycle"
+DRAIN_GRACE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def lifecycle_app(llm_cluster: LLMCluster, tiny_model_dir):
+    deploy_llm_app(
+        APP,
+        tiny_model_dir,
+        ReplicaDeploymentConfig(name="LifecycleReplica", num_replicas=1, drain_grace_s=DRAIN_GRACE_S),
+        route_prefix=PREFIX,
+    )
+    yield wait_for_endpoints(APP, 1, timeout_s=300)[0]
+    if asyncio.run(list_replica_endpoints(APP)):
+        serve.delete(APP)
+
+
+def test_a_replaced_replica_is_discovered_on_its_new_port(lifecycle_app) -> None:
+    old = lifecycle_app
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#LifecycleReplica#{old.replica_id}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 300
+    while True:
+        endpoints = asyncio.run(list_replica_endpoints(APP))
+        if endpoints and endpoints[0].replica_id != old.replica_id:
+            break
+        assert time.monotonic() < deadline, "no replacement replica discovered"
+        time.sleep(0.5)
+    assert [e.replica_id for e in endpoints] != [old.replica_id]
+    new = endpoints[0]
+    response = httpx.get(f"{new.url}{PREFIX}/v1/models")
+    assert response.status_code == 200
+    assert response.headers["x-serve-replica"] == new.replica_id
+
+
+def _healthz(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/-/healthz", timeout=2).status_code
+    except httpx.TransportError:
+        return 0
+
+
+def test_stopping_a_replica_lets_its_stream_finish(lifecycle_app) -> None:
+    endpoint = asyncio.run(list_replica_endpoints(APP))[0]
+    max_tokens = 1000
+    body = {"model": "sluice-tiny", "prompt": "drain", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    result: dict = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{endpoint.url}{PREFIX}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            result["started"] = time.monotonic()
+            started.set()
+            payloads = [first[len("data: ") :]] + [
+                line[len("data: ") :] for line in lines if line.startswith("data: ")
+            ]
+            result["parsed"] = chunks(payloads)
+            result["finished"] = time.monotonic()
+
+    started = threading.Event()
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    serve.delete(APP, _blocking=False)
+    while _healthz(endpoint.url) == 200:
+        assert reader.is_alive(), "the stream ended before the replica began to drain: nothing was tested"
+        time.sleep(0.05)
+    draining_seen = time.monotonic()
+    reader.join(DRAIN_GRACE_S + 10)
+    assert not reader.is_alive()
+    parsed = result["parsed"]
+    assert parsed[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["text"] for c in parsed)
+    assert text, "the stream must carry tokens to its end"
+    assert draining_seen < result["finished"], "the replica must drain while the stream runs"
+    assert result["finished"] - result["started"] < DRAIN_GRACE_S
+    deadline = time.monotonic() + 60
+    while asyncio.run(list_replica_endpoints(APP)):
+        assert time.monotonic() < deadline, "the stopped replica's endpoint is still listed"
+        time.sleep(0.5)
