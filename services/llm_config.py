@@ -6,10 +6,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from services.serve_internals import SERVE_SHUTDOWN_BUFFER_S
 from sluice.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS
+from sluice.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
 from sluice.tiny_model import SERVED_MODEL_NAME
 
 EngineArgValue = str | int | float | bool
+# Serve would silently raise a shorter grace period to this; refuse it instead.
+MIN_DRAIN_GRACE_S = DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + SERVE_SHUTDOWN_BUFFER_S
 
 
 class EngineConfig(BaseModel):
@@ -80,8 +84,10 @@ class ReplicaDeploymentConfig(BaseModel):
     name: str = "LLMReplica"
     num_replicas: int = Field(2, ge=1)
     max_ongoing_requests: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
-    # How long a stopping replica lets in-flight streams finish before they are aborted.
-    drain_grace_s: float = Field(DEFAULT_DRAIN_GRACE_S, gt=0)
+    # How long a stopping replica lets in-flight streams finish before Serve kills it (aborting them).
+    drain_grace_s: float = Field(DEFAULT_DRAIN_GRACE_S, ge=MIN_DRAIN_GRACE_S)
+    # How often a draining replica re-counts its in-flight requests (Ray's default is 2 s).
+    drain_poll_s: float = Field(0.25, gt=0)
     num_cpus: float = Field(0.25, ge=0)
     health_check_period_s: float = Field(5.0, gt=0)
 
@@ -91,6 +97,7 @@ class ReplicaDeploymentConfig(BaseModel):
             "num_replicas": self.num_replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
             "graceful_shutdown_timeout_s": self.drain_grace_s,
+            "graceful_shutdown_wait_loop_s": self.drain_poll_s,
             "health_check_period_s": self.health_check_period_s,
             "ray_actor_options": {"num_cpus": self.num_cpus},
         }

@@ -11,7 +11,15 @@ import ray
 from pydantic import BaseModel, ConfigDict
 from ray._private import ray_constants
 from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX, ReplicaID, RequestProtocol
-from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve._private.constants import (
+    RAY_SERVE_DIRECT_INGRESS_SHUTDOWN_BUFFER_S,
+    SERVE_CONTROLLER_NAME,
+    SERVE_NAMESPACE,
+)
+
+# Serve raises a direct-ingress deployment's graceful_shutdown_timeout_s to at least its minimum
+# draining period plus this buffer, then force-kills the replica at that deadline.
+SERVE_SHUTDOWN_BUFFER_S = float(RAY_SERVE_DIRECT_INGRESS_SHUTDOWN_BUFFER_S)
 
 
 def ray_resolves_node_ip_to_loopback() -> bool:
@@ -39,7 +47,13 @@ class ReplicaEndpoint(BaseModel):
 async def list_replica_endpoints(app_name: str) -> list[ReplicaEndpoint]:
     """Endpoints of the running replicas of `app_name`'s ingress deployment, sorted by id."""
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    groups = await controller.get_target_groups.remote(app_name, True)
+    try:
+        groups = await controller.get_target_groups.remote(app_name, True)
+    except ray.exceptions.RayTaskError as error:
+        # The controller raises KeyError for an app that does not exist (or is being deleted).
+        if isinstance(error.cause, KeyError):
+            return []
+        raise
     endpoints = []
     for group in groups:
         if group.protocol != RequestProtocol.HTTP or group.app_name != app_name:

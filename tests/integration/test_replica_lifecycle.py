@@ -11,7 +11,7 @@ import pytest
 import ray
 from ray import serve
 
-from services.llm_config import ReplicaDeploymentConfig
+from services.llm_config import MIN_DRAIN_GRACE_S, ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints
 from sluice.cluster import wait_for_endpoints
 from tests.integration.conftest import LLMCluster, deploy_llm_app
@@ -101,3 +101,45 @@ def test_stopping_a_replica_lets_its_stream_finish(lifecycle_app) -> None:
     while asyncio.run(list_replica_endpoints(APP)):
         assert time.monotonic() < deadline, "the stopped replica's endpoint is still listed"
         time.sleep(0.5)
+
+
+async def _stream_until_cut(client: httpx.AsyncClient, url: str, body: dict, first: asyncio.Event) -> list[str]:
+    payloads: list[str] = []
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    payloads.append(line[len("data: ") :])
+                    first.set()
+    except httpx.TransportError:
+        pass
+    return payloads
+
+
+async def _cut_streams(url: str, app: str, streams: int, max_tokens: int) -> tuple[list[list[str]], float]:
+    body = {"model": "sluice-tiny", "prompt": "cut", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    started = [asyncio.Event() for _ in range(streams)]
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=streams)) as client:
+        tasks = [asyncio.create_task(_stream_until_cut(client, url, body, event)) for event in started]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+        await asyncio.to_thread(serve.delete, app, False)
+        deleted = time.monotonic()
+        results = await asyncio.gather(*tasks)
+    return results, time.monotonic() - deleted
+
+
+def test_streams_outlasting_the_grace_period_are_aborted(llm_cluster: LLMCluster, tiny_model_dir) -> None:
+    app, grace_s = "lifecycle-abort", MIN_DRAIN_GRACE_S
+    deploy_llm_app(
+        app,
+        tiny_model_dir,
+        ReplicaDeploymentConfig(name="AbortReplica", num_replicas=1, max_ongoing_requests=64, drain_grace_s=grace_s),
+        route_prefix="/abort",
+    )
+    endpoint = wait_for_endpoints(app, 1, timeout_s=300)[0]
+    # 32 x 1,000 tokens keep one tiny-model replica busy well past the grace period on 2 cores.
+    results, cut_after = asyncio.run(_cut_streams(f"{endpoint.url}/abort/v1/completions", app, 32, 1000))
+    finished = [r for r in results if r and r[-1] == "[DONE]"]
+    assert not finished, f"{len(finished)} streams finished; none should outlast the grace period"
+    assert all(r for r in results), "every stream was running when the replica began to drain"
+    assert grace_s - 1 < cut_after < grace_s + 10
