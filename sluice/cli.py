@@ -68,6 +68,13 @@ def _bench_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_routers(args: argparse.Namespace) -> int:
+    from sluice.bench_routers import run_router_bench
+
+    run_router_bench(with_actor=not args.no_actor)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     replica.add_argument("--model", default=str(default_model_dir()))
     replica.add_argument("--replicas", type=int, default=2)
     replica.set_defaults(func=_bench_replica)
+    routers = bench_commands.add_parser("routers", help="policy decision time, ring rebuild, ledger round trip")
+    routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
+    routers.set_defaults(func=_bench_routers)
     return parser
 
 

@@ -55,12 +55,18 @@ def deploy_llm_app(
 
 
 @pytest.fixture(scope="session")
-def llm_cluster(tiny_model_dir: Path) -> Iterator[LLMCluster]:
+def ray_cluster() -> Iterator[None]:
+    """A local Ray + Serve on 127.0.0.1; at the end, no process it started may survive."""
     start_local_cluster(serve_proxy_port=free_port())
     try:
-        config = deploy_llm_app(LLM_APP, tiny_model_dir, ReplicaDeploymentConfig(num_replicas=2))
-        endpoints = wait_for_endpoints(LLM_APP, 2, timeout_s=300)
-        yield LLMCluster(app=LLM_APP, config=config, endpoints=endpoints)
+        yield
     finally:
         stop_local_cluster()
         _assert_no_process_left()
+
+
+@pytest.fixture(scope="session")
+def llm_cluster(ray_cluster: None, tiny_model_dir: Path) -> LLMCluster:
+    config = deploy_llm_app(LLM_APP, tiny_model_dir, ReplicaDeploymentConfig(num_replicas=2))
+    endpoints = wait_for_endpoints(LLM_APP, 2, timeout_s=300)
+    return LLMCluster(app=LLM_APP, config=config, endpoints=endpoints)

@@ -1,0 +1,255 @@
+"""CapacityLedger: one central count of in-flight requests per replica against its capacity. No Ray import.
+
+Algorithm. The ledger knows each replica's capacity (Serve's `max_ongoing_requests`, pushed with
+`set_replicas`) and holds one token per admitted request. `acquire` grants a token on the
+least-loaded replica among the candidates that still has room (lowest in_flight / capacity; ties
+are broken at random so equal replicas share the load). When none has room the caller may wait:
+waiters queue FIFO, and every event that frees a slot (a release, a reap, new capacity from
+`set_replicas`) hands the slot straight to the oldest waiter that can use it. The hand-off is
+synchronous, so a slot never sits free while a waiter could take it and a new request cannot
+overtake one that queued earlier. (An `asyncio.Condition` would need its lock, which the
+synchronous `release`/`reap` cannot take, and `notify_all` would wake every waiter per slot.)
+Each operation is O(candidates); freeing a slot also scans the waiter queue only until the slot
+is handed out (the whole queue only when no waiter wants the replica that has room).
+
+Exactly-once release. `release(token_id)` returns True only the first time. A second release of
+the same token is a counted no-op (`double_releases`); a token this ledger never issued (one from
+before a restart) is a counted no-op (`unknown_releases`); releasing a token the reaper already
+took back is a counted no-op (`late_releases`, a hint that `token_ttl_s` is too short). To tell
+these apart the ledger remembers the last `RELEASED_MEMORY` finished token ids.
+
+Reaping. A token whose release is lost (its caller crashed) would hold a slot forever; `reap`
+takes back every token older than `token_ttl_s` and counts it (`reaped`). Tokens are kept in
+issue order, so a reap touches only the expired ones plus one.
+
+THE RESTART BOUND. The ledger keeps its state in memory only. After a restart it is empty: it
+knows no replica until `set_replicas` is called again, and it does not know the requests admitted
+before the restart. Until those finish, each replica can be granted up to `capacity` new tokens
+on top of up to `capacity` old requests still running: at most 2 x capacity admitted per replica,
+i.e. at most `capacity` over-admission, for at most the length of the longest old request. Past
+that, Serve's own `max_ongoing_requests` on the replica rejects the excess, so the bound is a
+queueing cost, never an overload of the engine. Releases of the pre-restart tokens reach the new
+ledger as unknown ids and are counted no-ops, so they can never free a slot twice.
+
+Constants:
+- `DEFAULT_TOKEN_TTL_S` = 600 s: far longer than any legitimate request (the longest streams plus
+  the drain grace), so only tokens whose release was lost are reaped; a lost release costs one
+  slot for at most 10 minutes.
+- `RELEASED_MEMORY` = 100,000 ids (~10-20 MB): at 1,000 requests/s it covers the last 100 s, far
+  longer than a retried release can lag behind the first.
+- `DEFAULT_REAP_INTERVAL_S` = 10 s: a reaped slot comes back at most 10 s after its TTL, at the
+  cost of one pass over the expired tokens every 10 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from routers.core import CapacityToken
+
+DEFAULT_TOKEN_TTL_S = 600.0
+RELEASED_MEMORY = 100_000
+DEFAULT_REAP_INTERVAL_S = 10.0
+
+_RELEASED = "released"
+_REAPED = "reaped"
+
+
+class UnknownReplicas(LookupError):
+    """None of the requested replicas is known: the ledger is new (restarted) or the set is stale.
+
+    The caller should push its replica set with `set_replicas` and try again."""
+
+
+@dataclass(slots=True)
+class _Grant:
+    replica_id: str
+    request_id: str
+    issued_at: float
+
+
+@dataclass(slots=True)
+class _Waiter:
+    replica_ids: tuple[str, ...]
+    request_id: str
+    future: asyncio.Future[CapacityToken] = field(repr=False)
+
+
+class CapacityLedger:
+    """In-flight tokens per replica against capacity, for one deployment. Single event loop only."""
+
+    def __init__(
+        self,
+        token_ttl_s: float = DEFAULT_TOKEN_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
+    ) -> None:
+        self.token_ttl_s = token_ttl_s
+        self._clock = clock
+        self._rng = random.Random(seed)
+        self._capacity: dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}
+        # Outstanding tokens in issue order (the clock is monotonic), so reaping stops early.
+        self._grants: dict[str, _Grant] = {}
+        self._finished: OrderedDict[str, str] = OrderedDict()
+        self._waiters: dict[int, _Waiter] = {}
+        self._next_waiter = 0
+        self.granted = 0
+        self.released = 0
+        self.double_releases = 0
+        self.unknown_releases = 0
+        self.late_releases = 0
+        self.reaped = 0
+
+    def set_replicas(self, capacities: dict[str, int]) -> None:
+        """Replace the replica set. Replicas left out get no new tokens; their tokens stay until
+        released or reaped (and still count if the replica comes back)."""
+        self._capacity = {replica_id: max(capacity, 0) for replica_id, capacity in capacities.items()}
+        self._dispatch()
+
+    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float = 0.0) -> CapacityToken | None:
+        """A token on the least-loaded candidate with room; else wait up to `wait_s` for one; else None.
+
+        Raises `UnknownReplicas` when none of the candidates is a current replica."""
+        candidates = tuple(dict.fromkeys(replica_ids))
+        if not any(replica_id in self._capacity for replica_id in candidates):
+            raise UnknownReplicas(f"none of {len(candidates)} replicas is known to the ledger")
+        replica_id = self._pick(candidates)
+        if replica_id is not None:
+            return self._grant(replica_id, request_id)
+        if wait_s <= 0:
+            return None
+        return await self._wait(candidates, request_id, wait_s)
+
+    def release(self, token_id: str) -> bool:
+        """Give back a token: True the first time, a counted no-op (False) after that."""
+        grant = self._grants.pop(token_id, None)
+        if grant is None:
+            earlier = self._finished.get(token_id)
+            if earlier == _RELEASED:
+                self.double_releases += 1
+            elif earlier == _REAPED:
+                self.late_releases += 1
+            else:
+                self.unknown_releases += 1
+            return False
+        self.released += 1
+        self._finish(token_id, grant, _RELEASED)
+        self._dispatch()
+        return True
+
+    def reap(self, now: float | None = None) -> int:
+        """Take back every token older than `token_ttl_s`; return how many."""
+        cutoff = (self._clock() if now is None else now) - self.token_ttl_s
+        expired = []
+        for token_id, grant in self._grants.items():
+            if grant.issued_at >= cutoff:
+                break
+            expired.append(token_id)
+        for token_id in expired:
+            self._finish(token_id, self._grants.pop(token_id), _REAPED)
+        self.reaped += len(expired)
+        if expired:
+            self._dispatch()
+        return len(expired)
+
+    async def run_reaper(self, interval_s: float = DEFAULT_REAP_INTERVAL_S) -> None:
+        """Reap every `interval_s` until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.reap()
+
+    def in_flight(self, replica_id: str) -> int:
+        return self._in_flight.get(replica_id, 0)
+
+    def snapshot(self) -> dict:
+        """Per-replica in_flight/capacity (capacity 0: no longer a replica) and the counters."""
+        replica_ids = list(self._capacity) + [r for r in self._in_flight if r not in self._capacity]
+        return {
+            "replicas": {
+                r: {"in_flight": self.in_flight(r), "capacity": self._capacity.get(r, 0)} for r in replica_ids
+            },
+            "outstanding": len(self._grants),
+            "waiting": len(self._waiters),
+            "granted": self.granted,
+            "released": self.released,
+            "double_releases": self.double_releases,
+            "unknown_releases": self.unknown_releases,
+            "late_releases": self.late_releases,
+            "reaped": self.reaped,
+        }
+
+    def _pick(self, candidates: Iterable[str]) -> str | None:
+        best: list[str] = []
+        best_load = 1.0
+        for replica_id in candidates:
+            capacity = self._capacity.get(replica_id, 0)
+            in_flight = self.in_flight(replica_id)
+            if in_flight >= capacity:
+                continue
+            load = in_flight / capacity
+            if load < best_load:
+                best, best_load = [replica_id], load
+            elif load == best_load:
+                best.append(replica_id)
+        if not best:
+            return None
+        return best[0] if len(best) == 1 else self._rng.choice(best)
+
+    def _grant(self, replica_id: str, request_id: str) -> CapacityToken:
+        token = CapacityToken(token_id=uuid.uuid4().hex, replica_id=replica_id)
+        self._grants[token.token_id] = _Grant(replica_id, request_id, self._clock())
+        self._in_flight[replica_id] = self.in_flight(replica_id) + 1
+        self.granted += 1
+        return token
+
+    def _finish(self, token_id: str, grant: _Grant, how: str) -> None:
+        left = self._in_flight[grant.replica_id] - 1
+        if left or grant.replica_id in self._capacity:
+            self._in_flight[grant.replica_id] = left
+        else:
+            del self._in_flight[grant.replica_id]
+        self._finished[token_id] = how
+        if len(self._finished) > RELEASED_MEMORY:
+            self._finished.popitem(last=False)
+
+    async def _wait(self, candidates: tuple[str, ...], request_id: str, wait_s: float) -> CapacityToken | None:
+        key = self._next_waiter
+        self._next_waiter += 1
+        waiter = _Waiter(candidates, request_id, asyncio.get_running_loop().create_future())
+        self._waiters[key] = waiter
+        try:
+            # shield: a timeout must not cancel the future, which may already hold a token.
+            return await asyncio.wait_for(asyncio.shield(waiter.future), wait_s)
+        except TimeoutError:
+            return waiter.future.result() if waiter.future.done() else None
+        except asyncio.CancelledError:
+            if waiter.future.done():
+                self.release(waiter.future.result().token_id)
+            raise
+        finally:
+            self._waiters.pop(key, None)
+            waiter.future.cancel()
+
+    def _dispatch(self) -> None:
+        """Hand free slots to waiters, oldest first; stop as soon as no replica has room."""
+        open_ids = {r for r, capacity in self._capacity.items() if self.in_flight(r) < capacity}
+        served = []
+        for key, waiter in self._waiters.items():
+            if not open_ids:
+                break
+            if open_ids.isdisjoint(waiter.replica_ids):
+                continue
+            replica_id = self._pick(waiter.replica_ids)
+            waiter.future.set_result(self._grant(replica_id, waiter.request_id))
+            served.append(key)
+            if self.in_flight(replica_id) >= self._capacity[replica_id]:
+                open_ids.discard(replica_id)
+        for key in served:
+            del self._waiters[key]

@@ -1,0 +1,194 @@
+"""The routing core shared by every policy: replica views in, ranked candidates out. No Ray import.
+
+A policy ranks the live replicas for one request: `rank()` returns tiers, primary tier first,
+then fallbacks; the caller tries tiers in order. `decide()` is the full decision: the ranking plus,
+for policies that meter capacity, a token that the caller must release exactly once when the
+request ends. Policies are told about every routed and completed request and every change of the
+replica set, and count *why* each decision went the way it did (see `routers.metrics`).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from routers.metrics import DecisionCounts
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What a policy may know about one replica at decision time."""
+
+    replica_id: str
+    endpoint: str = ""
+    in_flight: int = 0
+    capacity: int = 1
+    model_ids: frozenset[str] = frozenset()
+    healthy: bool = True
+    draining: bool = False
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request to place. `body_prefix` is at most the forwarding buffer; it may be cut."""
+
+    request_id: str
+    session_id: str | None = None
+    model: str | None = None
+    body_prefix: bytes = b""
+    body_truncated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityToken:
+    token_id: str
+    replica_id: str
+
+
+@dataclass(slots=True)
+class Decision:
+    """A ranking and, for capacity-metered policies, the token held on the primary replica."""
+
+    ranking: list[list[ReplicaView]]
+    reason: str
+    token: CapacityToken | None = None
+
+    @property
+    def primary(self) -> ReplicaView | None:
+        return self.ranking[0][0] if self.ranking and self.ranking[0] else None
+
+
+class NoReplicaAvailable(Exception):
+    """No replica can take the request; `reason` is the low-cardinality label reported upstream."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class _Placement:
+    replica_id: str
+    ranked_ids: tuple[str, ...]
+    placed_at: float
+
+
+class InFlightTracker:
+    """Requests this policy placed and not yet saw complete, counted per replica.
+
+    A request is counted on its primary *at decision time*, so a burst of simultaneous decisions
+    sees each earlier one (scraped counts would lag and herd the burst onto one replica). A request
+    whose completion is never reported is forgotten after `forget_after_s`.
+    """
+
+    def __init__(self, forget_after_s: float = 900.0, clock=time.monotonic) -> None:
+        self.forget_after_s = forget_after_s
+        self._clock = clock
+        self._placements: dict[str, _Placement] = {}
+        self._counts: dict[str, int] = {}
+        self._next_prune = 0.0
+
+    def count(self, replica_id: str) -> int:
+        return self._counts.get(replica_id, 0)
+
+    def place(self, request_id: str, ranked_ids: tuple[str, ...]) -> None:
+        now = self._clock()
+        if now >= self._next_prune:
+            self._prune(now)
+        self.finish(request_id)
+        self._placements[request_id] = _Placement(ranked_ids[0], ranked_ids, now)
+        self._counts[ranked_ids[0]] = self._counts.get(ranked_ids[0], 0) + 1
+
+    def move(self, request_id: str, replica_id: str) -> int | None:
+        """Re-count the request on the replica it actually went to; return that replica's rank."""
+        placement = self._placements.get(request_id)
+        if placement is None or placement.replica_id == replica_id:
+            return 0 if placement is not None else None
+        self._counts[placement.replica_id] -= 1
+        self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
+        placement.replica_id = replica_id
+        ranked = placement.ranked_ids
+        return ranked.index(replica_id) if replica_id in ranked else None
+
+    def finish(self, request_id: str) -> None:
+        placement = self._placements.pop(request_id, None)
+        if placement is not None:
+            self._counts[placement.replica_id] -= 1
+
+    def _prune(self, now: float) -> None:
+        self._next_prune = now + 1.0
+        cutoff = now - self.forget_after_s
+        for request_id in [k for k, p in self._placements.items() if p.placed_at < cutoff]:
+            self.finish(request_id)
+
+
+class RoutingPolicy(ABC):
+    """Base of every policy. Subclasses implement `_rank`; the rest has safe defaults.
+
+    `live_in_flight(view)` is what load-aware policies compare: the larger of the count the caller
+    reported in the view and the requests this policy itself placed there and has not seen end.
+    """
+
+    name = "policy"
+    # Whether the same session keeps landing on the same replica while the replica set is stable.
+    sticky = False
+
+    def __init__(self) -> None:
+        self.counts = DecisionCounts(self.name)
+        self.tracker = InFlightTracker()
+        self._replica_ids: frozenset[str] = frozenset()
+
+    def live_in_flight(self, view: ReplicaView) -> int:
+        return max(view.in_flight, self.tracker.count(view.replica_id))
+
+    def rank(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> list[list[ReplicaView]]:
+        """Ranked tiers over the routable replicas; raises `NoReplicaAvailable` when there are none.
+
+        The primary is counted in flight for this request until `on_completed`."""
+        routable = [r for r in replicas if r.routable]
+        if not routable:
+            self.counts.record("no_replica")
+            raise NoReplicaAvailable("no_replica")
+        self._sync_replica_set(routable)
+        ranking, reason = self._rank(routable, request)
+        self.counts.record(reason)
+        self.tracker.place(request.request_id, tuple(r.replica_id for tier in ranking for r in tier))
+        return ranking
+
+    async def decide(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> Decision:
+        """The full decision. Capacity-metered policies override this to take a token."""
+        ranking = self.rank(replicas, request)
+        return Decision(ranking=ranking, reason=self.counts.last_reason)
+
+    async def release(self, token: CapacityToken) -> bool:
+        """Give back a capacity token; policies without tokens have nothing to release."""
+        return False
+
+    def on_routed(self, request: RouteRequest, replica_id: str) -> None:
+        """The request was sent to `replica_id`; count a fallback when it is not the primary."""
+        rank = self.tracker.move(request.request_id, replica_id)
+        if rank:
+            self.counts.record(f"fallback_{rank}")
+
+    def on_completed(self, request_id: str, replica_id: str) -> None:
+        """The request ended (success, error or disconnect)."""
+        self.tracker.finish(request_id)
+
+    def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
+        """The replica set changed; the default keeps nothing per set."""
+
+    def _sync_replica_set(self, routable: Sequence[ReplicaView]) -> None:
+        ids = frozenset(r.replica_id for r in routable)
+        if ids != self._replica_ids:
+            self._replica_ids = ids
+            self.on_replicas_changed(sorted(ids))
+
+    @abstractmethod
+    def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
+        """Rank routable replicas (never empty); return the tiers and the reason label."""

@@ -1,0 +1,107 @@
+"""The production capacity ledger: one named, detached, restartable Ray actor per deployment.
+
+`CapacityLedgerActor` wraps `routers.capacity_ledger.CapacityLedger` in an async actor (one event
+loop, so the ledger's single-loop invariants hold) and runs its reaper from the constructor. Every
+router of the deployment finds it by name (`ledger_actor_name`) in the `sluice` namespace.
+
+Restarts. `max_restarts=-1`: Ray restarts a dead ledger forever; it comes back empty (THE RESTART
+BOUND in `routers.capacity_ledger`: at most 2 x capacity admitted per replica until the
+pre-restart requests finish). `max_task_retries=0`: a call in flight when the actor dies fails
+instead of being replayed on the new ledger, because a replayed acquire would grant a token
+nobody holds and a replayed release would hit an unknown id; the policy counts the failure as a
+ledger fault and retries (or falls back) itself. `num_cpus=0`: the ledger is mostly idle and must
+never wait for a CPU to be scheduled.
+
+Constants:
+- `MAX_CONCURRENCY` = 100,000 concurrent calls (Ray's async default is 1,000): a waiting acquire
+  holds a call slot for up to `WAIT_SLICE_S`, and releases must never queue behind waiters.
+- `DEFAULT_CALL_TIMEOUT_S` = 1 s on top of the call's own wait: a healthy ledger answers in well
+  under a millisecond plus the RPC; past a second it is hung or gone and the call is a fault.
+
+`ActorLedgerClient` is the policy's `LedgerClient` over the actor. When an acquire gives up (call
+timeout or the caller was cancelled) the ledger may still grant it a moment later; the client then
+collects that token in the background and releases it, so a slow ledger never leaks a slot for
+the whole token TTL. A release that times out was still sent and normally lands late; if it never
+does, the reaper takes the token back. While a new or restarted actor's worker starts (about a
+second when restarting), calls time out and count as ledger faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import ray
+from ray.actor import ActorHandle
+
+from routers.capacity_ledger import DEFAULT_REAP_INTERVAL_S, DEFAULT_TOKEN_TTL_S, CapacityLedger
+from routers.core import CapacityToken
+
+LEDGER_NAMESPACE = "sluice"
+MAX_CONCURRENCY = 100_000
+DEFAULT_CALL_TIMEOUT_S = 1.0
+
+
+@ray.remote(max_restarts=-1, max_task_retries=0, num_cpus=0, max_concurrency=MAX_CONCURRENCY)
+class CapacityLedgerActor:
+    def __init__(self, token_ttl_s: float = DEFAULT_TOKEN_TTL_S, reap_interval_s: float = DEFAULT_REAP_INTERVAL_S):
+        self._ledger = CapacityLedger(token_ttl_s=token_ttl_s)
+        self._reaper = asyncio.get_running_loop().create_task(self._ledger.run_reaper(reap_interval_s))
+
+    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float = 0.0) -> CapacityToken | None:
+        return await self._ledger.acquire(replica_ids, request_id, wait_s)
+
+    async def release(self, token_id: str) -> bool:
+        return self._ledger.release(token_id)
+
+    async def set_replicas(self, capacities: dict[str, int]) -> None:
+        self._ledger.set_replicas(capacities)
+
+    async def snapshot(self) -> dict:
+        return self._ledger.snapshot()
+
+    async def reap(self) -> int:
+        return self._ledger.reap()
+
+
+def ledger_actor_name(app: str, deployment: str) -> str:
+    return f"sluice-capacity-ledger:{app}:{deployment}"
+
+
+def get_or_create_ledger(name: str, token_ttl_s: float = DEFAULT_TOKEN_TTL_S) -> ActorHandle:
+    """The deployment's ledger actor, created on first use; it outlives the router that made it."""
+    return CapacityLedgerActor.options(
+        name=name, namespace=LEDGER_NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote(token_ttl_s)
+
+
+class ActorLedgerClient:
+    """A `LedgerClient` over the ledger actor; every call is bounded by its wait plus `call_timeout_s`."""
+
+    def __init__(self, handle: ActorHandle, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+        self.handle = handle
+        self.call_timeout_s = call_timeout_s
+        self._reclaims: set[asyncio.Task] = set()
+
+    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float) -> CapacityToken | None:
+        ref = self.handle.acquire.remote(replica_ids, request_id, wait_s)
+        try:
+            return await asyncio.wait_for(ref, wait_s + self.call_timeout_s)
+        except (TimeoutError, asyncio.CancelledError):
+            task = asyncio.get_running_loop().create_task(self._release_late_grant(ref))
+            self._reclaims.add(task)
+            task.add_done_callback(self._reclaims.discard)
+            raise
+
+    async def release(self, token_id: str) -> bool:
+        return await asyncio.wait_for(self.handle.release.remote(token_id), self.call_timeout_s)
+
+    async def set_replicas(self, capacities: dict[str, int]) -> None:
+        await asyncio.wait_for(self.handle.set_replicas.remote(capacities), self.call_timeout_s)
+
+    async def _release_late_grant(self, ref: ray.ObjectRef) -> None:
+        # An error here means the grant died with the ledger (or the reaper will take it back).
+        with contextlib.suppress(Exception):
+            token = await ref
+            if token is not None:
+                await self.release(token.token_id)

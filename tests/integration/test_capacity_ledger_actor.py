@@ -1,0 +1,170 @@
+"""The ledger actor: grants and releases through ActorLedgerClient, restarts empty after a kill
+(the restart bound holds through the actor), and calls to a dead ledger fail instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Iterator
+
+import pytest
+
+from routers.capacity_ledger import UnknownReplicas
+from routers.capacity_queue import CapacityQueue
+from routers.core import CapacityToken, ReplicaView, RouteRequest
+
+pytestmark = pytest.mark.integration
+
+CAPACITIES = {"a": 2, "b": 3}
+CALL_TIMEOUT_S = 1.0
+# A call may take its wait plus the call timeout, plus scheduling slack on a loaded CI machine.
+SLACK_S = 1.0
+
+
+@pytest.fixture
+def ledger_name(ray_cluster: None) -> Iterator[str]:
+    """A fresh ledger actor's name; the actor is killed for good afterwards."""
+    import ray
+
+    from services.capacity_ledger_actor import get_or_create_ledger
+
+    name = f"test-ledger-{uuid.uuid4().hex[:8]}"
+    handle = get_or_create_ledger(name, token_ttl_s=600.0)
+    snapshot_of(handle)  # started: the first call to a new actor waits for its worker process
+    yield name
+    ray.kill(handle, no_restart=True)
+
+
+def handle_of(name: str):
+    from services.capacity_ledger_actor import get_or_create_ledger
+
+    return get_or_create_ledger(name)
+
+
+def snapshot_of(handle) -> dict:
+    import ray
+
+    return ray.get(handle.snapshot.remote(), timeout=60)
+
+
+async def fill(client, replica_ids: list[str]) -> list[CapacityToken]:
+    tokens = []
+    while (token := await client.acquire(replica_ids, f"req-{len(tokens)}", 0.0)) is not None:
+        tokens.append(token)
+    return tokens
+
+
+async def bounded(call: Awaitable, limit_s: float) -> object:
+    """The call's result or exception; it must end within `limit_s` (a call timeout is a fault)."""
+    task = asyncio.ensure_future(call)
+    done, _ = await asyncio.wait([task], timeout=limit_s)
+    if not done:
+        task.cancel()
+        raise AssertionError(f"the call hung past {limit_s}s")
+    return task.exception() or task.result()
+
+
+def test_actor_grants_waits_and_releases(ledger_name: str) -> None:
+    from services.capacity_ledger_actor import ActorLedgerClient
+
+    async def run() -> str:
+        client = ActorLedgerClient(handle_of(ledger_name), call_timeout_s=CALL_TIMEOUT_S)
+        with pytest.raises(UnknownReplicas):
+            await client.acquire(list(CAPACITIES), "before-set", 0.0)
+        await client.set_replicas(CAPACITIES)
+        tokens = await fill(client, list(CAPACITIES))
+        assert sorted(t.replica_id for t in tokens) == ["a", "a", "b", "b", "b"]
+        waiting = asyncio.create_task(client.acquire(list(CAPACITIES), "waiter", 5.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        assert await client.release(tokens[0].token_id) is True
+        assert await client.release(tokens[0].token_id) is False
+        granted = await asyncio.wait_for(waiting, 2.0)
+        assert granted.replica_id == tokens[0].replica_id
+        policy = CapacityQueue(client, max_wait_s=5.0, seed=0)
+        views = [ReplicaView(replica_id=r, capacity=c) for r, c in CAPACITIES.items()]
+        assert await client.release(granted.token_id) is True
+        decision = await policy.decide(views, RouteRequest(request_id="via-policy"))
+        assert (decision.reason, decision.token.replica_id) == ("acquired", tokens[0].replica_id)
+        assert await policy.release(decision.token) is True
+        return tokens[0].replica_id
+
+    freed = asyncio.run(run())
+    # Another router of the deployment finds the same ledger by name.
+    snapshot = snapshot_of(handle_of(ledger_name))
+    assert snapshot["double_releases"] == 1
+    assert {r: s["in_flight"] for r, s in snapshot["replicas"].items()} == {
+        r: c - (r == freed) for r, c in CAPACITIES.items()
+    }
+
+
+def test_killed_actor_restarts_empty_and_calls_to_it_do_not_hang(ledger_name: str) -> None:
+    import ray
+
+    from services.capacity_ledger_actor import ActorLedgerClient
+
+    handle = handle_of(ledger_name)
+    client = ActorLedgerClient(handle, call_timeout_s=CALL_TIMEOUT_S)
+
+    async def before_kill() -> tuple[list[CapacityToken], asyncio.Task]:
+        await client.set_replicas(CAPACITIES)
+        old = await fill(client, list(CAPACITIES))
+        waiting = asyncio.create_task(client.acquire(list(CAPACITIES), "waiter", 5.0))
+        await asyncio.sleep(0.2)
+        return old, waiting
+
+    async def run() -> int:
+        old, waiting = await before_kill()
+        ray.kill(handle, no_restart=False)
+        # The waiting call was in flight when the ledger died: it fails, it does not hang.
+        outcome = await bounded(waiting, 5.0 + CALL_TIMEOUT_S + SLACK_S)
+        assert isinstance(outcome, Exception)
+        # Calls while the ledger is down or restarting are faults (or already see the new, empty
+        # ledger); none hangs past its wait plus the call timeout.
+        deadline = time.monotonic() + 60.0
+        while True:
+            outcome = await bounded(client.acquire(list(CAPACITIES), "probe", 0.0), CALL_TIMEOUT_S + SLACK_S)
+            assert isinstance(outcome, Exception), f"a restarted ledger knows no replica, got {outcome!r}"
+            if isinstance(outcome, UnknownReplicas):
+                break
+            assert time.monotonic() < deadline, "the ledger did not come back"
+            await asyncio.sleep(0.2)
+        # Restarted empty: after the replica set is pushed again, each replica takes `capacity`
+        # new tokens on top of the `capacity` old requests: at most 2 x capacity admitted.
+        await client.set_replicas(CAPACITIES)
+        new = await fill(client, list(CAPACITIES))
+        for replica_id, capacity in CAPACITIES.items():
+            old_here = sum(t.replica_id == replica_id for t in old)
+            new_here = sum(t.replica_id == replica_id for t in new)
+            assert old_here == new_here == capacity
+        for token in old:
+            assert await client.release(token.token_id) is False
+        return len(old)
+
+    old_count = asyncio.run(run())
+    snapshot = snapshot_of(handle)
+    assert snapshot["unknown_releases"] == old_count
+    assert snapshot["granted"] == sum(CAPACITIES.values())
+    assert {r: s["in_flight"] for r, s in snapshot["replicas"].items()} == CAPACITIES
+
+
+def test_policy_does_not_hang_while_the_ledger_restarts(ledger_name: str) -> None:
+    import ray
+
+    from services.capacity_ledger_actor import ActorLedgerClient
+
+    handle = handle_of(ledger_name)
+
+    async def run() -> None:
+        policy = CapacityQueue(ActorLedgerClient(handle, call_timeout_s=CALL_TIMEOUT_S), seed=0)
+        views = [ReplicaView(replica_id=r, capacity=c) for r, c in CAPACITIES.items()]
+        assert (await policy.decide(views, RouteRequest(request_id="up"))).reason == "acquired"
+        ray.kill(handle, no_restart=False)
+        # Three faults at most (each bounded by the call timeout) and 75 ms of backoff, then fallback.
+        outcome = await bounded(policy.decide(views, RouteRequest(request_id="down")), 3 * (CALL_TIMEOUT_S + 1))
+        assert not isinstance(outcome, Exception), outcome
+        assert outcome.reason in {"acquired", "ledger_fault_fallback"}
+        assert (outcome.token is None) == (outcome.reason == "ledger_fault_fallback")
+
+    asyncio.run(run())

@@ -1,0 +1,369 @@
+"""CapacityLedger and CapacityQueue in-process: capacity never exceeded, exactly-once release,
+reaping, waiting, ledger faults and fallback, and the restart bound."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from routers.capacity_ledger import CapacityLedger, UnknownReplicas
+from routers.capacity_queue import CapacityQueue, LocalLedgerClient
+from routers.core import CapacityToken, NoReplicaAvailable, ReplicaView, RouteRequest
+
+CAPACITIES = {"a": 2, "b": 3, "c": 5}
+
+
+def views(capacities: dict[str, int] = CAPACITIES) -> list[ReplicaView]:
+    return [ReplicaView(replica_id=r, capacity=c) for r, c in capacities.items()]
+
+
+def request(n: int | str) -> RouteRequest:
+    return RouteRequest(request_id=f"req-{n}")
+
+
+def queue(ledger: CapacityLedger, **kwargs) -> CapacityQueue:
+    return CapacityQueue(LocalLedgerClient(ledger), seed=0, **kwargs)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FailingLedger:
+    """A LedgerClient whose acquire raises `failures` times, then grants on the first replica."""
+
+    def __init__(self, failures: int, release_error: bool = False) -> None:
+        self.failures = failures
+        self.release_error = release_error
+        self.acquires = 0
+
+    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float) -> CapacityToken | None:
+        self.acquires += 1
+        if self.acquires <= self.failures:
+            raise ConnectionError("ledger unreachable")
+        return CapacityToken(token_id="t", replica_id=replica_ids[0])
+
+    async def release(self, token_id: str) -> bool:
+        if self.release_error:
+            raise TimeoutError
+        return True
+
+    async def set_replicas(self, capacities: dict[str, int]) -> None:
+        pass
+
+
+def test_concurrent_cycles_never_exceed_capacity_and_release_exactly_once() -> None:
+    ledger = CapacityLedger(seed=1)
+    policy = queue(ledger)
+    rng = random.Random(2)
+    released: list[str] = []
+    peak = {r: 0 for r in CAPACITIES}
+
+    async def cycle(n: int) -> None:
+        decision = await policy.decide(views(), request(n))
+        assert decision.token is not None
+        assert decision.primary.replica_id == decision.token.replica_id
+        for replica_id, capacity in CAPACITIES.items():
+            assert ledger.in_flight(replica_id) <= capacity
+            peak[replica_id] = max(peak[replica_id], ledger.in_flight(replica_id))
+        await asyncio.sleep(rng.uniform(0, 0.002))
+        assert await policy.release(decision.token)
+        policy.on_completed(f"req-{n}", decision.token.replica_id)
+        released.append(decision.token.token_id)
+
+    async def run() -> None:
+        await asyncio.gather(*(cycle(n) for n in range(1000)))
+
+    asyncio.run(run())
+    assert len(released) == len(set(released)) == 1000
+    assert peak == CAPACITIES  # the ledger was saturated, and never past capacity
+    snapshot = ledger.snapshot()
+    assert snapshot["granted"] == snapshot["released"] == 1000
+    assert snapshot["outstanding"] == snapshot["waiting"] == 0
+    assert snapshot["double_releases"] == snapshot["unknown_releases"] == snapshot["reaped"] == 0
+    assert all(ledger.in_flight(r) == 0 for r in CAPACITIES)
+    assert policy.counts.decisions["acquired"] + policy.counts.decisions["waited"] == 1000
+    assert policy.counts.decisions["waited"] > 0
+
+
+def test_least_loaded_replica_with_room_is_granted() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger(seed=0)
+        ledger.set_replicas({"a": 2, "b": 4})
+        first = await ledger.acquire(["a", "b"], "r1")
+        second = await ledger.acquire(["a", "b"], "r2")
+        assert {first.replica_id, second.replica_id} == {"a", "b"}  # 0/2 == 0/4: one each
+        third = await ledger.acquire(["a", "b"], "r3")
+        assert third.replica_id == "b"  # 1/4 < 1/2
+        assert await ledger.acquire(["a"], "r4") is not None
+        assert await ledger.acquire(["a"], "r5") is None  # a is full, no wait
+
+    asyncio.run(run())
+
+
+def test_double_release_is_a_counted_no_op() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger()
+        policy = queue(ledger)
+        decision = await policy.decide(views(), request(1))
+        other = await policy.decide(views(), request(2))
+        assert await policy.release(decision.token) is True
+        before = ledger.snapshot()
+        assert await policy.release(decision.token) is False
+        after = ledger.snapshot()
+        assert after["double_releases"] == 1
+        assert after["unknown_releases"] == 0
+        assert {k: v for k, v in after.items() if k != "double_releases"} == {
+            k: v for k, v in before.items() if k != "double_releases"
+        }
+        assert ledger.in_flight(other.token.replica_id) == 1
+        assert ledger.release("never-issued") is False
+        assert ledger.snapshot()["unknown_releases"] == 1
+
+    asyncio.run(run())
+
+
+def test_reaper_reclaims_only_expired_tokens() -> None:
+    async def run() -> None:
+        clock = Clock()
+        ledger = CapacityLedger(token_ttl_s=50.0, clock=clock)
+        ledger.set_replicas({"a": 3})
+        old = await ledger.acquire(["a"], "old")
+        clock.now = 30.0
+        young = await ledger.acquire(["a"], "young")
+        assert ledger.reap(now=50.0) == 0  # `old` is exactly 50 s old: not older than the TTL
+        assert ledger.reap(now=60.0) == 1
+        assert ledger.in_flight("a") == 1
+        assert ledger.release(old.token_id) is False  # already reaped: a late release
+        assert ledger.release(young.token_id) is True
+        snapshot = ledger.snapshot()
+        assert (snapshot["reaped"], snapshot["late_releases"], snapshot["double_releases"]) == (1, 1, 0)
+        assert ledger.in_flight("a") == 0
+
+    asyncio.run(run())
+
+
+def test_reaper_loop_frees_a_slot_for_a_waiter() -> None:
+    async def run() -> None:
+        clock = Clock()
+        ledger = CapacityLedger(token_ttl_s=10.0, clock=clock)
+        ledger.set_replicas({"a": 1})
+        lost = await ledger.acquire(["a"], "lost")
+        waiter = asyncio.create_task(ledger.acquire(["a"], "next", wait_s=5.0))
+        reaper = asyncio.create_task(ledger.run_reaper(interval_s=0.01))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        clock.now = 11.0
+        token = await asyncio.wait_for(waiter, 1.0)
+        reaper.cancel()
+        assert token.replica_id == "a" and token.token_id != lost.token_id
+        assert ledger.snapshot()["reaped"] == 1
+
+    asyncio.run(run())
+
+
+def test_three_ledger_faults_fall_back_to_power_of_two() -> None:
+    async def run() -> None:
+        sleeps: list[float] = []
+
+        async def sleep(seconds: float) -> None:
+            sleeps.append(seconds)
+
+        ledger = FailingLedger(failures=10)
+        policy = CapacityQueue(ledger, seed=0, sleep=sleep)
+        decision = await policy.decide(views(), request(1))
+        assert decision.reason == "ledger_fault_fallback"
+        assert decision.token is None
+        assert ledger.acquires == 3
+        assert policy.counts.events["ledger_fault"] == 3
+        assert sleeps == pytest.approx([0.025, 0.05])
+        ranked = [r.replica_id for tier in decision.ranking for r in tier]
+        assert len(ranked) == len(set(ranked)) == 2 and set(ranked) <= set(CAPACITIES)
+        assert [len(tier) for tier in decision.ranking] == [1, 1]
+        assert policy.tracker.count(decision.primary.replica_id) == 1
+
+    asyncio.run(run())
+
+
+def test_two_ledger_faults_then_success_does_not_fall_back() -> None:
+    async def run() -> None:
+        sleeps: list[float] = []
+
+        async def sleep(seconds: float) -> None:
+            sleeps.append(seconds)
+
+        policy = CapacityQueue(FailingLedger(failures=2), seed=0, sleep=sleep)
+        decision = await policy.decide(views(), request(1))
+        assert decision.reason == "acquired"
+        assert decision.token is not None
+        assert policy.counts.events["ledger_fault"] == 2
+        assert sleeps == pytest.approx([0.025, 0.05])
+
+    asyncio.run(run())
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    async def run() -> None:
+        sleeps: list[float] = []
+
+        async def sleep(seconds: float) -> None:
+            sleeps.append(seconds)
+
+        policy = CapacityQueue(FailingLedger(failures=10), fault_limit=8, seed=0, sleep=sleep)
+        await policy.decide(views(), request(1))
+        assert sleeps == pytest.approx([0.025, 0.05, 0.1, 0.2, 0.4, 0.5, 0.5])
+
+    asyncio.run(run())
+
+
+def test_release_fault_is_counted_and_returns_false() -> None:
+    async def run() -> None:
+        policy = CapacityQueue(FailingLedger(failures=0, release_error=True), seed=0)
+        decision = await policy.decide(views(), request(1))
+        assert await policy.release(decision.token) is False
+        assert policy.counts.events["release_fault"] == 1
+
+    asyncio.run(run())
+
+
+def test_waiting_request_proceeds_when_a_slot_frees() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger()
+        policy = queue(ledger)
+        one = {"a": 1, "b": 1}
+        first = await policy.decide(views(one), request(1))
+        second = await policy.decide(views(one), request(2))
+        assert (first.reason, second.reason) == ("acquired", "acquired")
+        waiting = asyncio.create_task(policy.decide(views(one), request(3)))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert await policy.release(second.token)
+        decision = await asyncio.wait_for(waiting, 1.0)
+        assert decision.reason == "waited"
+        assert decision.token.replica_id == second.token.replica_id
+        assert [[r.replica_id for r in tier] for tier in decision.ranking] == [
+            [second.token.replica_id],
+            [first.token.replica_id],
+        ]
+        assert ledger.in_flight("a") == ledger.in_flight("b") == 1
+
+    asyncio.run(run())
+
+
+def test_waiters_are_served_first_come_first_served() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger()
+        ledger.set_replicas({"a": 1})
+        held = await ledger.acquire(["a"], "held")
+        order: list[str] = []
+
+        async def wait(name: str) -> None:
+            token = await ledger.acquire(["a"], name, wait_s=5.0)
+            order.append(name)
+            ledger.release(token.token_id)
+
+        tasks = [asyncio.create_task(wait(f"w{i}")) for i in range(5)]
+        await asyncio.sleep(0.01)
+        ledger.release(held.token_id)
+        await asyncio.gather(*tasks)
+        assert order == [f"w{i}" for i in range(5)]
+
+    asyncio.run(run())
+
+
+def test_cancelled_waiter_leaves_no_token_behind() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger()
+        ledger.set_replicas({"a": 1})
+        held = await ledger.acquire(["a"], "held")
+        waiter = asyncio.create_task(ledger.acquire(["a"], "gone", wait_s=5.0))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert ledger.release(held.token_id)
+        assert ledger.in_flight("a") == 0
+        assert ledger.snapshot()["waiting"] == 0
+
+    asyncio.run(run())
+
+
+def test_capacity_timeout() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger()
+        policy = queue(ledger, max_wait_s=0.05)
+        one = {"a": 1}
+        await policy.decide(views(one), request(1))
+        with pytest.raises(NoReplicaAvailable) as raised:
+            await policy.decide(views(one), request(2))
+        assert raised.value.reason == "capacity_timeout"
+        assert policy.counts.decisions["capacity_timeout"] == 1
+        assert ledger.snapshot()["waiting"] == 0
+        assert ledger.in_flight("a") == 1
+
+    asyncio.run(run())
+
+
+def test_no_routable_replica() -> None:
+    policy = queue(CapacityLedger())
+    with pytest.raises(NoReplicaAvailable) as raised:
+        asyncio.run(policy.decide([ReplicaView(replica_id="a", healthy=False)], request(1)))
+    assert raised.value.reason == "no_replica"
+
+
+def test_removed_replica_gets_no_new_tokens_but_keeps_its_old_ones() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger()
+        ledger.set_replicas({"a": 1, "b": 1})
+        on_b = await ledger.acquire(["b"], "r1")
+        ledger.set_replicas({"a": 1})
+        with pytest.raises(UnknownReplicas):
+            await ledger.acquire(["b"], "r2")
+        assert (await ledger.acquire(["a", "b"], "r3")).replica_id == "a"
+        assert await ledger.acquire(["a", "b"], "r4") is None
+        assert ledger.snapshot()["replicas"]["b"] == {"in_flight": 1, "capacity": 0}
+        assert ledger.release(on_b.token_id)
+        assert "b" not in ledger.snapshot()["replicas"]
+
+    asyncio.run(run())
+
+
+def test_restart_bound_admits_at_most_twice_capacity() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger()
+        client = LocalLedgerClient(ledger)
+        policy = CapacityQueue(client, max_wait_s=0.01, seed=0)
+
+        async def fill(first: int) -> list[CapacityToken]:
+            tokens = []
+            for n in range(first, first + 2 * sum(CAPACITIES.values())):
+                try:
+                    tokens.append((await policy.decide(views(), request(n))).token)
+                except NoReplicaAvailable as error:
+                    assert error.reason == "capacity_timeout"
+                    return tokens
+            raise AssertionError("the ledger admitted more than its capacity")
+
+        old = await fill(0)
+        client.ledger = restarted = CapacityLedger()  # the ledger restarts: empty, knows no replica
+        new = await fill(100)
+        assert policy.counts.events["ledger_fault"] == 1  # UnknownReplicas once, then the set is pushed again
+        for replica_id, capacity in CAPACITIES.items():
+            old_here = sum(t.replica_id == replica_id for t in old)
+            new_here = sum(t.replica_id == replica_id for t in new)
+            assert old_here == new_here == capacity
+            assert old_here + new_here <= 2 * capacity
+        for token in old:
+            assert await policy.release(token) is False
+        snapshot = restarted.snapshot()
+        assert snapshot["unknown_releases"] == len(old)
+        assert snapshot["released"] == snapshot["double_releases"] == 0
+        assert {r: s["in_flight"] for r, s in snapshot["replicas"].items()} == CAPACITIES
+
+    asyncio.run(run())
