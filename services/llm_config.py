@@ -90,6 +90,9 @@ class ReplicaDeploymentConfig(BaseModel):
     drain_poll_s: float = Field(0.25, gt=0)
     num_cpus: float = Field(0.25, ge=0)
     health_check_period_s: float = Field(5.0, gt=0)
+    # Routers of this deployment take capacity tokens (capacity_queue): the replica releases each
+    # request's token when the request ends (services.capacity_release). Not a Serve option.
+    capacity_ledger: bool = False
 
     def serve_options(self) -> dict[str, Any]:
         return {

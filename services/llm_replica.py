@@ -5,6 +5,8 @@ still counts every request against `max_ongoing_requests` and autoscaling. Serve
 `/-/healthz` on that port answers 200 only once the constructor (engine start) has finished and
 `check_health` passes, and 503 while the replica drains. On shutdown Serve drains in-flight
 requests for up to `graceful_shutdown_timeout_s` (the configured `drain_grace_s`), then aborts.
+When the deployment's routers take capacity tokens (`capacity_ledger`), the replica releases each
+request's token to the ledger when the request ends (services.capacity_release).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from ray import serve
 from ray.serve.deployment import Application, Deployment
 
 from services.asgi_call import ResponseStart, stream_asgi
+from services.capacity_ledger_actor import ledger_actor_name
+from services.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
 from services.llm_config import LLMAppConfig
 from services.replica_headers import ReplicaHeadersMiddleware
 from services.vllm_app import build_openai_app, parse_engine_args, start_engine
@@ -30,8 +34,12 @@ class LLMReplica:
         self._engine = start_engine(self._args)
         self._app = await build_openai_app(self._engine, self._args)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds
-        # it lazily with ours outermost.
+        # it lazily with ours outermost: the headers stamp, then the capacity release, then vLLM's.
         self._app.middleware_stack = None
+        if self._config.deployment.capacity_ledger:
+            context = serve.get_replica_context()
+            ledger = NamedLedgerClient(ledger_actor_name(context.app_name, self._config.deployment.name))
+            self._app.add_middleware(CapacityReleaseMiddleware, ledger=ledger)
         self._app.add_middleware(ReplicaHeadersMiddleware, replica_id=self.replica_id, echo_request_id=False)
         self._handle_app = ReplicaHeadersMiddleware(self._app, self.replica_id, echo_request_id=True)
 

@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+from sluice.contracts import HAPROXY_PORT_DEFAULT
 from sluice.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir
 
 EMBEDDED_APP_NAME = "llm"
@@ -31,32 +32,37 @@ def ensure_model(path: Path) -> Path:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from sluice.cluster import start_local_cluster, stop_local_cluster, wait_for_endpoints
+    from builders.direct_stream import DirectStreamSpec, DirectStreamStack
+    from sluice.cluster import start_local_cluster, stop_local_cluster
 
     model = ensure_model(Path(args.model))
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    spec = DirectStreamSpec(
+        app=EMBEDDED_APP_NAME,
+        model=str(model),
+        replicas=args.replicas,
+        routers=args.routers,
+        policy=args.policy,
+        haproxy_port=args.port,
+        prometheus_port=args.prometheus_port,
+    )
     start_local_cluster(serve_proxy_port=args.serve_proxy_port)
+    stack = DirectStreamStack(spec)
     try:
-        from ray import serve
-
-        from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
-        from services.llm_replica import llm_application
-
-        config = LLMAppConfig(
-            engine=EngineConfig(model=str(model)),
-            deployment=ReplicaDeploymentConfig(num_replicas=args.replicas),
-        )
-        serve.run(llm_application(config), name=EMBEDDED_APP_NAME, route_prefix="/", blocking=False)
-        endpoints = wait_for_endpoints(EMBEDDED_APP_NAME, args.replicas)
-        print("\nsluice is serving the tiny model (no HAProxy/router yet: call a replica port directly):")
-        for endpoint in endpoints:
-            print(f"  replica {endpoint.replica_id}: {endpoint.url}/v1/chat/completions")
-        print(f"model name: {config.engine.served_model_name}. Ctrl-C stops everything.", flush=True)
+        stack.start()
+        print(f"\nsluice is serving the tiny model at {stack.url} (HAProxy -> {spec.routers} router(s), "
+              f"policy {spec.policy} -> {spec.replicas} vLLM replicas):")
+        print(f"  curl -N {stack.url}/v1/chat/completions -H 'content-type: application/json' \\")
+        print("    -d '{\"model\": \"sluice-tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+              "\"max_tokens\": 32, \"stream\": true}'")
+        print(f"  HAProxy metrics: http://127.0.0.1:{spec.prometheus_port}/metrics")
+        print("Ctrl-C stops everything.", flush=True)
         stop.wait()
     finally:
         print("shutting down", flush=True)
+        stack.stop(delete_apps=False)
         stop_local_cluster()
     return 0
 
@@ -76,6 +82,8 @@ def _bench_routers(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from routers.config import SETTINGS
+
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -88,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the embedded default topology on 127.0.0.1")
     serve.add_argument("--model", default=str(default_model_dir()))
     serve.add_argument("--replicas", type=int, default=2)
+    serve.add_argument("--routers", type=int, default=1)
+    serve.add_argument("--policy", default="round_robin", choices=sorted(SETTINGS))
+    serve.add_argument("--port", type=int, default=HAPROXY_PORT_DEFAULT, help="HAProxy's port on 127.0.0.1")
+    serve.add_argument("--prometheus-port", type=int, default=8404, help="HAProxy's metrics port on 127.0.0.1")
     serve.add_argument("--serve-proxy-port", type=int, default=DEFAULT_SERVE_PROXY_PORT)
     serve.set_defaults(func=_serve)
 

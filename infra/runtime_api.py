@@ -1,0 +1,160 @@
+"""Client of HAProxy's runtime API (the admin-level `stats socket`): one command per connection."""
+
+from __future__ import annotations
+
+import csv
+import io
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+ServerState = Literal["ready", "drain", "maint"]
+
+
+class RuntimeAPIError(RuntimeError):
+    """HAProxy refused a runtime API command (its reply is in the message)."""
+
+    def __init__(self, command: str, reply: str) -> None:
+        super().__init__(f"HAProxy runtime API refused {command!r}: {reply.strip() or '(no reply)'}")
+        self.command = command
+        self.reply = reply
+
+
+@dataclass(frozen=True)
+class ServerStat:
+    """One server line of `show stat`."""
+
+    backend: str
+    server: str
+    status: str  # UP, DOWN, MAINT, DRAIN, "UP 1/2", "DOWN 1/2", "no check", ...
+    scur: int  # current sessions
+    addr: str  # "ip:port"
+
+    @property
+    def admin_maint(self) -> bool:
+        return self.status.startswith("MAINT")
+
+    @property
+    def draining(self) -> bool:
+        return self.status.startswith("DRAIN")
+
+    @property
+    def up(self) -> bool:
+        return self.status.startswith("UP") or self.status == "no check"
+
+
+class RuntimeAPI:
+    """Sends commands to HAProxy's runtime API over its unix socket."""
+
+    def __init__(self, socket_path: Path | str, timeout_s: float = 5.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout_s = timeout_s
+
+    def command(self, command: str) -> str:
+        """Send one command and return HAProxy's whole reply (the socket closes after it)."""
+        if "\n" in command or ";" in command:
+            raise ValueError(f"one command at a time, without newline or ';': {command!r}")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(self.timeout_s)
+            sock.connect(str(self.socket_path))
+            sock.sendall(command.encode() + b"\n")
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode(errors="replace")
+
+    def checked(self, command: str) -> None:
+        """Run a command whose success reply is empty; any text back is HAProxy's error message."""
+        reply = self.command(command)
+        if reply.strip():
+            raise RuntimeAPIError(command, reply)
+
+    def is_alive(self) -> bool:
+        try:
+            return "Pid:" in self.command("show info")
+        except OSError:
+            return False
+
+    # Servers.
+    def set_server_addr(self, backend: str, server: str, host: str, port: int) -> None:
+        command = f"set server {backend}/{server} addr {host} port {int(port)}"
+        reply = self.command(command)
+        # Success: "IP changed from ... port changed from ..." or "no need to change the addr...".
+        if "changed" not in reply and "no need to change" not in reply:
+            raise RuntimeAPIError(command, reply)
+
+    def set_server_state(self, backend: str, server: str, state: ServerState) -> None:
+        if state not in ("ready", "drain", "maint"):
+            raise ValueError(f"server state must be ready, drain or maint, not {state!r}")
+        self.checked(f"set server {backend}/{server} state {state}")
+
+    # Maps.
+    def add_map(self, map_path: Path | str, key: str, value: str) -> None:
+        _check_token(key)
+        _check_token(value)
+        self.checked(f"add map {map_path} {key} {value}")
+
+    def del_map(self, map_path: Path | str, key: str, missing_ok: bool = True) -> None:
+        _check_token(key)
+        command = f"del map {map_path} {key}"
+        reply = self.command(command).strip()
+        if not reply:
+            return
+        if missing_ok and "not found" in reply.lower():
+            return
+        raise RuntimeAPIError(command, reply)
+
+    def show_map(self, map_path: Path | str) -> dict[str, str]:
+        """Key -> value of a map (each line of `show map` is `<ref> <key> <value>`)."""
+        command = f"show map {map_path}"
+        reply = self.command(command)
+        entries = {}
+        for line in reply.splitlines():
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) != 3 or not parts[0].startswith("0x"):
+                raise RuntimeAPIError(command, reply)
+            entries[parts[1]] = parts[2]
+        return entries
+
+    # Stats.
+    def show_stat(self, backend: str | None = None) -> dict[tuple[str, str], ServerStat]:
+        """(backend, server) -> stats of every server (not frontends/backends), from the CSV of `show stat`."""
+        reply = self.command("show stat")
+        if not reply.startswith("# "):
+            raise RuntimeAPIError("show stat", reply)
+        rows = csv.DictReader(io.StringIO(reply[2:]))
+        stats = {}
+        for row in rows:
+            name = row.get("svname", "")
+            if name in ("FRONTEND", "BACKEND") or not name:
+                continue
+            if backend is not None and row["pxname"] != backend:
+                continue
+            stats[(row["pxname"], name)] = ServerStat(
+                backend=row["pxname"],
+                server=name,
+                status=row.get("status", ""),
+                scur=int(row.get("scur") or 0),
+                addr=row.get("addr", ""),
+            )
+        return stats
+
+    def show_info(self) -> dict[str, str]:
+        """`show info` as a dict (Pid, Uptime_sec, Process_num, Version, ...)."""
+        reply = self.command("show info")
+        info = {}
+        for line in reply.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                info[key.strip()] = value.strip()
+        if "Pid" not in info:
+            raise RuntimeAPIError("show info", reply)
+        return info
+
+
+def _check_token(value: str) -> None:
+    if not value or any(c.isspace() for c in value) or ";" in value or "\\" in value:
+        raise ValueError(f"map keys and values must be non-empty without spaces, ';' or '\\': {value!r}")

@@ -1,0 +1,304 @@
+"""The router service: the control plane of the direct-streaming path (DESIGN.md §1, §3).
+
+HAProxy's Lua action asks `POST /internal/route` which replica of the target app should serve a
+request; the router answers a `RouteReply` (primary replica id, fallback ids, capacity token) or a
+503 `RouteRefusal` with a reason. It decides only: the request and its token stream go from HAProxy
+straight to the chosen replica's own port, never through the router.
+
+Serving. `RouterReplica` is a Ray Serve deployment whose FastAPI app is served on each router
+replica's own direct-ingress port (like the LLM replica), so every router replica is discoverable
+with `list_replica_endpoints(<router app>)`. The route path on that port is the app's
+`route_prefix` + `ROUTE_PATH` (Serve only serves paths under the prefix). `GET /metrics` on the same
+app exports the router's counters together with the policies' decision counters.
+
+Replica set. Each router replica polls `list_replica_endpoints(target_app)` every
+`refresh_interval_s` (0.25 s: a replaced replica is routable within a quarter second, for one
+controller call per router replica per interval) and keeps the last known set when a poll fails.
+The ids are Serve's replica unique ids, the very ids the LLM replicas stamp as `x-serve-replica`,
+and the views depend only on the set, so consistent hash gives the same answer on every router
+replica without any coordination. The constructor returns only once it knows a non-empty set, so
+Serve opens the router's port (and `/-/healthz` on it) only then.
+
+In-flight counts. A policy's tracker counts a request on its primary at decision time and forgets
+it when told the request completed; on the direct path the router is never told (the stream runs
+HAProxy -> replica). So the tracker forgets each decision after `forget_after_s` (2 s; pruning runs
+at most once a second, so 2-3 s): its count per replica is the requests placed there in the last
+few seconds, a recent-load estimate that still spreads a burst (each decision sees the earlier ones
+at once) and does not grow with uptime as the core's default 900 s (a quarter hour of traffic) would.
+Each router replica counts only its own decisions. capacity_queue does not depend on it: its ledger
+counts exact in-flight tokens.
+
+Capacity tokens (capacity_queue). The policy takes a token from the deployment's central ledger
+actor (`ledger_actor_name(target_app, target_deployment)`), the reply carries its id, HAProxy passes
+it to the replica in `x-sluice-capacity-token`, and the replica releases it when the request ends
+(`services.capacity_release`). A token whose reply or request is lost on the way is taken back by
+the ledger's TTL reaper.
+
+Request body. Empty unless body forwarding is on for the app; then it is the client body up to the
+buffer limit, and `x-body-truncated: have/total` says it was cut. The `"model"` field is read with
+json when the body parses, else with a regex on the prefix, else it is None: a truncated or invalid
+body never fails the route call. `x-sluice-app` is accepted and not needed: each router serves one
+target app, and HAProxy sends each app's route calls to that app's router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from ray import serve
+from ray.serve.deployment import Application
+
+from routers.capacity_queue import CapacityQueue, LedgerClient
+from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
+from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
+from services.capacity_ledger_actor import ActorLedgerClient, get_or_create_ledger, ledger_actor_name
+from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
+from sluice.contracts import (
+    BODY_TRUNCATED_HEADER,
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    REQUEST_ID_HEADER,
+    ROUTE_PATH,
+    SESSION_HEADER_DEFAULT,
+)
+from sluice.route_wire import RouteRefusal, RouteReply
+
+logger = logging.getLogger(__name__)
+
+METRICS_PATH = "/metrics"
+ROUTER_DEPLOYMENT_NAME = "Router"
+# Serve counts route calls against this. A decision takes about a millisecond, but a capacity_queue
+# call may wait up to its `max_wait_s`; Serve's default of 5 would queue every call behind 5 waiters.
+ROUTER_MAX_ONGOING_REQUESTS = 1024
+_JSON = "application/json"
+# The first `"model": "<string>"` of a body that does not parse (cut at the buffer limit, or invalid).
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+ROUTED_TOTAL = Counter("sluice_router_routed", "Route calls answered with a replica.", ["app", "policy"])
+REFUSED_TOTAL = Counter("sluice_router_refused", "Route calls refused (503) by reason.", ["app", "policy", "reason"])
+TRUNCATED_TOTAL = Counter(
+    "sluice_router_truncated_bodies", "Route calls whose forwarded body was cut at the buffer limit.", ["app"]
+)
+
+
+class RouterSettings(BaseModel):
+    """What one router app routes to and how."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_app: str = Field(min_length=1)
+    target_deployment: str = "LLMReplica"
+    # The target deployment's `max_ongoing_requests`: each replica's capacity in the views.
+    target_capacity: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
+    policy: str = "round_robin"
+    policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+    session_header: str = SESSION_HEADER_DEFAULT
+    refresh_interval_s: float = Field(0.25, gt=0)
+    # How long the tracker counts a decision as in flight (the router never sees completions).
+    forget_after_s: float = Field(2.0, gt=0)
+
+    @field_validator("session_header")
+    @classmethod
+    def _header_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9-]+", value):
+            raise ValueError(f"invalid header name {value!r}")
+        return value.lower()
+
+    @model_validator(mode="after")
+    def _policy_kwargs(self) -> RouterSettings:
+        # PolicyConfigError is a ValueError: pydantic reports its message as the validation error.
+        validate_settings(self.policy, self.policy_kwargs)
+        return self
+
+
+def build_policy(settings: RouterSettings, ledger: LedgerClient | None = None) -> RoutingPolicy:
+    """The policy the settings name. capacity_queue uses `ledger`, else the deployment's ledger actor."""
+    if settings.policy == "capacity_queue":
+        queue_settings = validate_settings(settings.policy, settings.policy_kwargs)
+        assert isinstance(queue_settings, CapacityQueueSettings)
+        if ledger is None:
+            name = ledger_actor_name(settings.target_app, settings.target_deployment)
+            ledger = ActorLedgerClient(get_or_create_ledger(name, token_ttl_s=queue_settings.token_ttl_s))
+        policy: RoutingPolicy = CapacityQueue(ledger, max_wait_s=queue_settings.max_wait_s, seed=queue_settings.seed)
+    else:
+        policy = build_stateless_policy(settings.policy, settings.policy_kwargs)
+    policy.tracker = InFlightTracker(forget_after_s=settings.forget_after_s)
+    return policy
+
+
+def body_truncated(value: str | None) -> bool:
+    """`have/total` from HAProxy: cut when have < total; a malformed value still says it was cut."""
+    if value is None:
+        return False
+    have, _, total = value.partition("/")
+    try:
+        return int(have) < int(total)
+    except ValueError:
+        return True
+
+
+def model_from_body(body: bytes, truncated: bool) -> str | None:
+    """The body's `"model"`: from json when it parses, else from a regex on the prefix, else None."""
+    if not body:
+        return None
+    if not truncated:
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            parsed = None
+        else:
+            model = parsed.get("model") if isinstance(parsed, dict) else None
+            return model if isinstance(model, str) and model else None
+    match = _MODEL_FIELD.search(body)
+    if match is None:
+        return None
+    try:
+        model = json.loads(b'"' + match.group(1) + b'"')
+    except ValueError:
+        return None
+    return model or None
+
+
+def route_request_from(headers: Mapping[str, str], body: bytes, session_header: str) -> RouteRequest:
+    truncated = body_truncated(headers.get(BODY_TRUNCATED_HEADER))
+    return RouteRequest(
+        request_id=headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex,
+        session_id=headers.get(session_header) or None,
+        model=model_from_body(body, truncated),
+        body_prefix=body,
+        body_truncated=truncated,
+    )
+
+
+def route_reply(decision: Decision) -> RouteReply:
+    ranked = [view.replica_id for tier in decision.ranking for view in tier]
+    return RouteReply(
+        replica_id=ranked[0],
+        fallbacks=ranked[1:],
+        capacity_token=decision.token.token_id if decision.token is not None else None,
+    )
+
+
+def build_router_app(
+    settings: RouterSettings, policy: RoutingPolicy, replicas: Callable[[], Sequence[ReplicaView]]
+) -> FastAPI:
+    """The router's HTTP app; `replicas()` gives the current views of the target app's replicas."""
+    app = FastAPI(title="sluice router", openapi_url=None, docs_url=None, redoc_url=None)
+    routed = ROUTED_TOTAL.labels(settings.target_app, policy.name)
+    truncated_bodies = TRUNCATED_TOTAL.labels(settings.target_app)
+
+    @app.post(ROUTE_PATH)
+    async def route(request: Request) -> Response:
+        route_request = route_request_from(request.headers, await request.body(), settings.session_header)
+        if route_request.body_truncated:
+            truncated_bodies.inc()
+        try:
+            decision = await policy.decide(replicas(), route_request)
+        except NoReplicaAvailable as refusal:
+            REFUSED_TOTAL.labels(settings.target_app, policy.name, refusal.reason).inc()
+            return Response(RouteRefusal(reason=refusal.reason).model_dump_json(), status_code=503, media_type=_JSON)
+        routed.inc()
+        return Response(route_reply(decision).model_dump_json(), media_type=_JSON)
+
+    @app.get(METRICS_PATH)
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class LiveReplicas:
+    """The target app's replicas as views, kept fresh by polling `source` in the background."""
+
+    def __init__(
+        self, source: Callable[[], Awaitable[Sequence[ReplicaEndpoint]]], capacity: int, refresh_interval_s: float
+    ) -> None:
+        self._source = source
+        self._capacity = capacity
+        self.refresh_interval_s = refresh_interval_s
+        self._endpoints: tuple[ReplicaEndpoint, ...] = ()
+        self._views: tuple[ReplicaView, ...] = ()
+        self._poll_failing = False
+        self._task: asyncio.Task | None = None
+
+    def views(self) -> tuple[ReplicaView, ...]:
+        return self._views
+
+    async def start(self) -> None:
+        """Return once the set is known and non-empty; keep polling in the background after that."""
+        while not self._views:
+            await self._refresh()
+            if not self._views:
+                await asyncio.sleep(self.refresh_interval_s)
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        try:
+            endpoints = tuple(await self._source())
+        except Exception:
+            if not self._poll_failing:
+                logger.warning("listing the target replicas failed; keeping the last known set", exc_info=True)
+            self._poll_failing = True
+            return
+        self._poll_failing = False
+        if endpoints != self._endpoints:
+            self._endpoints = endpoints
+            self._views = tuple(
+                ReplicaView(replica_id=e.replica_id, endpoint=e.url, capacity=self._capacity) for e in endpoints
+            )
+            logger.info("target replicas: %s", [e.replica_id for e in endpoints])
+
+
+@serve.ingress()
+class RouterReplica:
+    async def __init__(self, settings: dict[str, Any]) -> None:
+        self._settings = RouterSettings.model_validate(settings)
+        policy = build_policy(self._settings)
+        target = self._settings.target_app
+        self._replicas = LiveReplicas(
+            lambda: list_replica_endpoints(target), self._settings.target_capacity, self._settings.refresh_interval_s
+        )
+        await self._replicas.start()
+        self._app = build_router_app(self._settings, policy, self._replicas.views)
+
+    async def __serve_build_asgi_app__(self) -> FastAPI:
+        return self._app
+
+
+def router_application(
+    settings: RouterSettings,
+    num_replicas: int = 1,
+    *,
+    name: str = ROUTER_DEPLOYMENT_NAME,
+    max_ongoing_requests: int = ROUTER_MAX_ONGOING_REQUESTS,
+) -> Application:
+    """The router app; deploy it with the route prefix of your choice (`serve.run(app, name=..., route_prefix=...)`).
+
+    `num_cpus=0`: a router replica mostly waits on the network, and the control plane must never
+    wait to be scheduled behind the replicas it routes to."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    deployment = serve.deployment(RouterReplica).options(
+        name=name,
+        num_replicas=num_replicas,
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return deployment.bind(settings.model_dump())
