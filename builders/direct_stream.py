@@ -40,6 +40,8 @@ class DirectStreamSpec(BaseModel):
     replicas: int = Field(2, ge=1)
     max_ongoing_requests: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
     routers: int = Field(1, ge=1)
+    # Name of the router app; None: "<app>-router". Two stacks in front of one LLM app need two names.
+    router_name: str | None = None
     policy: str = "round_robin"
     policy_kwargs: dict[str, Any] = Field(default_factory=dict)
     session_header: str = SESSION_HEADER_DEFAULT
@@ -55,7 +57,7 @@ class DirectStreamSpec(BaseModel):
 
     @property
     def router_app(self) -> str:
-        return f"{self.app}-router"
+        return self.router_name or f"{self.app}-router"
 
     @property
     def router_route_prefix(self) -> str:

@@ -486,7 +486,14 @@ local function call_router(router, request, deadline)
     local reply = sock:receive("*a")
     sock:close()
     if reply == nil or reply == "" then
-        return nil, false
+        -- Closed without a byte before the deadline: the router died; no decision reached anyone
+        -- (a token it may have taken is reaped by the ledger's TTL), so the next router may try.
+        -- A timeout spent the whole deadline: nothing is left to try.
+        local died = now_s() < deadline
+        if died then
+            suspect_until[router.addr] = now_s() + SUSPECT_S
+        end
+        return nil, died
     end
     return reply, false
 end

@@ -67,6 +67,7 @@ def ray_cluster() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def llm_cluster(ray_cluster: None, tiny_model_dir: Path) -> LLMCluster:
-    config = deploy_llm_app(LLM_APP, tiny_model_dir, ReplicaDeploymentConfig(num_replicas=2))
+    # capacity_ledger: the replicas release capacity tokens a capacity_queue router hands out.
+    config = deploy_llm_app(LLM_APP, tiny_model_dir, ReplicaDeploymentConfig(num_replicas=2, capacity_ledger=True))
     endpoints = wait_for_endpoints(LLM_APP, 2, timeout_s=300)
     return LLMCluster(app=LLM_APP, config=config, endpoints=endpoints)

@@ -1,0 +1,225 @@
+"""The direct-streaming path end to end: real HAProxy -> real router service -> real vLLM replicas."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import uuid
+
+import httpx
+import psutil
+import pytest
+
+from builders.direct_stream import DirectStreamSpec, DirectStreamStack
+from infra.haproxy_config import REPLICA_BACKEND
+from services.llm_config import ReplicaDeploymentConfig
+from services.serve_internals import list_replica_endpoints
+from sluice.cluster import wait_for_endpoints
+from sluice.contracts import REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_PATH, SERVE_REASON_HEADER
+from tests.integration.conftest import LLMCluster, deploy_llm_app, free_port
+from tests.integration.sse import chunks, data_lines
+
+pytestmark = pytest.mark.integration
+
+ROUTE_TIMEOUT_S = 2.0
+COMPLETION = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def stack(llm_cluster: LLMCluster):
+    spec = DirectStreamSpec(
+        app=llm_cluster.app,
+        routers=2,
+        policy="consistent_hash",
+        haproxy_port=free_port(),
+        prometheus_port=free_port(),
+        route_timeout_s=ROUTE_TIMEOUT_S,
+        check_inter_s=1.0,
+    )
+    started = DirectStreamStack(spec).start(deploy_model=False)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client(timeout=60) as c:
+        yield c
+
+
+def _router_choice(client: httpx.Client, stack: DirectStreamStack, session: str) -> str:
+    router = asyncio_run(list_replica_endpoints(stack.spec.router_app))[0]
+    reply = client.post(f"{router.url}{stack.spec.router_route_prefix}{ROUTE_PATH}", headers={"x-session-id": session})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["replica_id"]
+
+
+def asyncio_run(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def _engine_requests(llm_cluster: LLMCluster) -> float:
+    """Requests the vLLM engines have finished or hold, over every replica."""
+    total = 0.0
+    for endpoint in asyncio_run(list_replica_endpoints(llm_cluster.app)):
+        text = httpx.get(f"{endpoint.url}/metrics").text
+        pattern = r"^vllm:(?:request_success_total|num_requests_running|num_requests_waiting)\{[^}]*\} (\S+)$"
+        total += sum(float(v) for v in re.findall(pattern, text, re.M))
+    return total
+
+
+def test_every_post_is_served_by_the_replica_the_router_chose(stack, client) -> None:
+    mismatches = []
+    for _ in range(200):
+        session = uuid.uuid4().hex
+        response = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers={"x-session-id": session})
+        assert response.status_code == 200, response.text
+        assert response.headers.get(REQUEST_ID_HEADER)
+        if response.headers[REPLICA_HEADER] != _router_choice(client, stack, session):
+            mismatches.append(session)
+    assert mismatches == []
+
+
+def test_a_session_sticks_and_unsessioned_requests_spread(stack, client, llm_cluster: LLMCluster) -> None:
+    served = {
+        client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers={"x-session-id": "team-a"}).headers[
+            REPLICA_HEADER
+        ]
+        for _ in range(20)
+    }
+    assert len(served) == 1
+    spread = {client.post(f"{stack.url}/v1/completions", json=COMPLETION).headers[REPLICA_HEADER] for _ in range(30)}
+    assert spread == {e.replica_id for e in llm_cluster.endpoints}
+
+
+def test_sse_streams_through_haproxy(stack, client) -> None:
+    body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "stream": True}
+    with client.stream("POST", f"{stack.url}/v1/chat/completions", json=body, headers={"x-request-id": "e2e-1"}) as r:
+        assert r.status_code == 200
+        assert r.headers[REQUEST_ID_HEADER] == "e2e-1"
+        parsed = chunks(data_lines(r))
+    assert parsed[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert parsed[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_client_cannot_pin_a_replica(stack, client, llm_cluster: LLMCluster) -> None:
+    for i in range(10):
+        session = f"pin-{i}"
+        chosen = _router_choice(client, stack, session)
+        other = next(e.replica_id for e in llm_cluster.endpoints if e.replica_id != chosen)
+        forged = {"x-session-id": session, REPLICA_HEADER: other, "x-sluice-server": "replica1"}
+        response = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers=forged)
+        assert response.headers[REPLICA_HEADER] == chosen
+
+
+def test_client_disconnect_through_haproxy_aborts_the_engine_request(stack, llm_cluster: LLMCluster) -> None:
+    body = {**COMPLETION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        replica = next(e for e in llm_cluster.endpoints if e.replica_id == response.headers[REPLICA_HEADER])
+    disconnected = time.monotonic()
+    while True:
+        text = httpx.get(f"{replica.url}/metrics").text
+        running = sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))
+        if running == 0:
+            break
+        assert time.monotonic() - disconnected < 1.0, "engine still runs the request 1 s after the disconnect"
+        time.sleep(0.02)
+
+
+def _router_processes(stack: DirectStreamStack) -> list[psutil.Process]:
+    prefix = f"ray::ServeReplica:{stack.spec.router_app}:"
+    return [p for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(prefix)]
+
+
+def test_stopped_routers_fail_closed_within_the_route_timeout(stack, client, llm_cluster: LLMCluster) -> None:
+    routers = _router_processes(stack)
+    assert len(routers) == 2
+    before = _engine_requests(llm_cluster)
+    for process in routers:
+        os.kill(process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        response = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers={"x-session-id": "s"})
+        elapsed = time.monotonic() - started
+    finally:
+        for process in routers:
+            os.kill(process.pid, signal.SIGCONT)
+        stack.wait_until_serving(replicas=2, routers=2, timeout_s=30)  # health checks may have marked them down
+    assert response.status_code == 503
+    assert response.headers[SERVE_REASON_HEADER] == "router_unreachable"
+    assert response.json()["error"]["code"] == 503
+    assert elapsed < ROUTE_TIMEOUT_S + 0.5
+    assert _engine_requests(llm_cluster) == before, "a replica received a request the router never placed"
+
+
+def test_requests_keep_succeeding_with_one_router_killed(stack, client) -> None:
+    routers = _router_processes(stack)
+    os.kill(routers[0].pid, signal.SIGKILL)
+    statuses = []
+    for i in range(40):
+        statuses.append(client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers={"x-session-id": str(i)}))
+        time.sleep(0.05)
+    assert [(r.status_code, r.headers.get(SERVE_REASON_HEADER)) for r in statuses] == [(200, None)] * 40
+    wait_for_endpoints(stack.spec.router_app, 2, timeout_s=120)  # Serve replaces the killed router
+
+
+def test_scale_2_3_2_while_streams_run_without_a_reload(stack, llm_cluster: LLMCluster, tiny_model_dir) -> None:
+    assert stack.runtime is not None and stack.haproxy is not None
+    info = stack.runtime.show_info()
+    master_pid, worker_pid = stack.haproxy.pid, info["Pid"]
+    stop = threading.Event()
+    failures: list[str] = []
+    served: set[str] = set()
+
+    def stream_forever(worker: int) -> None:
+        body = {**COMPLETION, "max_tokens": 100, "ignore_eos": True, "stream": True}
+        deadline = time.monotonic() + 600
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    with c.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
+                        parsed = chunks(data_lines(r))
+                        served.add(r.headers[REPLICA_HEADER])
+                    if parsed[-1]["choices"][0]["finish_reason"] != "length":
+                        failures.append(f"worker {worker}: stream ended early")
+                except Exception as error:  # every failure is reported by the assertion below
+                    failures.append(f"worker {worker}: {error!r}")
+                stop.wait(0.5)  # leave the new replica's startup some CPU on 2 cores
+
+    workers = [threading.Thread(target=stream_forever, args=(i,)) for i in range(8)]
+    for worker in workers:
+        worker.start()
+    original = {e.replica_id for e in llm_cluster.endpoints}
+    try:
+        deploy_llm_app(llm_cluster.app, tiny_model_dir, ReplicaDeploymentConfig(num_replicas=3, capacity_ledger=True))
+        three = wait_for_endpoints(llm_cluster.app, 3, timeout_s=300)
+        stack.wait_until_serving(replicas=3, routers=2, timeout_s=60)
+        new = ({e.replica_id for e in three} - original).pop()
+        deadline = time.monotonic() + 60
+        while new not in served:
+            assert time.monotonic() < deadline, "the new replica never received traffic"
+            time.sleep(0.2)
+        deploy_llm_app(llm_cluster.app, tiny_model_dir, ReplicaDeploymentConfig(num_replicas=2, capacity_ledger=True))
+        llm_cluster.endpoints[:] = wait_for_endpoints(llm_cluster.app, 2, timeout_s=120)
+        deadline = time.monotonic() + 60
+        while stack.up_servers(REPLICA_BACKEND) != 2:
+            assert time.monotonic() < deadline, "HAProxy still routes to the removed replica"
+            time.sleep(0.2)
+        time.sleep(2)  # streams keep running on the survivors
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=120)
+    assert failures == []
+    after = stack.runtime.show_info()
+    assert stack.haproxy.pid == master_pid and psutil.pid_exists(master_pid)
+    assert after["Pid"] == worker_pid, "HAProxy was reloaded (a new worker process)"
+    assert int(after["Uptime_sec"]) >= int(info["Uptime_sec"])
