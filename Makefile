@@ -32,6 +32,7 @@ test-unit: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/sluice bench replica
+	$(VENV)/bin/sluice bench direct
 
 bench-routers: $(STAMP)
 	$(VENV)/bin/sluice bench routers

@@ -65,3 +65,54 @@ def run_replica_bench(model: Path, replicas: int = 2) -> None:
             )
     finally:
         stop_local_cluster()
+
+
+def _ttft_ms(url: str, model: str, samples: int) -> list[float]:
+    return [asyncio.run(probe([url], model, streams=1, max_tokens=8)).ttft_p50_ms for _ in range(samples)]
+
+
+def _route_call_ms(url: str, samples: int) -> list[float]:
+    import httpx
+
+    timings = []
+    with httpx.Client() as client:
+        for i in range(samples):
+            started = time.perf_counter()
+            client.post(url, headers={"x-session-id": f"s{i}"}).raise_for_status()
+            timings.append((time.perf_counter() - started) * 1e3)
+    return timings
+
+
+def _percentiles(values: list[float]) -> str:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return f"p50 {ordered[len(ordered) // 2]:.2f} ms, p99 {p99:.2f} ms"
+
+
+def run_direct_bench(model: Path, samples: int = 200) -> None:
+    """TTFT through HAProxy + router versus the replica's own port, and the route call alone."""
+    from builders.direct_stream import DirectStreamSpec, DirectStreamStack
+    from services.serve_internals import list_replica_endpoints
+    from sluice.cluster import start_local_cluster, stop_local_cluster
+    from sluice.contracts import ROUTE_PATH
+
+    start_local_cluster()
+    spec = DirectStreamSpec(
+        app=BENCH_APP, model=str(model), policy="consistent_hash", haproxy_port=18000, prometheus_port=18404
+    )
+    stack = DirectStreamStack(spec)
+    try:
+        stack.start()
+        replica = asyncio.run(list_replica_endpoints(spec.app))[0]
+        router = asyncio.run(list_replica_endpoints(spec.router_app))[0]
+        name = "sluice-tiny"
+        _ttft_ms(stack.url, name, 10)
+        direct = _ttft_ms(replica.url, name, samples)
+        routed = _ttft_ms(stack.url, name, samples)
+        route = _route_call_ms(f"{router.url}{spec.router_route_prefix}{ROUTE_PATH}", 1000)
+        print(f"TTFT direct to a replica port: {_percentiles(direct)}")
+        print(f"TTFT through HAProxy + router: {_percentiles(routed)}")
+        print(f"route call alone (router, keep-alive): {_percentiles(route)}")
+    finally:
+        stack.stop(delete_apps=False)
+        stop_local_cluster()

@@ -74,6 +74,13 @@ def _bench_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_direct(args: argparse.Namespace) -> int:
+    from sluice.bench import run_direct_bench
+
+    run_direct_bench(ensure_model(Path(args.model)))
+    return 0
+
+
 def _bench_routers(args: argparse.Namespace) -> int:
     from sluice.bench_routers import run_router_bench
 
@@ -109,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     replica.add_argument("--model", default=str(default_model_dir()))
     replica.add_argument("--replicas", type=int, default=2)
     replica.set_defaults(func=_bench_replica)
+    direct = bench_commands.add_parser("direct", help="TTFT through HAProxy + router vs direct; route call alone")
+    direct.add_argument("--model", default=str(default_model_dir()))
+    direct.set_defaults(func=_bench_direct)
     routers = bench_commands.add_parser("routers", help="policy decision time, ring rebuild, ledger round trip")
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
     routers.set_defaults(func=_bench_routers)
