@@ -67,6 +67,4 @@ def llm_deployment(config: LLMAppConfig) -> Deployment:
 
 
 def llm_application(config: LLMAppConfig) -> Application:
-    # num_replicas stays out of the replica's init args: changing it must scale the deployment,
-    # not replace every replica with a new version.
-    return llm_deployment(config).bind(config.model_dump(exclude={"deployment": {"num_replicas"}}))
+    return llm_deployment(config).bind(config.model_dump())

@@ -10,8 +10,9 @@ LOOPBACK = "127.0.0.1"
 # Serve's head proxy also serves the app; it must stay off HAProxy's port (8000).
 DEFAULT_SERVE_PROXY_PORT = 8100
 # Serve keeps a stopping replica reachable this long so load balancers can deregister it
-# (Ray's default is 30 s); sluice's syncer drops a stopping replica at once.
-DIRECT_INGRESS_MIN_DRAINING_PERIOD_S = 1.0
+# (Ray's default is 30 s). sluice's router and syncer drop a stopping replica within ~0.5 s
+# (two 0.25 s polls); 5 s leaves room for a loaded machine (1 s was seen to lose a request).
+DIRECT_INGRESS_MIN_DRAINING_PERIOD_S = 5.0
 
 
 def cache_dir() -> Path:

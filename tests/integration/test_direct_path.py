@@ -172,6 +172,8 @@ def test_requests_keep_succeeding_with_one_router_killed(stack, client) -> None:
 
 
 def test_scale_2_3_2_while_streams_run_without_a_reload(stack, llm_cluster: LLMCluster, tiny_model_dir) -> None:
+    """Each `serve.run` is a new deployment version to Serve, so this also rolls every replica:
+    the data plane must drain each leaving replica without losing a stream."""
     assert stack.runtime is not None and stack.haproxy is not None
     info = stack.runtime.show_info()
     master_pid, worker_pid = stack.haproxy.pid, info["Pid"]
@@ -186,6 +188,7 @@ def test_scale_2_3_2_while_streams_run_without_a_reload(stack, llm_cluster: LLMC
             while not stop.is_set() and time.monotonic() < deadline:
                 try:
                     with c.stream("POST", f"{stack.url}/v1/completions", json=body) as r:
+                        assert r.status_code == 200, (r.status_code, r.headers.get(SERVE_REASON_HEADER))
                         parsed = chunks(data_lines(r))
                         served.add(r.headers[REPLICA_HEADER])
                     if parsed[-1]["choices"][0]["finish_reason"] != "length":

@@ -137,8 +137,8 @@ def test_streams_outlasting_the_grace_period_are_aborted(llm_cluster: LLMCluster
         route_prefix="/abort",
     )
     endpoint = wait_for_endpoints(app, 1, timeout_s=300)[0]
-    # 32 x 1,000 tokens keep one tiny-model replica busy well past the grace period on 2 cores.
-    results, cut_after = asyncio.run(_cut_streams(f"{endpoint.url}/abort/v1/completions", app, 32, 1000))
+    # 48 x 1,000 tokens keep one tiny-model replica busy well past the grace period on 2 cores.
+    results, cut_after = asyncio.run(_cut_streams(f"{endpoint.url}/abort/v1/completions", app, 48, 1000))
     finished = [r for r in results if r and r[-1] == "[DONE]"]
     assert not finished, f"{len(finished)} streams finished; none should outlast the grace period"
     assert all(r for r in results), "every stream was running when the replica began to drain"

@@ -42,17 +42,17 @@ def test_bad_values_are_refused() -> None:
         EngineConfig(model="/m", extra_args={"model; rm -rf": 1})
     with pytest.raises(ValidationError):
         ReplicaDeploymentConfig(max_ongoing_requests=0)
-    with pytest.raises(ValidationError, match="greater than or equal to 6"):
+    with pytest.raises(ValidationError, match="greater than or equal to 10"):
         ReplicaDeploymentConfig(drain_grace_s=2)
     with pytest.raises(ValidationError):
         LLMAppConfig.model_validate({"engine": {"model": "/m", "typo_field": 1}})
 
 
 def test_serve_options_set_max_ongoing_requests_explicitly() -> None:
-    options = ReplicaDeploymentConfig(num_replicas=3, max_ongoing_requests=17, drain_grace_s=9).serve_options()
+    options = ReplicaDeploymentConfig(num_replicas=3, max_ongoing_requests=17, drain_grace_s=12).serve_options()
     assert options["max_ongoing_requests"] == 17
     assert options["num_replicas"] == 3
-    assert options["graceful_shutdown_timeout_s"] == 9
+    assert options["graceful_shutdown_timeout_s"] == 12
 
 
 def test_the_serve_deployment_carries_the_options() -> None:
@@ -61,7 +61,7 @@ def test_the_serve_deployment_carries_the_options() -> None:
     deployment = llm_deployment(
         LLMAppConfig(
             engine=EngineConfig(model="/m"),
-            deployment=ReplicaDeploymentConfig(num_replicas=3, max_ongoing_requests=17, drain_grace_s=9),
+            deployment=ReplicaDeploymentConfig(num_replicas=3, max_ongoing_requests=17, drain_grace_s=12),
         )
     )
     assert deployment.max_ongoing_requests == 17
