@@ -98,7 +98,7 @@ def run_direct_bench(model: Path, samples: int = 200) -> None:
 
     start_local_cluster()
     spec = DirectStreamSpec(
-        app=BENCH_APP, model=str(model), policy="consistent_hash", haproxy_port=18000, prometheus_port=18404
+        app=BENCH_APP, model=str(model), policy="consistent_hash", haproxy_port=28000, prometheus_port=28404
     )
     stack = DirectStreamStack(spec)
     try:

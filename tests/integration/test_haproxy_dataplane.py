@@ -12,7 +12,6 @@ import concurrent.futures
 import json
 import os
 import re
-import socket
 import statistics
 import threading
 import time
@@ -50,6 +49,7 @@ from sluice.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from sluice.route_wire import RouteRefusal, RouteReply
+from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -60,12 +60,6 @@ BODY_BUFFER_BYTES = 16384
 CHAT_PATH = "/v1/chat/completions"
 # The fail-open plane's router deployment sits under a route prefix.
 OPEN_ROUTER_PREFIX = "/open"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
