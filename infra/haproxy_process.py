@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from infra.haproxy_config import HAProxySettings, render_config, render_lua
+from infra.haproxy_config import HAProxySettings, render_config
+from infra.haproxy_lua import render_lua
 from infra.runtime_api import RuntimeAPI
 
 MIN_SYSTEM_VERSION = (2, 6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -47,37 +48,37 @@ def client():
         yield c
 
 
-def _router_choice(client: httpx.Client, stack: DirectStreamStack, session: str) -> str:
-    router = asyncio_run(list_replica_endpoints(stack.spec.router_app))[0]
-    reply = client.post(f"{router.url}{stack.spec.router_route_prefix}{ROUTE_PATH}", headers={"x-session-id": session})
+@pytest.fixture(scope="module")
+def route_url(stack: DirectStreamStack) -> str:
+    """One router replica's route endpoint, asked directly for its decision."""
+    router = asyncio.run(list_replica_endpoints(stack.spec.router_app))[0]
+    return f"{router.url}{stack.spec.router_route_prefix}{ROUTE_PATH}"
+
+
+def _router_choice(client: httpx.Client, route_url: str, session: str) -> str:
+    reply = client.post(route_url, headers={"x-session-id": session})
     assert reply.status_code == 200, reply.text
     return reply.json()["replica_id"]
-
-
-def asyncio_run(coroutine):
-    import asyncio
-
-    return asyncio.run(coroutine)
 
 
 def _engine_requests(llm_cluster: LLMCluster) -> float:
     """Requests the vLLM engines have finished or hold, over every replica."""
     total = 0.0
-    for endpoint in asyncio_run(list_replica_endpoints(llm_cluster.app)):
+    for endpoint in asyncio.run(list_replica_endpoints(llm_cluster.app)):
         text = httpx.get(f"{endpoint.url}/metrics").text
         pattern = r"^vllm:(?:request_success_total|num_requests_running|num_requests_waiting)\{[^}]*\} (\S+)$"
         total += sum(float(v) for v in re.findall(pattern, text, re.M))
     return total
 
 
-def test_every_post_is_served_by_the_replica_the_router_chose(stack, client) -> None:
+def test_every_post_is_served_by_the_replica_the_router_chose(stack, client, route_url) -> None:
     mismatches = []
     for _ in range(200):
         session = uuid.uuid4().hex
         response = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers={"x-session-id": session})
         assert response.status_code == 200, response.text
         assert response.headers.get(REQUEST_ID_HEADER)
-        if response.headers[REPLICA_HEADER] != _router_choice(client, stack, session):
+        if response.headers[REPLICA_HEADER] != _router_choice(client, route_url, session):
             mismatches.append(session)
     assert mismatches == []
 
@@ -104,10 +105,10 @@ def test_sse_streams_through_haproxy(stack, client) -> None:
     assert parsed[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_client_cannot_pin_a_replica(stack, client, llm_cluster: LLMCluster) -> None:
+def test_a_client_cannot_pin_a_replica(stack, client, route_url, llm_cluster: LLMCluster) -> None:
     for i in range(10):
         session = f"pin-{i}"
-        chosen = _router_choice(client, stack, session)
+        chosen = _router_choice(client, route_url, session)
         other = next(e.replica_id for e in llm_cluster.endpoints if e.replica_id != chosen)
         forged = {"x-session-id": session, REPLICA_HEADER: other, "x-sluice-server": "replica1"}
         response = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers=forged)

@@ -7,34 +7,23 @@ router service is tested elsewhere. Everything is started once for the module an
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import os
 import re
 import statistics
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
-from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND, AppRoute, HAProxySettings
-from infra.haproxy_process import HAProxyProcess
-from infra.runtime_api import RuntimeAPI
-from services.haproxy_syncer import HAProxySyncer, SlotPool
-from services.serve_internals import ReplicaEndpoint
+from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND, AppRoute
 from sluice.contracts import (
     APP_HEADER,
     BODY_TRUNCATED_HEADER,
     CAPACITY_TOKEN_HEADER,
-    HEALTH_PATH,
     INTERNAL_HEADER_PREFIXES,
     REASON_NO_REPLICA,
     REASON_ROUTER_NON_200,
@@ -48,327 +37,35 @@ from sluice.contracts import (
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
 )
-from sluice.route_wire import RouteRefusal, RouteReply
-from tests.integration.conftest import free_port
+from tests.integration.dataplane_standins import (
+    APP,
+    BODY_BUFFER_BYTES,
+    CHAT_PATH,
+    LOOPBACK,
+    OPEN_ROUTER_PREFIX,
+    ROUTE_TIMEOUT_S,
+    Env,
+    LoopThread,
+    Plane,
+    Recorded,
+    ReplicaStandIn,
+    RouterBehavior,
+    RouterStandIn,
+    StandIn,
+    _make_event,
+    _reset_event,
+    assert_fail_closed,
+    assert_pinned,
+    data_payloads,
+    first_event,
+    percentile,
+    start_plane,
+    stop_plane,
+    stream_one,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
-
-APP = "llm"
-LOOPBACK = "127.0.0.1"
-ROUTE_TIMEOUT_S = 1.0
-BODY_BUFFER_BYTES = 16384
-CHAT_PATH = "/v1/chat/completions"
-# The fail-open plane's router deployment sits under a route prefix.
-OPEN_ROUTER_PREFIX = "/open"
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-
-
-class LoopThread:
-    """One event loop in a background thread for every stand-in server and the syncers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="stand-ins", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 10.0) -> Any:
-        return self.submit(coro).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-
-async def read_body(receive: Callable[[], Coroutine[Any, Any, dict[str, Any]]]) -> bytes:
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            return body
-
-
-async def respond(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers or []})
-    await send({"type": "http.response.body", "body": body})
-
-
-@dataclass
-class Recorded:
-    method: str
-    path: str
-    headers: list[tuple[str, str]]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        values = [v for k, v in self.headers if k == name]
-        assert len(values) <= 1, f"{name} sent {len(values)} times"
-        return values[0] if values else None
-
-
-class StandIn:
-    """A uvicorn server on a free loopback port, started and stopped on the loop thread."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.port = free_port()
-        self.server: uvicorn.Server | None = None
-        self.task: asyncio.Task[None] | None = None
-
-    @property
-    def endpoint(self) -> ReplicaEndpoint:
-        return ReplicaEndpoint(replica_id=self.name, deployment="stand-in", host=LOOPBACK, port=self.port)
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    async def start(self) -> None:
-        config = uvicorn.Config(
-            self, host=LOOPBACK, port=self.port, log_level="warning", lifespan="off", timeout_graceful_shutdown=1
-        )
-        self.server = uvicorn.Server(config)
-        self.task = asyncio.create_task(self.server.serve())
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()
-            await asyncio.sleep(0.01)
-
-    async def stop(self) -> None:
-        if self.server is not None and self.task is not None:
-            self.server.should_exit = True
-            await self.task
-        self.server = self.task = None
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        raise NotImplementedError
-
-
-class ReplicaStandIn(StandIn):
-    """/-/healthz (503 when unhealthy), GET /v1/models, and any POST answered as a short SSE stream whose first
-    event tells which replica served and which headers and how many body bytes it received."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.healthy = True
-        self.requests: list[Recorded] = []
-
-    def posts(self) -> int:
-        return sum(1 for r in self.requests if r.method != "GET")
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        body = await read_body(receive)
-        if scope["path"] == HEALTH_PATH:
-            await respond(send, 200 if self.healthy else 503, b"ok" if self.healthy else b"draining")
-            return
-        headers = [(k.decode().lower(), v.decode()) for k, v in scope["headers"]]
-        request = Recorded(scope["method"], scope["path"], headers, body)
-        self.requests.append(request)
-        reply_headers = [(REPLICA_HEADER.encode(), self.name.encode())]
-        if (request_id := request.header(REQUEST_ID_HEADER)) is not None:
-            reply_headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
-        if scope["method"] == "GET":
-            models = {"object": "list", "data": [{"id": "stand-in", "object": "model", "owned_by": self.name}]}
-            await respond(
-                send, 200, json.dumps(models).encode(), [(b"content-type", b"application/json")] + reply_headers
-            )
-            return
-        try:
-            params = json.loads(body)
-        except ValueError:
-            params = {}
-        params = params if isinstance(params, dict) else {}
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")] + reply_headers,
-            }
-        )
-        first = {"replica": self.name, "headers": headers, "body_len": len(body)}
-        await send({"type": "http.response.body", "body": sse(first), "more_body": True})
-        for i in range(int(params.get("events", 2))):
-            await asyncio.sleep(float(params.get("delay_s", 0)))
-            await send({"type": "http.response.body", "body": sse({"i": i}), "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
-@dataclass
-class RouterBehavior:
-    """What every stand-in router answers to `POST /internal/route`; shared, switched by the tests."""
-
-    mode: str = "choose"
-    replica_ids: list[str] = field(default_factory=list)
-    capacity_token: str | None = None
-    cursor: int = 0
-    decisions: dict[str, str] = field(default_factory=dict)  # request id -> chosen replica id
-    calls: list[tuple[str, Recorded]] = field(default_factory=list)  # (router name, request)
-    release: asyncio.Event | None = None  # stalled calls wait on it
-
-    def choose(self) -> str:
-        self.cursor += 1
-        return self.replica_ids[self.cursor % len(self.replica_ids)]
-
-
-class RouterStandIn(StandIn):
-    def __init__(self, name: str, behavior: RouterBehavior) -> None:
-        super().__init__(name)
-        self.behavior = behavior
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        body = await read_body(receive)
-        if scope["path"] == HEALTH_PATH:
-            await respond(send, 200, b"ok")
-            return
-        if scope["path"] not in (ROUTE_PATH, OPEN_ROUTER_PREFIX + ROUTE_PATH):
-            await respond(send, 404, b"not found")
-            return
-        b = self.behavior
-        request = Recorded(
-            scope["method"], scope["path"], [(k.decode(), v.decode()) for k, v in scope["headers"]], body
-        )
-        b.calls.append((self.name, request))
-        json_type = [(b"content-type", b"application/json")]
-        mode = b.mode
-        if mode == "stall":
-            assert b.release is not None
-            await b.release.wait()
-            return await respond(send, 200, RouteReply(replica_id=b.replica_ids[0]).model_dump_json().encode())
-        if mode == "choose":
-            replica_id = b.choose()
-            b.decisions[request.header(REQUEST_ID_HEADER) or ""] = replica_id
-            reply = RouteReply(replica_id=replica_id, server=None, fallbacks=[], capacity_token=b.capacity_token)
-            return await respond(send, 200, reply.model_dump_json().encode(), json_type)
-        if mode == "http_500":
-            return await respond(send, 500, b"Internal Server Error")
-        if mode == "garbage":
-            return await respond(send, 200, b"<html>this is not json</html>")
-        if mode == "missing_id":
-            return await respond(send, 200, b'{"server": "replica1", "fallbacks": []}', json_type)
-        if mode == "unknown":
-            return await respond(send, 200, RouteReply(replica_id="no-such-replica").model_dump_json().encode())
-        if mode == "no_replica":
-            return await respond(send, 503, RouteRefusal(reason=REASON_NO_REPLICA).model_dump_json().encode())
-        if mode == "bad_reason":
-            return await respond(send, 503, b'{"reason": "Not A Reason!"}', json_type)
-        raise AssertionError(f"unknown router mode {mode}")
-
-
-@dataclass
-class Plane:
-    """One HAProxy with its syncer; `replicas`/`routers` are the syncer's (static, mutable) sources."""
-
-    haproxy: HAProxyProcess
-    syncer: HAProxySyncer
-    sync_future: concurrent.futures.Future[Any] | None = None
-    replicas: list[ReplicaEndpoint] = field(default_factory=list)
-    routers: list[ReplicaEndpoint] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.haproxy.settings.port}"
-
-    @property
-    def runtime(self) -> RuntimeAPI:
-        return self.haproxy.runtime
-
-    def status(self, pool: SlotPool, slot: str) -> str:
-        return self.runtime.show_stat()[(pool.backend, slot)].status
-
-    def synced(self) -> bool:
-        stats = self.runtime.show_stat()
-        for pool, endpoints in ((self.syncer.replicas, self.replicas), (self.syncer.routers, self.routers)):
-            if set(pool.active) != {e.replica_id for e in endpoints}:
-                return False
-            if not all(stats[(pool.backend, pool.active[e.replica_id])].up for e in endpoints):
-                return False
-        return True
-
-    def wait_synced(self, timeout_s: float = 5.0) -> None:
-        wait_until(self.synced, timeout_s, "HAProxy to match the endpoint sources")
-
-
-def start_plane(
-    loop: LoopThread, workdir: Path, app: AppRoute, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint]
-) -> Plane:
-    settings = HAProxySettings(
-        workdir=workdir,
-        app=app,
-        port=free_port(),
-        prometheus_port=free_port(),
-        replica_slots=4,
-        router_slots=3,
-        route_timeout_s=ROUTE_TIMEOUT_S,
-        check_inter_s=0.5,
-    )
-    haproxy = HAProxyProcess(settings).start()
-    plane = Plane(haproxy=haproxy, syncer=None, replicas=list(replicas), routers=list(routers))  # type: ignore[arg-type]
-
-    async def replica_source() -> list[ReplicaEndpoint]:
-        return list(plane.replicas)
-
-    async def router_source() -> list[ReplicaEndpoint]:
-        return list(plane.routers)
-
-    plane.syncer = HAProxySyncer(haproxy.runtime, settings, replica_source, router_source, drain_grace_s=10)
-    plane.sync_future = loop.submit(plane.syncer.run(interval_s=0.1))
-    try:
-        plane.wait_synced()
-    except BaseException:
-        stop_plane(plane)
-        raise
-    return plane
-
-
-def stop_plane(plane: Plane) -> None:
-    if plane.sync_future is not None:
-        plane.sync_future.cancel()
-    worker = plane.haproxy.worker_pid
-    master = plane.haproxy.process
-    plane.haproxy.stop(grace_s=2)
-    assert master is not None and master.poll() is not None, "HAProxy master still running"
-    assert worker is None or not Path(f"/proc/{worker}").exists() or _zombie(worker), "HAProxy worker still running"
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, IndexError):
-        return True
-
-
-@dataclass
-class Env:
-    loop: LoopThread
-    behavior: RouterBehavior
-    r1: ReplicaStandIn
-    r2: ReplicaStandIn
-    router_a: RouterStandIn
-    router_b: RouterStandIn
-    plane: Plane
-
-    @property
-    def replicas(self) -> list[ReplicaStandIn]:
-        return [self.r1, self.r2]
 
 
 @pytest.fixture(scope="module")
@@ -402,10 +99,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         loop.close()
 
 
-async def _make_event() -> asyncio.Event:
-    return asyncio.Event()
-
-
 @pytest.fixture(scope="module")
 def open_plane(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     """A second HAProxy for a fail-open app without body forwarding, over the same stand-ins."""
@@ -432,34 +125,10 @@ def reset_behavior(env: Env) -> Iterator[None]:
     env.loop.run(_reset_event(env.behavior))
 
 
-async def _reset_event(behavior: RouterBehavior) -> None:
-    await asyncio.sleep(0)
-    behavior.release = asyncio.Event()
-
-
 @pytest.fixture
 def client(env: Env) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=env.plane.url, timeout=10) as c:
         yield c
-
-
-def data_payloads(text: str) -> list[str]:
-    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
-
-
-def first_event(response: httpx.Response) -> dict[str, Any]:
-    payloads = data_payloads(response.text)
-    assert payloads and payloads[-1] == "[DONE]", response.text[-200:]
-    return json.loads(payloads[0])
-
-
-def assert_pinned(response: httpx.Response, behavior: RouterBehavior) -> str:
-    assert response.status_code == 200, (response.status_code, response.headers, response.text[:300])
-    request_id = response.headers[REQUEST_ID_HEADER]
-    served = response.headers[REPLICA_HEADER]
-    assert served == behavior.decisions[request_id], "served by a replica the router did not choose"
-    assert first_event(response)["replica"] == served
-    return served
 
 
 def test_post_is_pinned_to_the_router_choice(env: Env, client: httpx.Client) -> None:
@@ -519,16 +188,6 @@ def test_router_faults_fail_closed(env: Env, client: httpx.Client, mode: str, re
     assert_fail_closed(response, reason)
     assert len(env.behavior.calls) == calls + 1
     assert [r.posts() for r in env.replicas] == posts, "a replica received a request the router did not place"
-
-
-def assert_fail_closed(response: httpx.Response, reason: str) -> None:
-    assert response.status_code == 503, response.text
-    assert response.headers[SERVE_REASON_HEADER] == reason
-    assert response.headers["content-type"] == "application/json"
-    assert response.headers[REQUEST_ID_HEADER]
-    assert REPLICA_HEADER not in response.headers
-    error = response.json()["error"]
-    assert error["type"] == "service_unavailable" and error["code"] == 503 and reason in error["message"]
 
 
 def test_stalled_router_fails_within_the_route_timeout(env: Env, client: httpx.Client) -> None:
@@ -698,12 +357,6 @@ def test_body_forwarding_and_truncation(env: Env, client: httpx.Client) -> None:
     assert first_event(response)["body_len"] == len(big)
 
 
-def stream_one(url: str, payload: dict[str, Any]) -> tuple[httpx.Headers, list[str]]:
-    with httpx.Client(timeout=30) as client, client.stream("POST", url + CHAT_PATH, json=payload) as response:
-        assert response.status_code == 200, response.read()
-        return response.headers, [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-
-
 def test_syncer_adds_and_drains_replicas_under_streams_without_reload(env: Env) -> None:
     plane, r1 = env.plane, env.r1
     runtime, pool = plane.runtime, plane.syncer.replicas
@@ -756,11 +409,6 @@ def test_syncer_adds_and_drains_replicas_under_streams_without_reload(env: Env) 
         plane.replicas[:] = [env.r1.endpoint, env.r2.endpoint]
         plane.wait_synced()
         env.loop.run(r3.stop())
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def test_route_call_overhead(env: Env, capsys: pytest.CaptureFixture[str]) -> None:

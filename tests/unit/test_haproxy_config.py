@@ -13,15 +13,14 @@ from pydantic import ValidationError
 
 from infra import haproxy_config
 from infra.haproxy_config import (
-    LUA_TEMPLATE,
     REPLICA_BACKEND,
     ROUTER_BACKEND,
     AppRoute,
     HAProxySettings,
     render_config,
-    render_lua,
     replica_slot_names,
 )
+from infra.haproxy_lua import LUA_TEMPLATE, render_lua
 from infra.haproxy_process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
 from infra.runtime_api import ServerStat
 from services.haproxy_syncer import HAProxySyncer
