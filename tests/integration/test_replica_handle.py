@@ -53,9 +53,11 @@ def test_handle_stream_gives_the_same_sse_as_http(llm_cluster: LLMCluster) -> No
     endpoint = next(e for e in llm_cluster.endpoints if e.replica_id == start.header(REPLICA_HEADER))
     via_http = chunks(_payloads(httpx.post(f"{endpoint.url}/v1/chat/completions", json=GREEDY_CHAT).content))
     assert _content(via_handle) == _content(via_http) != ""
-    assert [c["choices"][0].get("finish_reason") for c in via_handle] == [
-        c["choices"][0].get("finish_reason") for c in via_http
-    ]
+    # vLLM may merge tokens into fewer chunks when the reader lags, so compare the stream's shape, not its chunk count.
+    for parsed in (via_handle, via_http):
+        reasons = [c["choices"][0].get("finish_reason") for c in parsed if c["choices"]]
+        assert reasons[-1] == "length"
+        assert all(r is None for r in reasons[:-1])
 
 
 def test_handle_stream_reports_bad_input_as_an_openai_error(llm_cluster: LLMCluster) -> None:
