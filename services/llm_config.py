@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.serve_internals import SERVE_SHUTDOWN_BUFFER_S
 from sluice.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS
+from sluice.rollout import config_version
 from sluice.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
 from sluice.tiny_model import SERVED_MODEL_NAME
 
@@ -111,3 +112,8 @@ class LLMAppConfig(BaseModel):
 
     engine: EngineConfig
     deployment: ReplicaDeploymentConfig = Field(default_factory=ReplicaDeploymentConfig)
+
+    def rollout_version(self) -> str:
+        """Serve's version of the deployment: everything but `num_replicas`, and the sluice release.
+        Redeploying with another replica count only scales; any other change rolls the replicas."""
+        return config_version(self.model_dump(mode="json", exclude={"deployment": {"num_replicas"}}))

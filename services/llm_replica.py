@@ -22,6 +22,7 @@ from services.capacity_ledger_actor import ledger_actor_name
 from services.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
 from services.llm_config import LLMAppConfig
 from services.replica_headers import ReplicaHeadersMiddleware
+from services.serve_internals import with_rollout_version
 from services.vllm_app import build_openai_app, parse_engine_args, start_engine
 
 
@@ -63,7 +64,8 @@ class LLMReplica:
 
 
 def llm_deployment(config: LLMAppConfig) -> Deployment:
-    return serve.deployment(LLMReplica).options(**config.deployment.serve_options())
+    deployment = serve.deployment(LLMReplica).options(**config.deployment.serve_options())
+    return with_rollout_version(deployment, config.rollout_version())
 
 
 def llm_application(config: LLMAppConfig) -> Application:

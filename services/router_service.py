@@ -61,7 +61,7 @@ from routers.capacity_queue import CapacityQueue, LedgerClient
 from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
 from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
 from services.capacity_ledger_actor import ActorLedgerClient, get_or_create_ledger, ledger_actor_name
-from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
+from services.serve_internals import ReplicaEndpoint, list_replica_endpoints, with_rollout_version
 from sluice.contracts import (
     BODY_TRUNCATED_HEADER,
     DEFAULT_MAX_ONGOING_REQUESTS,
@@ -69,6 +69,7 @@ from sluice.contracts import (
     ROUTE_PATH,
     SESSION_HEADER_DEFAULT,
 )
+from sluice.rollout import config_version
 from sluice.route_wire import RouteRefusal, RouteReply
 
 logger = logging.getLogger(__name__)
@@ -301,4 +302,5 @@ def router_application(
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return deployment.bind(settings.model_dump())
+    version = config_version([settings.model_dump(mode="json"), name, max_ongoing_requests])
+    return with_rollout_version(deployment, version).bind(settings.model_dump())

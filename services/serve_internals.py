@@ -1,5 +1,8 @@
 """The one place sluice touches Ray and Ray Serve private APIs (Ray 2.60): a Ray upgrade edits this file.
 
+A pinned deployment version (`with_rollout_version`) lets a redeploy that changes only `num_replicas`
+scale in place: without it Serve gives every `serve.run` a random version and rolls every replica.
+
 Replica endpoint discovery asks the Serve controller for the direct-ingress target groups of an
 application. The controller lists only RUNNING replicas whose port is allocated, so a stopping
 replica disappears at once and a replaced replica shows up with its new port.
@@ -16,10 +19,17 @@ from ray.serve._private.constants import (
     SERVE_CONTROLLER_NAME,
     SERVE_NAMESPACE,
 )
+from ray.serve.deployment import Deployment
 
 # Serve raises a direct-ingress deployment's graceful_shutdown_timeout_s to at least its minimum
 # draining period plus this buffer, then force-kills the replica at that deadline.
 SERVE_SHUTDOWN_BUFFER_S = float(RAY_SERVE_DIRECT_INGRESS_SHUTDOWN_BUFFER_S)
+
+
+def with_rollout_version(deployment: Deployment, version: str) -> Deployment:
+    """`deployment` under a fixed version: Serve restarts its replicas only when `version` (or their
+    actor options) changes, and treats a new `num_replicas` alone as a scale, not a rollout."""
+    return deployment.options(version=version, _internal=True)
 
 
 def ray_resolves_node_ip_to_loopback() -> bool:

@@ -52,11 +52,15 @@ def _serve(args: argparse.Namespace) -> int:
     stack = DirectStreamStack(spec)
     try:
         stack.start()
-        print(f"\nsluice is serving the tiny model at {stack.url} (HAProxy -> {spec.routers} router(s), "
-              f"policy {spec.policy} -> {spec.replicas} vLLM replicas):")
+        print(
+            f"\nsluice is serving the tiny model at {stack.url} (HAProxy -> {spec.routers} router(s), "
+            f"policy {spec.policy} -> {spec.replicas} vLLM replicas):"
+        )
         print(f"  curl -N {stack.url}/v1/chat/completions -H 'content-type: application/json' \\")
-        print("    -d '{\"model\": \"sluice-tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
-              "\"max_tokens\": 32, \"stream\": true}'")
+        print(
+            '    -d \'{"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], '
+            '"max_tokens": 32, "stream": true}\''
+        )
         print(f"  HAProxy metrics: http://127.0.0.1:{spec.prometheus_port}/metrics")
         print("Ctrl-C stops everything.", flush=True)
         stop.wait()

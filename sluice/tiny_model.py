@@ -28,7 +28,7 @@ SERVED_MODEL_NAME = "sluice-tiny"
 CHATML_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:\n<tools>\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' and message.get('tool_calls') %}<|im_start|>assistant\n"
@@ -41,10 +41,33 @@ CHATML_TEMPLATE = (
 )
 
 _SYLLABLES = [
-    "ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "pa", "qu", "ex", "an", "or", "is",
-    "stream", "token", "route", "replica", "serve", "queue", "hash", "ring", "data", "plane",
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "ru",
+    "sa",
+    "te",
+    "vo",
+    "zi",
+    "pa",
+    "qu",
+    "ex",
+    "an",
+    "or",
+    "is",
+    "stream",
+    "token",
+    "route",
+    "replica",
+    "serve",
+    "queue",
+    "hash",
+    "ring",
+    "data",
+    "plane",
 ]
-_PUNCTUATION = [".", ",", "!", "?", ":", ";", "{", "}", "\"", "[", "]", "0", "1", "2", "7", "9"]
+_PUNCTUATION = [".", ",", "!", "?", ":", ";", "{", "}", '"', "[", "]", "0", "1", "2", "7", "9"]
 
 
 def _corpus(lines: int = 4000) -> list[str]:

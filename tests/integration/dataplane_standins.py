@@ -44,7 +44,6 @@ CHAT_PATH = "/v1/chat/completions"
 OPEN_ROUTER_PREFIX = "/open"
 
 
-
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -74,9 +74,7 @@ def test_stopping_a_replica_lets_its_stream_finish(lifecycle_app) -> None:
             first = next(lines)
             result["started"] = time.monotonic()
             started.set()
-            payloads = [first[len("data: ") :]] + [
-                line[len("data: ") :] for line in lines if line.startswith("data: ")
-            ]
+            payloads = [first[len("data: ") :]] + [line[len("data: ") :] for line in lines if line.startswith("data: ")]
             result["parsed"] = chunks(payloads)
             result["finished"] = time.monotonic()
 

@@ -143,10 +143,7 @@ def test_forced_tool_call_stream(llm_cluster: LLMCluster) -> None:
     with httpx.stream("POST", url, json={**WEATHER_TOOL_REQUEST, "stream": True}, timeout=60) as response:
         parsed = chunks(data_lines(response))
     deltas = [
-        call
-        for chunk in parsed
-        for choice in chunk["choices"]
-        for call in (choice["delta"].get("tool_calls") or [])
+        call for chunk in parsed for choice in chunk["choices"] for call in (choice["delta"].get("tool_calls") or [])
     ]
     assert deltas, "no tool-call deltas streamed"
     head, fragments = deltas[0], deltas[1:]

@@ -50,9 +50,7 @@ def test_replaces_a_malformed_request_id() -> None:
 
 
 def test_without_echo_leaves_the_response_request_id_to_serve() -> None:
-    request, response = _run(
-        ReplicaHeadersMiddleware(None, "r4", echo_request_id=False), [(b"x-request-id", b"abc")]
-    )
+    request, response = _run(ReplicaHeadersMiddleware(None, "r4", echo_request_id=False), [(b"x-request-id", b"abc")])
     assert request[b"x-request-id"] == b"abc"
     assert all(k != b"x-request-id" for k, _ in response)
     assert (b"x-serve-replica", b"r4") in response
