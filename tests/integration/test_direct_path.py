@@ -16,9 +16,16 @@ import pytest
 from builders.direct_stream import DirectStreamSpec, DirectStreamStack
 from services.serve_internals import list_replica_endpoints
 from sluice.cluster import wait_for_endpoints
-from sluice.contracts import REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_PATH, SERVE_REASON_HEADER
+from sluice.contracts import (
+    REASON_ROUTER_UNREACHABLE,
+    REPLICA_HEADER,
+    REQUEST_ID_HEADER,
+    ROUTE_PATH,
+    SERVE_REASON_HEADER,
+)
 from tests.integration.conftest import LLMCluster, free_port
 from tests.integration.sse import chunks, data_lines
+from tests.integration.vllm_metrics import engine_requests
 
 pytestmark = pytest.mark.integration
 
@@ -59,16 +66,6 @@ def _router_choice(client: httpx.Client, route_url: str, session: str) -> str:
     reply = client.post(route_url, headers={"x-session-id": session})
     assert reply.status_code == 200, reply.text
     return reply.json()["replica_id"]
-
-
-def _engine_requests(llm_cluster: LLMCluster) -> float:
-    """Requests the vLLM engines have finished or hold, over every replica."""
-    total = 0.0
-    for endpoint in asyncio.run(list_replica_endpoints(llm_cluster.app)):
-        text = httpx.get(f"{endpoint.url}/metrics").text
-        pattern = r"^vllm:(?:request_success_total|num_requests_running|num_requests_waiting)\{[^}]*\} (\S+)$"
-        total += sum(float(v) for v in re.findall(pattern, text, re.M))
-    return total
 
 
 def test_every_post_is_served_by_the_replica_the_router_chose(stack, client, route_url) -> None:
@@ -140,7 +137,7 @@ def _router_processes(stack: DirectStreamStack) -> list[psutil.Process]:
 def test_stopped_routers_fail_closed_within_the_route_timeout(stack, client, llm_cluster: LLMCluster) -> None:
     routers = _router_processes(stack)
     assert len(routers) == 2
-    before = _engine_requests(llm_cluster)
+    before = engine_requests(llm_cluster.app)
     for process in routers:
         os.kill(process.pid, signal.SIGSTOP)
     try:
@@ -152,10 +149,32 @@ def test_stopped_routers_fail_closed_within_the_route_timeout(stack, client, llm
             os.kill(process.pid, signal.SIGCONT)
         stack.wait_until_serving(replicas=2, routers=2, timeout_s=30)  # health checks may have marked them down
     assert response.status_code == 503
-    assert response.headers[SERVE_REASON_HEADER] == "router_unreachable"
+    assert response.headers[SERVE_REASON_HEADER] == REASON_ROUTER_UNREACHABLE
     assert response.json()["error"]["code"] == 503
     assert elapsed < ROUTE_TIMEOUT_S + 0.5
-    assert _engine_requests(llm_cluster) == before, "a replica received a request the router never placed"
+    assert engine_requests(llm_cluster.app) == before, "a replica received a request the router never placed"
+
+
+def test_killed_routers_fail_closed(stack, client, llm_cluster: LLMCluster) -> None:
+    routers = _router_processes(stack)
+    assert len(routers) == 2
+    before = engine_requests(llm_cluster.app)
+    killed = {e.replica_id for e in asyncio.run(list_replica_endpoints(stack.spec.router_app))}
+    for process in routers:
+        os.kill(process.pid, signal.SIGKILL)
+    response = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers={"x-session-id": "s"})
+    assert response.status_code == 503
+    assert response.headers[SERVE_REASON_HEADER] == REASON_ROUTER_UNREACHABLE
+    assert response.json()["error"]["code"] == 503
+    assert engine_requests(llm_cluster.app) == before, "a replica received a request the router never placed"
+    # Serve replaces the killed routers: until it notices, it still lists them and HAProxy may still route to them.
+    deadline = time.monotonic() + 120
+    while killed & {e.replica_id for e in wait_for_endpoints(stack.spec.router_app, 2, timeout_s=120)}:
+        assert time.monotonic() < deadline, "Serve never replaced the killed routers"
+        time.sleep(0.5)
+    stack.wait_until_serving(replicas=2, routers=2, timeout_s=60)
+    ok = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers={"x-session-id": "s"})
+    assert ok.status_code == 200, ok.headers
 
 
 def test_requests_keep_succeeding_with_one_router_killed(stack, client) -> None:
