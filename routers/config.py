@@ -29,6 +29,7 @@ class PowerOfTwoSettings(_Settings):
 class ConsistentHashSettings(_Settings):
     num_fallback_replicas: int = Field(DEFAULT_NUM_FALLBACK_REPLICAS, ge=0)
     load_factor: float | None = Field(None, ge=1.0)
+    user_affinity: bool = False
 
 
 class CapacityQueueSettings(_Settings):
@@ -67,5 +68,9 @@ def build_stateless_policy(policy: str, kwargs: dict) -> RoutingPolicy:
     if isinstance(settings, PowerOfTwoSettings):
         return PowerOfTwo(seed=settings.seed)
     if isinstance(settings, ConsistentHashSettings):
-        return ConsistentHash(num_fallback_replicas=settings.num_fallback_replicas, load_factor=settings.load_factor)
+        return ConsistentHash(
+            num_fallback_replicas=settings.num_fallback_replicas,
+            load_factor=settings.load_factor,
+            user_affinity=settings.user_affinity,
+        )
     raise PolicyConfigError(f"{policy} needs a capacity ledger")

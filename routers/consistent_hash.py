@@ -2,7 +2,9 @@
 
 Algorithm. Every routable replica owns `VIRTUAL_NODES` points on a 64-bit ring, the murmur3 hashes of
 `f"{replica_id}:{i}"`; points are sorted by (hash, replica_id). A request's key is its session id, or
-its request id when it has none. The primary is the owner of the first point clockwise of the key's
+its request id when it has none; with `user_affinity` (opt-in, for apps that forward bodies) a request
+without a session id is keyed by the body's OpenAI `user` field when the body has one, so an end user
+sticks to a replica without a custom header. The primary is the owner of the first point clockwise of the key's
 hash (wrapping at the end); the fallbacks are the next `num_fallback_replicas` *distinct* owners met
 walking on clockwise, so a replica that rejects the request sends it somewhere else. Adding a replica
 moves only the keys its new points take over (about 1/(N+1) of them, all to the new replica);
@@ -58,7 +60,12 @@ class ConsistentHash(RoutingPolicy):
     name = "consistent_hash"
     sticky = True
 
-    def __init__(self, num_fallback_replicas: int = DEFAULT_NUM_FALLBACK_REPLICAS, load_factor: float | None = None):
+    def __init__(
+        self,
+        num_fallback_replicas: int = DEFAULT_NUM_FALLBACK_REPLICAS,
+        load_factor: float | None = None,
+        user_affinity: bool = False,
+    ):
         if num_fallback_replicas < 0:
             raise ValueError(f"num_fallback_replicas must be >= 0, got {num_fallback_replicas}")
         if load_factor is not None and not load_factor >= 1.0:
@@ -66,6 +73,7 @@ class ConsistentHash(RoutingPolicy):
         super().__init__()
         self.num_fallback_replicas = num_fallback_replicas
         self.load_factor = load_factor
+        self.user_affinity = user_affinity
         self.rebuild_count = 0
         self._vnodes: dict[str, list[int]] = {}
         # The ring as parallel lists sorted by (hash, owner): bisect works on the plain ints.
@@ -120,10 +128,19 @@ class ConsistentHash(RoutingPolicy):
             load = {replica_id: self.live_in_flight(view) for replica_id, view in views.items()}
             bound = math.ceil(self.load_factor * (sum(load.values()) + 1) / len(load))
             eligible = {replica_id for replica_id, n in load.items() if n + 1 <= bound}
-        has_session = isinstance(request.session_id, str) and request.session_id != ""
-        ids, passed_over = self.lookup(request.session_id if has_session else request.request_id, eligible)
-        reason = "bound_exceeded" if passed_over else "primary" if has_session else "no_session_header"
+        key, sticky_reason = self._key(request)
+        ids, passed_over = self.lookup(key, eligible)
+        reason = "bound_exceeded" if passed_over else sticky_reason
         return [[views[replica_id]] for replica_id in ids], reason
+
+    def _key(self, request: RouteRequest) -> tuple[str, str]:
+        """The hash key and the decision reason it gives when the primary is the natural owner."""
+        if request.session_id:
+            return request.session_id, "primary"
+        if self.user_affinity and request.user:
+            # Prefixed so a user id never lands where the same string as a session id would.
+            return f"user:{request.user}", "user_affinity"
+        return request.request_id, "no_session_header"
 
     def _position(self, h: int, replica_id: str) -> int:
         """Where point (h, replica_id) sits, or would be inserted, in the (hash, owner) order."""

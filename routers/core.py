@@ -36,11 +36,13 @@ class ReplicaView:
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """One request to place. `body_prefix` is at most the forwarding buffer; it may be cut."""
+    """One request to place. `body_prefix` is at most the forwarding buffer; it may be cut. `model` and
+    `user` (OpenAI's end-user id) are read from it when the app forwards bodies, else None."""
 
     request_id: str
     session_id: str | None = None
     model: str | None = None
+    user: str | None = None
     body_prefix: bytes = b""
     body_truncated: bool = False
 

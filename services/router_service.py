@@ -35,9 +35,10 @@ it to the replica in `x-sluice-capacity-token`, and the replica releases it when
 the ledger's TTL reaper.
 
 Request body. Empty unless body forwarding is on for the app; then it is the client body up to the
-buffer limit, and `x-body-truncated: have/total` says it was cut. The `"model"` field is read with
-json when the body parses, else with a regex on the prefix, else it is None: a truncated or invalid
-body never fails the route call. `x-sluice-app` is accepted and not needed: each router serves one
+buffer limit, and `x-body-truncated: have/total` says it was cut. The `"model"` and `"user"` fields
+are read with json when the body parses, else with a regex on the prefix, else they are None: a
+truncated or invalid body never fails the route call. consistent_hash with `user_affinity` keys on
+`user` when a request has no session header. `x-sluice-app` is accepted and not needed: each router serves one
 target app, and HAProxy sends each app's route calls to that app's router.
 """
 
@@ -80,8 +81,10 @@ ROUTER_DEPLOYMENT_NAME = "Router"
 # call may wait up to its `max_wait_s`; Serve's default of 5 would queue every call behind 5 waiters.
 ROUTER_MAX_ONGOING_REQUESTS = 1024
 _JSON = "application/json"
-# The first `"model": "<string>"` of a body that does not parse (cut at the buffer limit, or invalid).
-_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
+# Body fields a policy may use. In a body that does not parse (cut at the buffer limit, or invalid), the
+# first `"<field>": "<string>"` of the prefix.
+BODY_FIELDS = ("model", "user")
+_FIELD_PATTERNS = {name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*"((?:[^"\\]|\\.)*)"') for name in BODY_FIELDS}
 
 ROUTED_TOTAL = Counter("sluice_router_routed", "Route calls answered with a replica.", ["app", "policy"])
 REFUSED_TOTAL = Counter("sluice_router_refused", "Route calls refused (503) by reason.", ["app", "policy", "reason"])
@@ -146,34 +149,44 @@ def body_truncated(value: str | None) -> bool:
         return True
 
 
-def model_from_body(body: bytes, truncated: bool) -> str | None:
-    """The body's `"model"`: from json when it parses, else from a regex on the prefix, else None."""
+def fields_from_body(body: bytes, truncated: bool) -> dict[str, str | None]:
+    """Each of `BODY_FIELDS` as a non-empty string: from json when the body parses, else from a regex on
+    the prefix, else None. Never raises: a body-aware policy must cope with any body."""
     if not body:
-        return None
+        return dict.fromkeys(BODY_FIELDS)
     if not truncated:
         try:
             parsed = json.loads(body)
         except (ValueError, RecursionError):
-            parsed = None
+            pass
         else:
-            model = parsed.get("model") if isinstance(parsed, dict) else None
-            return model if isinstance(model, str) and model else None
-    match = _MODEL_FIELD.search(body)
+            parsed = parsed if isinstance(parsed, dict) else {}
+            return {name: _non_empty_string(parsed.get(name)) for name in BODY_FIELDS}
+    return {name: _field_from_prefix(body, name) for name in BODY_FIELDS}
+
+
+def _field_from_prefix(body: bytes, name: str) -> str | None:
+    match = _FIELD_PATTERNS[name].search(body)
     if match is None:
         return None
     try:
-        model = json.loads(b'"' + match.group(1) + b'"')
+        return _non_empty_string(json.loads(b'"' + match.group(1) + b'"'))
     except ValueError:
         return None
-    return model or None
+
+
+def _non_empty_string(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def route_request_from(headers: Mapping[str, str], body: bytes, session_header: str) -> RouteRequest:
     truncated = body_truncated(headers.get(BODY_TRUNCATED_HEADER))
+    fields = fields_from_body(body, truncated)
     return RouteRequest(
         request_id=headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex,
         session_id=headers.get(session_header) or None,
-        model=model_from_body(body, truncated),
+        model=fields["model"],
+        user=fields["user"],
         body_prefix=body,
         body_truncated=truncated,
     )

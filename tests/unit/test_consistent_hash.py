@@ -251,6 +251,27 @@ def test_session_sticks_and_ring_is_rebuilt_only_when_the_set_changes() -> None:
     assert policy.counts.decisions["no_session_header"] == 2
 
 
+def test_user_affinity_keys_on_the_body_user_only_when_there_is_no_session() -> None:
+    ids = [f"replica-{i:03d}" for i in range(6)]
+    views = _views(ids)
+    ring = _oracle_ring(ids)
+    policy = ConsistentHash(user_affinity=True)
+    users = [f"user-{i}" for i in range(40)]
+    for user in users:
+        owners = {
+            policy.rank(views, RouteRequest(request_id=f"{user}-{t}", user=user))[0][0].replica_id for t in range(5)
+        }
+        assert owners == {_oracle_lookup(ring, f"user:{user}", 0)[0]}
+    assert len({_oracle_lookup(ring, f"user:{u}", 0)[0] for u in users}) > 1, "users spread over the ring"
+    assert policy.counts.decisions == {"user_affinity": 200}
+    # A session header wins over the user; without the opt-in the user is ignored.
+    with_session = policy.rank(views, RouteRequest(request_id="r", session_id="alice", user="bob"))
+    assert with_session[0][0].replica_id == _oracle_lookup(ring, "alice", 0)[0]
+    plain = ConsistentHash()
+    spread = {plain.rank(views, RouteRequest(request_id=f"r{i}", user="bob"))[0][0].replica_id for i in range(60)}
+    assert len(spread) > 1 and plain.counts.decisions == {"no_session_header": 60}
+
+
 def test_bound_exceeded_is_counted_when_the_owner_is_full() -> None:
     ids = [f"replica-{i:03d}" for i in range(4)]
     policy = ConsistentHash(load_factor=1.0)

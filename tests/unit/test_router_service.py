@@ -20,7 +20,7 @@ from services.router_service import (
     RouterSettings,
     build_policy,
     build_router_app,
-    model_from_body,
+    fields_from_body,
     route_request_from,
 )
 from services.serve_internals import ReplicaEndpoint
@@ -196,14 +196,29 @@ def test_truncated_or_invalid_bodies_never_fail_and_truncation_is_counted() -> N
     ],
 )
 def test_model_is_read_from_json_else_from_the_prefix(body: bytes, truncated: bool, model: str | None) -> None:
-    assert model_from_body(body, truncated) == model
+    assert fields_from_body(body, truncated)["model"] == model
+
+
+@pytest.mark.parametrize(
+    "body,truncated,user",
+    [
+        (b'{"model": "m", "user": "alice", "prompt": "hi"}', False, "alice"),
+        (b'{"user": "alice", "model": "m", "prompt": [1, 2, 3', True, "alice"),
+        (b'{"model": "m", "prompt": [1, 2, 3', True, None),  # the user field is past the cut
+        (b'{"model": "m", "user": 7}', False, None),
+        (b'{"model": "m", "user": "al', True, None),
+        (b'{"model": "m", "messages": [{"content": "\\"user\\": \\"eve\\""}]}', False, None),
+    ],
+)
+def test_user_is_read_from_json_else_from_the_prefix(body: bytes, truncated: bool, user: str | None) -> None:
+    assert fields_from_body(body, truncated)["user"] == user
 
 
 def test_the_route_request_carries_headers_and_body() -> None:
-    body = b'{"model": "sluice-tiny", "mess'
-    headers = {REQUEST_ID_HEADER: "req-1", "x-team-session": "s-9", BODY_TRUNCATED_HEADER: "30/900"}
+    body = b'{"model": "sluice-tiny", "user": "u-1", "mess'
+    headers = {REQUEST_ID_HEADER: "req-1", "x-team-session": "s-9", BODY_TRUNCATED_HEADER: "45/900"}
     assert route_request_from(headers, body, "x-team-session") == RouteRequest(
-        request_id="req-1", session_id="s-9", model="sluice-tiny", body_prefix=body, body_truncated=True
+        request_id="req-1", session_id="s-9", model="sluice-tiny", user="u-1", body_prefix=body, body_truncated=True
     )
     fresh = route_request_from({"x-team-session": ""}, b"", "x-team-session")
     assert fresh.session_id is None and len(fresh.request_id) == 32 and fresh.model is None
