@@ -11,19 +11,33 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
 
-from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND, AppRoute, HAProxySettings
+from infra.haproxy_config import (
+    BODY_BUFFER_BYTES_DEFAULT,
+    CHECK_INTER_S_DEFAULT,
+    REPLICA_BACKEND,
+    ROUTER_BACKEND,
+    AppRoute,
+    HAProxySettings,
+)
 from infra.haproxy_process import HAProxyProcess
 from infra.runtime_api import RuntimeAPI
 from services.haproxy_syncer import HAProxySyncer
+from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
+from services.llm_replica import llm_application
+from services.router_service import RouterSettings, router_application
 from services.serve_internals import list_replica_endpoints
+from sluice.cluster import wait_for_endpoints
 from sluice.contracts import (
     DEFAULT_MAX_ONGOING_REQUESTS,
     HAPROXY_PORT_DEFAULT,
+    HAPROXY_PROMETHEUS_PORT_DEFAULT,
     ROUTE_TIMEOUT_S_DEFAULT,
     SESSION_HEADER_DEFAULT,
 )
@@ -47,11 +61,11 @@ class DirectStreamSpec(BaseModel):
     session_header: str = SESSION_HEADER_DEFAULT
     fail_open: bool = False
     forward_body: bool = False
-    body_buffer_bytes: int = 262144
+    body_buffer_bytes: int = BODY_BUFFER_BYTES_DEFAULT
     haproxy_port: int = HAPROXY_PORT_DEFAULT
-    prometheus_port: int = 8404
+    prometheus_port: int = HAPROXY_PROMETHEUS_PORT_DEFAULT
     route_timeout_s: float = ROUTE_TIMEOUT_S_DEFAULT
-    check_inter_s: float = 5.0
+    check_inter_s: float = CHECK_INTER_S_DEFAULT
     # Config, Lua, map and runtime socket; None: a folder per HAProxy port in the cache.
     workdir: Path | None = None
 
@@ -81,12 +95,8 @@ class DirectStreamSpec(BaseModel):
         )
 
 
-def deploy_llm(spec: DirectStreamSpec) -> None:
-    from ray import serve
-
-    from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
-    from services.llm_replica import llm_application
-
+def deploy_llm(spec: DirectStreamSpec) -> LLMAppConfig:
+    """Deploy the LLM app of `spec` (without waiting for its replicas) and return its config."""
     if spec.model is None:
         raise ValueError("deploy_llm needs spec.model")
     config = LLMAppConfig(
@@ -98,6 +108,7 @@ def deploy_llm(spec: DirectStreamSpec) -> None:
         ),
     )
     serve.run(llm_application(config), name=spec.app, route_prefix="/", blocking=False)
+    return config
 
 
 class _SyncerThread:
@@ -141,11 +152,6 @@ class DirectStreamStack:
         return f"http://127.0.0.1:{self.spec.haproxy_port}"
 
     def start(self, deploy_model: bool = True, timeout_s: float = 300.0) -> DirectStreamStack:
-        from ray import serve
-
-        from services.router_service import RouterSettings, router_application
-        from sluice.cluster import wait_for_endpoints
-
         spec = self.spec
         if deploy_model:
             deploy_llm(spec)
@@ -167,7 +173,7 @@ class DirectStreamStack:
         settings = spec.haproxy_settings()
         settings.workdir.mkdir(parents=True, exist_ok=True)
         self.haproxy = HAProxyProcess(settings).start()
-        self.runtime = RuntimeAPI(settings.socket_path)
+        self.runtime = self.haproxy.runtime
         syncer = HAProxySyncer(
             self.runtime,
             settings,
@@ -179,20 +185,25 @@ class DirectStreamStack:
         self.wait_until_serving(spec.replicas, spec.routers, timeout_s=60)
         return self
 
-    def up_servers(self, backend: str) -> int:
+    def _up_counts(self) -> Counter[str]:
+        """Backend -> number of its servers UP, from one `show stat`."""
         assert self.runtime is not None
-        return sum(1 for (b, _), stat in self.runtime.show_stat().items() if b == backend and stat.up)
+        return Counter(backend for (backend, _), stat in self.runtime.show_stat().items() if stat.up)
+
+    def up_servers(self, backend: str) -> int:
+        return self._up_counts()[backend]
 
     def wait_until_serving(self, replicas: int, routers: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.up_servers(REPLICA_BACKEND) < replicas or self.up_servers(ROUTER_BACKEND) < routers:
+        while True:
+            up = self._up_counts()
+            if up[REPLICA_BACKEND] >= replicas and up[ROUTER_BACKEND] >= routers:
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError("HAProxy never saw every replica and router UP")
             time.sleep(0.2)
 
     def stop(self, delete_apps: bool = True) -> None:
-        from ray import serve
-
         if self._syncer is not None:
             self._syncer.stop()
         if self.haproxy is not None:

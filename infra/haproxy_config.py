@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sluice.contracts import (
     DEFAULT_BIND_HOST,
     HAPROXY_PORT_DEFAULT,
+    HAPROXY_PROMETHEUS_PORT_DEFAULT,
     HEALTH_PATH,
     INTERNAL_HEADER_PREFIXES,
     REASON_ROUTER_UNREACHABLE,
@@ -37,6 +38,7 @@ from sluice.contracts import (
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
 )
+from sluice.runtime import LOOPBACK
 
 # Names inside the rendered config (HAProxy-internal, not part of the wire contract).
 FRONTEND = "sluice_http"
@@ -48,11 +50,13 @@ ROUTER_SLOT_PREFIX = "router"
 LUA_ACTION = "sluice_route"
 VAR_SERVER = "txn.sluice_server"
 VAR_REASON = "txn.sluice_reason"
-VAR_REPLICA_ID = "txn.sluice_replica_id"
 VAR_REQUEST_ID = "txn.sluice_request_id"
 # A freed slot points here: nothing listens on port 1 and the slot is in maintenance anyway.
-DUMMY_SERVER_ADDR = ("127.0.0.1", 1)
+DUMMY_SERVER_ADDR = (LOOPBACK, 1)
 PROMETHEUS_PATH = "/metrics"
+# Defaults shared with `builders.direct_stream.DirectStreamSpec`.
+BODY_BUFFER_BYTES_DEFAULT = 262144
+CHECK_INTER_S_DEFAULT = 5.0
 # Headroom in the request buffer for the request line and headers when the body is buffered for the router.
 HEADER_HEADROOM_BYTES = 32768
 # Lua patterns for values taken from the router's reply (anything else is refused, so nothing reaches a header
@@ -79,7 +83,7 @@ class AppRoute(BaseModel):
     fail_open: bool = False
     # Send the client body (up to body_buffer_bytes) to the router; needed by body-aware policies only.
     forward_body: bool = False
-    body_buffer_bytes: int = Field(262144, ge=1024, le=64 * 1024 * 1024)
+    body_buffer_bytes: int = Field(BODY_BUFFER_BYTES_DEFAULT, ge=1024, le=64 * 1024 * 1024)
     session_header: str = SESSION_HEADER_DEFAULT
     # Route prefix of the router deployment: the route call goes to `<prefix>/internal/route` ("" = at the root).
     router_route_prefix: str = ""
@@ -119,7 +123,7 @@ class HAProxySettings(BaseModel):
     app: AppRoute
     bind_host: str = DEFAULT_BIND_HOST
     port: int = Field(HAPROXY_PORT_DEFAULT, ge=1, le=65535)
-    prometheus_port: int = Field(8404, ge=1, le=65535)
+    prometheus_port: int = Field(HAPROXY_PROMETHEUS_PORT_DEFAULT, ge=1, le=65535)
     replica_slots: int = Field(16, ge=1, le=4096)
     router_slots: int = Field(8, ge=1, le=256)
     route_timeout_s: float = Field(ROUTE_TIMEOUT_S_DEFAULT, gt=0, le=60)
@@ -128,7 +132,7 @@ class HAProxySettings(BaseModel):
     # and only until this HAProxy thread has marked it suspect or the health check has marked it down.
     route_connect_timeout_s: float = Field(0.05, gt=0, le=10)
     # Health checks (DESIGN.md §3: Ray's defaults).
-    check_inter_s: float = Field(5.0, gt=0)
+    check_inter_s: float = Field(CHECK_INTER_S_DEFAULT, gt=0)
     check_fastinter_s: float = Field(0.25, gt=0)
     check_downinter_s: float = Field(0.25, gt=0)
     check_fall: int = Field(2, ge=1)
@@ -255,7 +259,7 @@ def render_config(settings: HAProxySettings) -> str:
     lines += [
         "",
         f"frontend {PROMETHEUS_FRONTEND}",
-        f"    bind {DEFAULT_BIND_HOST}:{settings.prometheus_port}",
+        f"    bind {LOOPBACK}:{settings.prometheus_port}",
         "    no log",
         f"    http-request use-service prometheus-exporter if {{ path {PROMETHEUS_PATH} }}",
         "    http-request return status 404",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from string import Template
 
+from pydantic import BaseModel
+
 from infra.haproxy_config import (
     LUA_ACTION,
     LUA_REASON_PATTERN,
@@ -17,7 +19,6 @@ from infra.haproxy_config import (
     REPLICA_BACKEND,
     ROUTER_BACKEND,
     VAR_REASON,
-    VAR_REPLICA_ID,
     VAR_SERVER,
     HAProxySettings,
     router_slot_names,
@@ -33,6 +34,7 @@ from sluice.contracts import (
     REQUEST_ID_HEADER,
     ROUTE_PATH,
 )
+from sluice.route_wire import RouteRefusal, RouteReply
 
 
 def _lua_str(value: str) -> str:
@@ -44,6 +46,13 @@ def _lua_str(value: str) -> str:
 
 def _lua_list(values: list[str]) -> str:
     return "{" + ", ".join(_lua_str(v) for v in values) + "}"
+
+
+def _wire_field(model: type[BaseModel], name: str) -> str:
+    """A JSON field of the route reply the Lua action reads, as a Lua literal; fails if the model lost it."""
+    if name not in model.model_fields:
+        raise ValueError(f"{model.__name__} has no field {name!r}: the Lua action could not read it")
+    return _lua_str(name)
 
 
 LUA_TEMPLATE = Template(
@@ -72,7 +81,6 @@ local REPLICA_BACKEND = $replica_backend
 local MAP_PATH = $map_path
 local VAR_SERVER = $var_server_lua
 local VAR_REASON = $var_reason_lua
-local VAR_REPLICA_ID = $var_replica_id
 local REASON_ROUTER_UNREACHABLE = $reason_router_unreachable
 local REASON_ROUTER_NON_200 = $reason_router_non_200
 local REASON_UNPARSEABLE_REPLICA_ID = $reason_unparseable_replica_id
@@ -81,6 +89,10 @@ local REPLICA_ID_PATTERN = $replica_id_pattern
 local TOKEN_PATTERN = $token_pattern
 local REASON_PATTERN = $reason_pattern
 local MAX_ID_LENGTH = $max_id_length
+-- JSON fields of the router's reply.
+local FIELD_REASON = $field_reason
+local FIELD_REPLICA_ID = $field_replica_id
+local FIELD_CAPACITY_TOKEN = $field_capacity_token
 
 -- Replica id -> slot name; the syncer edits it through the runtime API (`add map` / `del map`).
 local replica_map = Map.new(MAP_PATH, Map._str)
@@ -101,6 +113,8 @@ local function usable(txn, backend_name, slot)
     if server == nil or server:is_draining() then
         return nil
     end
+    -- The "backend/slot" argument is built on every call on purpose: HAProxy 2.8 writes a NUL over the '/' of
+    -- the Lua string it is given, so a prebuilt string reused by the next request names no server.
     -- Sample fetches hand booleans to Lua as integers (0 is true in Lua): compare explicitly.
     local up = txn.f:srv_is_up(backend_name .. "/" .. slot)
     if up ~= 1 and up ~= true then
@@ -244,13 +258,13 @@ local function route(txn)
     local _, header_end = reply:find("\r\n\r\n", 1, true)
     local body = header_end and reply:sub(header_end + 1) or ""
     if status ~= "200" then
-        local reason = json_string(body, "reason")
+        local reason = json_string(body, FIELD_REASON)
         if valid(reason, REASON_PATTERN) then
             return reason
         end
         return REASON_ROUTER_NON_200
     end
-    local replica_id = json_string(body, "replica_id")
+    local replica_id = json_string(body, FIELD_REPLICA_ID)
     if not valid(replica_id, REPLICA_ID_PATTERN) then
         return REASON_UNPARSEABLE_REPLICA_ID
     end
@@ -258,14 +272,13 @@ local function route(txn)
     if slot == nil or not usable(txn, REPLICA_BACKEND, slot) then
         return REASON_UNKNOWN_REPLICA_ID
     end
-    local token = json_string(body, "capacity_token")
+    local token = json_string(body, FIELD_CAPACITY_TOKEN)
     if token ~= nil then
         if not valid(token, TOKEN_PATTERN) then
             return REASON_UNPARSEABLE_REPLICA_ID
         end
         txn.http:req_set_header(CAPACITY_TOKEN_HEADER, token)
     end
-    txn:set_var(VAR_REPLICA_ID, replica_id)
     txn:set_var(VAR_SERVER, slot)
     return nil
 end
@@ -310,7 +323,6 @@ def render_lua(settings: HAProxySettings) -> str:
         map_path=_lua_str(str(settings.map_path)),
         var_server_lua=_lua_str(VAR_SERVER),
         var_reason_lua=_lua_str(VAR_REASON),
-        var_replica_id=_lua_str(VAR_REPLICA_ID),
         reason_router_unreachable=_lua_str(REASON_ROUTER_UNREACHABLE),
         reason_router_non_200=_lua_str(REASON_ROUTER_NON_200),
         reason_unparseable_replica_id=_lua_str(REASON_UNPARSEABLE_REPLICA_ID),
@@ -319,5 +331,8 @@ def render_lua(settings: HAProxySettings) -> str:
         token_pattern=_lua_str(LUA_TOKEN_PATTERN),
         reason_pattern=_lua_str(LUA_REASON_PATTERN),
         max_id_length=str(MAX_ID_LENGTH),
+        field_reason=_wire_field(RouteRefusal, "reason"),
+        field_replica_id=_wire_field(RouteReply, "replica_id"),
+        field_capacity_token=_wire_field(RouteReply, "capacity_token"),
         action_name=_lua_str(LUA_ACTION),
     )

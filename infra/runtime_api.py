@@ -7,7 +7,7 @@ import io
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 ServerState = Literal["ready", "drain", "maint"]
 
@@ -70,12 +70,6 @@ class RuntimeAPI:
         if reply.strip():
             raise RuntimeAPIError(command, reply)
 
-    def is_alive(self) -> bool:
-        try:
-            return "Pid:" in self.command("show info")
-        except OSError:
-            return False
-
     # Servers.
     def set_server_addr(self, backend: str, server: str, host: str, port: int) -> None:
         command = f"set server {backend}/{server} addr {host} port {int(port)}"
@@ -85,8 +79,9 @@ class RuntimeAPI:
             raise RuntimeAPIError(command, reply)
 
     def set_server_state(self, backend: str, server: str, state: ServerState) -> None:
-        if state not in ("ready", "drain", "maint"):
-            raise ValueError(f"server state must be ready, drain or maint, not {state!r}")
+        states = get_args(ServerState)
+        if state not in states:
+            raise ValueError(f"server state must be one of {', '.join(states)}, not {state!r}")
         self.checked(f"set server {backend}/{server} state {state}")
 
     # Maps.
@@ -95,15 +90,13 @@ class RuntimeAPI:
         _check_token(value)
         self.checked(f"add map {map_path} {key} {value}")
 
-    def del_map(self, map_path: Path | str, key: str, missing_ok: bool = True) -> None:
+    def del_map(self, map_path: Path | str, key: str) -> None:
+        """Delete a map entry; an entry already gone is not an error."""
         _check_token(key)
         command = f"del map {map_path} {key}"
         reply = self.command(command).strip()
-        if not reply:
-            return
-        if missing_ok and "not found" in reply.lower():
-            return
-        raise RuntimeAPIError(command, reply)
+        if reply and "not found" not in reply.lower():
+            raise RuntimeAPIError(command, reply)
 
     def show_map(self, map_path: Path | str) -> dict[str, str]:
         """Key -> value of a map (each line of `show map` is `<ref> <key> <value>`)."""
@@ -120,7 +113,7 @@ class RuntimeAPI:
         return entries
 
     # Stats.
-    def show_stat(self, backend: str | None = None) -> dict[tuple[str, str], ServerStat]:
+    def show_stat(self) -> dict[tuple[str, str], ServerStat]:
         """(backend, server) -> stats of every server (not frontends/backends), from the CSV of `show stat`."""
         reply = self.command("show stat")
         if not reply.startswith("# "):
@@ -130,8 +123,6 @@ class RuntimeAPI:
         for row in rows:
             name = row.get("svname", "")
             if name in ("FRONTEND", "BACKEND") or not name:
-                continue
-            if backend is not None and row["pxname"] != backend:
                 continue
             stats[(row["pxname"], name)] = ServerStat(
                 backend=row["pxname"],

@@ -9,8 +9,10 @@ waiters queue FIFO, and every event that frees a slot (a release, a reap, new ca
 synchronous, so a slot never sits free while a waiter could take it and a new request cannot
 overtake one that queued earlier. (An `asyncio.Condition` would need its lock, which the
 synchronous `release`/`reap` cannot take, and `notify_all` would wake every waiter per slot.)
-Each operation is O(candidates); freeing a slot also scans the waiter queue only until the slot
-is handed out (the whole queue only when no waiter wants the replica that has room).
+Each operation is O(candidates) (`set_replicas`: O(replicas)). Only while someone waits does
+freeing a slot cost more: it finds the replicas with room (O(replicas)) and scans the waiter queue
+only until the slot is handed out (the whole queue only when no waiter wants the replica that has
+room).
 
 Exactly-once release. `release(token_id)` returns True only the first time. A second release of
 the same token is a counted no-op (`double_releases`); a token this ledger never issued (one from
@@ -70,14 +72,12 @@ class UnknownReplicas(LookupError):
 @dataclass(slots=True)
 class _Grant:
     replica_id: str
-    request_id: str
     issued_at: float
 
 
 @dataclass(slots=True)
 class _Waiter:
     replica_ids: tuple[str, ...]
-    request_id: str
     future: asyncio.Future[CapacityToken] = field(repr=False)
 
 
@@ -116,16 +116,17 @@ class CapacityLedger:
     async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float = 0.0) -> CapacityToken | None:
         """A token on the least-loaded candidate with room; else wait up to `wait_s` for one; else None.
 
-        Raises `UnknownReplicas` when none of the candidates is a current replica."""
+        Raises `UnknownReplicas` when none of the candidates is a current replica. `request_id` is part
+        of the `LedgerClient` call; the ledger does not keep it."""
         candidates = tuple(dict.fromkeys(replica_ids))
         if not any(replica_id in self._capacity for replica_id in candidates):
             raise UnknownReplicas(f"none of {len(candidates)} replicas is known to the ledger")
         replica_id = self._pick(candidates)
         if replica_id is not None:
-            return self._grant(replica_id, request_id)
+            return self._grant(replica_id)
         if wait_s <= 0:
             return None
-        return await self._wait(candidates, request_id, wait_s)
+        return await self._wait(candidates, wait_s)
 
     def release(self, token_id: str) -> bool:
         """Give back a token: True the first time, a counted no-op (False) after that."""
@@ -202,9 +203,9 @@ class CapacityLedger:
             return None
         return best[0] if len(best) == 1 else self._rng.choice(best)
 
-    def _grant(self, replica_id: str, request_id: str) -> CapacityToken:
+    def _grant(self, replica_id: str) -> CapacityToken:
         token = CapacityToken(token_id=uuid.uuid4().hex, replica_id=replica_id)
-        self._grants[token.token_id] = _Grant(replica_id, request_id, self._clock())
+        self._grants[token.token_id] = _Grant(replica_id, self._clock())
         self._in_flight[replica_id] = self.in_flight(replica_id) + 1
         self.granted += 1
         return token
@@ -219,10 +220,10 @@ class CapacityLedger:
         if len(self._finished) > RELEASED_MEMORY:
             self._finished.popitem(last=False)
 
-    async def _wait(self, candidates: tuple[str, ...], request_id: str, wait_s: float) -> CapacityToken | None:
+    async def _wait(self, candidates: tuple[str, ...], wait_s: float) -> CapacityToken | None:
         key = self._next_waiter
         self._next_waiter += 1
-        waiter = _Waiter(candidates, request_id, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(candidates, asyncio.get_running_loop().create_future())
         self._waiters[key] = waiter
         try:
             # shield: a timeout must not cancel the future, which may already hold a token.
@@ -239,6 +240,8 @@ class CapacityLedger:
 
     def _dispatch(self) -> None:
         """Hand free slots to waiters, oldest first; stop as soon as no replica has room."""
+        if not self._waiters:
+            return
         open_ids = {r for r, capacity in self._capacity.items() if self.in_flight(r) < capacity}
         served = []
         for key, waiter in self._waiters.items():
@@ -247,7 +250,7 @@ class CapacityLedger:
             if open_ids.isdisjoint(waiter.replica_ids):
                 continue
             replica_id = self._pick(waiter.replica_ids)
-            waiter.future.set_result(self._grant(replica_id, waiter.request_id))
+            waiter.future.set_result(self._grant(replica_id))
             served.append(key)
             if self.in_flight(replica_id) >= self._capacity[replica_id]:
                 open_ids.discard(replica_id)

@@ -6,10 +6,10 @@ restarted ledger does), and asks for a token without waiting. Granted: reason `a
 replicas full: the request queues in the ledger, in slices of at most `WAIT_SLICE_S`, until a slot
 is handed to it (reason `waited`) or `max_wait_s` has passed (`NoReplicaAvailable
 ("capacity_timeout")`). The ranking puts the token's replica first, alone in its tier, then
-`FALLBACKS` (2) other replicas, each in its own tier, least loaded (live in-flight / capacity)
-first, ties at random. If
-the caller ends up on a fallback tier the token still counts against the primary until released:
-the error is on the safe side. The caller releases the token exactly once when the request ends.
+`DEFAULT_NUM_FALLBACK_REPLICAS` (2, from `routers.core`) other replicas, each in its own tier,
+least loaded (live in-flight / capacity) first, ties at random. If the caller ends up on a
+fallback tier the token still counts against the primary until released: the error is on the safe
+side. The caller releases the token exactly once when the request ends.
 
 Faults. Any exception from the ledger (an error, a call timeout, a dead or restarting actor) is a
 fault, counted as event `ledger_fault`. After a fault the request sleeps `backoff_initial_s`
@@ -30,7 +30,8 @@ Constants and why:
 - `WAIT_SLICE_S` = 2 s: a waiting request re-asks the ledger at least every 2 s, so a ledger that
   hangs (rather than failing fast) is noticed within a slice plus the call timeout; a re-ask puts
   the request at the back of the ledger's FIFO, at most once per 2 s.
-- `max_wait_s` = 30 s default: past that a queued request is better rejected than kept.
+- `DEFAULT_MAX_WAIT_S` = 30 s, the default `max_wait_s`: past that a queued request is better
+  rejected than kept.
 
 THE RESTART BOUND (see `routers.capacity_ledger`). A restarted ledger is empty: after the policy
 pushes the replica set again each replica can be granted up to `capacity` new tokens on top of up
@@ -48,11 +49,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from routers.capacity_ledger import CapacityLedger, UnknownReplicas
-from routers.core import CapacityToken, Decision, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
+from routers.core import (
+    DEFAULT_NUM_FALLBACK_REPLICAS,
+    CapacityToken,
+    Decision,
+    NoReplicaAvailable,
+    ReplicaView,
+    RouteRequest,
+    RoutingPolicy,
+)
+from sluice.contracts import REASON_NO_REPLICA
 
 WAIT_SLICE_S = 2.0
-# Fallback tiers after the token's replica: enough to ride out a rejection without ranking everyone.
-FALLBACKS = 2
+DEFAULT_MAX_WAIT_S = 30.0
 
 
 class LedgerClient(Protocol):
@@ -87,7 +96,7 @@ class CapacityQueue(RoutingPolicy):
     def __init__(
         self,
         ledger: LedgerClient,
-        max_wait_s: float = 30.0,
+        max_wait_s: float = DEFAULT_MAX_WAIT_S,
         fault_limit: int = 3,
         backoff_initial_s: float = 0.025,
         backoff_max_s: float = 0.5,
@@ -110,8 +119,8 @@ class CapacityQueue(RoutingPolicy):
     async def decide(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> Decision:
         routable = [r for r in replicas if r.routable]
         if not routable:
-            self.counts.record("no_replica")
-            raise NoReplicaAvailable("no_replica")
+            self.counts.record(REASON_NO_REPLICA)
+            raise NoReplicaAvailable(REASON_NO_REPLICA)
         self._sync_replica_set(routable)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_wait_s
@@ -165,7 +174,7 @@ class CapacityQueue(RoutingPolicy):
     def _ranking(self, token: CapacityToken, routable: list[ReplicaView]) -> list[list[ReplicaView]]:
         primary = next(r for r in routable if r.replica_id == token.replica_id)
         others = heapq.nsmallest(
-            FALLBACKS,
+            DEFAULT_NUM_FALLBACK_REPLICAS,
             (r for r in routable if r is not primary),
             key=lambda r: (self.live_in_flight(r) / max(r.capacity, 1), self._rng.random()),
         )
@@ -175,8 +184,9 @@ class CapacityQueue(RoutingPolicy):
         self, request: RouteRequest, ranking: list[list[ReplicaView]], reason: str, token: CapacityToken | None
     ) -> Decision:
         self.counts.record(reason)
-        self.tracker.place(request.request_id, tuple(r.replica_id for tier in ranking for r in tier))
-        return Decision(ranking=ranking, reason=reason, token=token)
+        decision = Decision(ranking=ranking, reason=reason, token=token)
+        self.tracker.place(request.request_id, decision.ranked_ids)
+        return decision
 
     def _power_of_two(self) -> RoutingPolicy:
         if self._fallback is None:

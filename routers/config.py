@@ -6,8 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from routers.consistent_hash import DEFAULT_NUM_FALLBACK_REPLICAS, ConsistentHash
-from routers.core import RoutingPolicy
+from routers.capacity_ledger import DEFAULT_TOKEN_TTL_S
+from routers.capacity_queue import DEFAULT_MAX_WAIT_S
+from routers.consistent_hash import ConsistentHash
+from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, RoutingPolicy
 from routers.power_of_two import PowerOfTwo
 from routers.round_robin import RoundRobin
 
@@ -33,8 +35,8 @@ class ConsistentHashSettings(_Settings):
 
 
 class CapacityQueueSettings(_Settings):
-    max_wait_s: float = Field(30.0, gt=0)
-    token_ttl_s: float = Field(600.0, gt=0)
+    max_wait_s: float = Field(DEFAULT_MAX_WAIT_S, gt=0)
+    token_ttl_s: float = Field(DEFAULT_TOKEN_TTL_S, gt=0)
     seed: int | None = None
 
 

@@ -5,8 +5,9 @@ Algorithm. Every routable replica owns `VIRTUAL_NODES` points on a 64-bit ring, 
 its request id when it has none; with `user_affinity` (opt-in, for apps that forward bodies) a request
 without a session id is keyed by the body's OpenAI `user` field when the body has one, so an end user
 sticks to a replica without a custom header. The primary is the owner of the first point clockwise of the key's
-hash (wrapping at the end); the fallbacks are the next `num_fallback_replicas` *distinct* owners met
-walking on clockwise, so a replica that rejects the request sends it somewhere else. Adding a replica
+hash (wrapping at the end); the fallbacks are the next `num_fallback_replicas` (default
+`DEFAULT_NUM_FALLBACK_REPLICAS` = 2, from `routers.core`) *distinct* owners met walking on
+clockwise, so a replica that rejects the request sends it somewhere else. Adding a replica
 moves only the keys its new points take over (about 1/(N+1) of them, all to the new replica);
 removing one moves only the keys it owned.
 
@@ -39,11 +40,10 @@ from itertools import islice
 
 import mmh3
 
-from routers.core import ReplicaView, RouteRequest, RoutingPolicy
+from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
 
 HASH_SEED = 0xF9B4CA77
 VIRTUAL_NODES = 100
-DEFAULT_NUM_FALLBACK_REPLICAS = 2
 # Up to this many replicas joining or leaving at once, moving points in place beats re-sorting the whole ring.
 _MAX_IN_PLACE_CHANGES = 8
 

@@ -15,6 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from routers.metrics import DecisionCounts
+from sluice.contracts import REASON_NO_REPLICA
+
+# Single-replica fallback tiers after the primary, for the policies that rank beyond two: enough to
+# ride out a rejecting replica without ranking the whole set on every decision.
+DEFAULT_NUM_FALLBACK_REPLICAS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +30,6 @@ class ReplicaView:
     endpoint: str = ""
     in_flight: int = 0
     capacity: int = 1
-    model_ids: frozenset[str] = frozenset()
     healthy: bool = True
     draining: bool = False
 
@@ -53,6 +57,10 @@ class CapacityToken:
     replica_id: str
 
 
+def _ranked_ids(ranking: list[list[ReplicaView]]) -> tuple[str, ...]:
+    return tuple(view.replica_id for tier in ranking for view in tier)
+
+
 @dataclass(slots=True)
 class Decision:
     """A ranking and, for capacity-metered policies, the token held on the primary replica."""
@@ -64,6 +72,11 @@ class Decision:
     @property
     def primary(self) -> ReplicaView | None:
         return self.ranking[0][0] if self.ranking and self.ranking[0] else None
+
+    @property
+    def ranked_ids(self) -> tuple[str, ...]:
+        """Every ranked replica id, tier by tier: the primary first, then the fallbacks."""
+        return _ranked_ids(self.ranking)
 
 
 class NoReplicaAvailable(Exception):
@@ -155,12 +168,12 @@ class RoutingPolicy(ABC):
         The primary is counted in flight for this request until `on_completed`."""
         routable = [r for r in replicas if r.routable]
         if not routable:
-            self.counts.record("no_replica")
-            raise NoReplicaAvailable("no_replica")
+            self.counts.record(REASON_NO_REPLICA)
+            raise NoReplicaAvailable(REASON_NO_REPLICA)
         self._sync_replica_set(routable)
         ranking, reason = self._rank(routable, request)
         self.counts.record(reason)
-        self.tracker.place(request.request_id, tuple(r.replica_id for tier in ranking for r in tier))
+        self.tracker.place(request.request_id, _ranked_ids(ranking))
         return ranking
 
     async def decide(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> Decision:

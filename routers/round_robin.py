@@ -2,20 +2,18 @@
 
 Algorithm: one cursor over the replica ids in sorted order; each decision takes the id under the
 cursor as primary and advances it, so consecutive decisions cycle strictly through the set. The
-next `FALLBACKS` replicas in cyclic order follow as single-replica fallback tiers. The sort runs
-only when the replica set changes (O(N log N)); a decision is O(1) beyond reading the views.
-It ignores load and sessions by design (use PowerOfTwo or ConsistentHash for those).
-`FALLBACKS` = 2, like ConsistentHash's default: enough to ride out a rejecting replica without
-ranking the whole set on every decision.
+next `DEFAULT_NUM_FALLBACK_REPLICAS` replicas in cyclic order follow as single-replica fallback tiers.
+The sort runs only when the replica set changes (O(N log N)); a decision is O(1) beyond reading the
+views. It ignores load and sessions by design (use PowerOfTwo or ConsistentHash for those).
+`DEFAULT_NUM_FALLBACK_REPLICAS` = 2 (`routers.core`, also ConsistentHash's default): enough to ride
+out a rejecting replica without ranking the whole set on every decision.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from routers.core import ReplicaView, RouteRequest, RoutingPolicy
-
-FALLBACKS = 2
+from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
 
 
 class RoundRobin(RoutingPolicy):
@@ -36,5 +34,5 @@ class RoundRobin(RoutingPolicy):
         count = len(self._ordered)
         start = self._cursor % count
         self._cursor = start + 1
-        picked = (self._ordered[(start + i) % count] for i in range(min(count, 1 + FALLBACKS)))
+        picked = (self._ordered[(start + i) % count] for i in range(min(count, 1 + DEFAULT_NUM_FALLBACK_REPLICAS)))
         return [[views[replica_id]] for replica_id in picked], "cycle"

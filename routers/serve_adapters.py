@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from routers.config import build_stateless_policy, validate_settings
+from routers.background import run_in_background
+from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
 from routers.core import CapacityToken, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
 from sluice.contracts import SESSION_HEADER_DEFAULT
 
@@ -32,7 +33,8 @@ def _session_from(pending: PendingRequest) -> str | None:
         return pending.kwargs["session_id"]
     for value in [pending.kwargs.get("headers"), *pending.args]:
         if isinstance(value, dict):
-            session = {str(k).lower(): v for k, v in value.items()}.get(SESSION_HEADER_DEFAULT)
+            # Header names match case-insensitively; the last match wins, as in a dict of lowercased keys.
+            session = next((v for k, v in reversed(value.items()) if str(k).lower() == SESSION_HEADER_DEFAULT), None)
             if isinstance(session, str) and session:
                 return session
     return None
@@ -83,15 +85,15 @@ class SluiceRequestRouter(RequestRouter):
         return [[by_id[view.replica_id] for view in tier] for tier in decision.ranking]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        self.policy.on_routed(route_request_from(pending_request), replica_id.unique_id)
+        # `on_routed` reads only the request id: no need to parse the session again.
+        request = RouteRequest(request_id=pending_request.metadata.internal_request_id)
+        self.policy.on_routed(request, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.policy.on_completed(internal_request_id, replica_id.unique_id)
         token = self._tokens.pop(internal_request_id, None)
         if token is not None:
-            task = asyncio.get_running_loop().create_task(self.policy.release(token))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            run_in_background(self._releases, self.policy.release(token))
 
 
 class RoundRobinRequestRouter(SluiceRequestRouter):
@@ -113,13 +115,11 @@ class CapacityQueueRequestRouter(SluiceRequestRouter):
 
     def _build_policy(self, kwargs: dict[str, Any]) -> RoutingPolicy:
         # The ledger actor is a process of its own (services/); only this adapter needs it.
-        from routers.capacity_queue import CapacityQueue
-        from services.capacity_ledger_actor import ActorLedgerClient, get_or_create_ledger, ledger_actor_name
+        from services.capacity_ledger_actor import capacity_queue_policy
 
         settings = validate_settings(self.policy_name, kwargs)
-        name = ledger_actor_name(self._deployment_id.app_name, self._deployment_id.name)
-        ledger = ActorLedgerClient(get_or_create_ledger(name, token_ttl_s=settings.token_ttl_s))
-        return CapacityQueue(ledger, max_wait_s=settings.max_wait_s, seed=settings.seed)
+        assert isinstance(settings, CapacityQueueSettings)
+        return capacity_queue_policy(self._deployment_id.app_name, self._deployment_id.name, settings)
 
 
 ADAPTERS: dict[str, type[SluiceRequestRouter]] = {

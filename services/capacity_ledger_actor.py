@@ -18,12 +18,14 @@ Constants:
 - `DEFAULT_CALL_TIMEOUT_S` = 1 s on top of the call's own wait: a healthy ledger answers in well
   under a millisecond plus the RPC; past a second it is hung or gone and the call is a fault.
 
-`ActorLedgerClient` is the policy's `LedgerClient` over the actor. When an acquire gives up (call
-timeout or the caller was cancelled) the ledger may still grant it a moment later; the client then
-collects that token in the background and releases it, so a slow ledger never leaks a slot for
-the whole token TTL. A release that times out was still sent and normally lands late; if it never
-does, the reaper takes the token back. While a new or restarted actor's worker starts (about a
-second when restarting), calls time out and count as ledger faults.
+`capacity_queue_policy` builds a deployment's capacity_queue policy over its ledger actor, for both
+the router service and the Serve request-router adapter. `ActorLedgerClient` is the policy's
+`LedgerClient` over the actor. When an acquire gives up (call timeout or the caller was cancelled)
+the ledger may still grant it a moment later; the client then collects that token in the background
+and releases it, so a slow ledger never leaks a slot for the whole token TTL. A release that times
+out was still sent and normally lands late; if it never does, the reaper takes the token back.
+While a new or restarted actor's worker starts (about a second when restarting), calls time out
+and count as ledger faults.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import contextlib
 import ray
 from ray.actor import ActorHandle
 
+from routers.background import run_in_background
 from routers.capacity_ledger import DEFAULT_REAP_INTERVAL_S, DEFAULT_TOKEN_TTL_S, CapacityLedger
+from routers.capacity_queue import CapacityQueue, LedgerClient
+from routers.config import CapacityQueueSettings
 from routers.core import CapacityToken
 
 LEDGER_NAMESPACE = "sluice"
@@ -60,9 +65,6 @@ class CapacityLedgerActor:
     async def snapshot(self) -> dict:
         return self._ledger.snapshot()
 
-    async def reap(self) -> int:
-        return self._ledger.reap()
-
 
 def ledger_actor_name(app: str, deployment: str) -> str:
     return f"sluice-capacity-ledger:{app}:{deployment}"
@@ -73,6 +75,16 @@ def get_or_create_ledger(name: str, token_ttl_s: float = DEFAULT_TOKEN_TTL_S) ->
     return CapacityLedgerActor.options(
         name=name, namespace=LEDGER_NAMESPACE, get_if_exists=True, lifetime="detached"
     ).remote(token_ttl_s)
+
+
+def capacity_queue_policy(
+    app: str, deployment: str, settings: CapacityQueueSettings, ledger: LedgerClient | None = None
+) -> CapacityQueue:
+    """The capacity_queue policy for `deployment` of `app`, over that deployment's ledger actor (created
+    with the settings' `token_ttl_s` on first use), or over `ledger` when one is given."""
+    if ledger is None:
+        ledger = ActorLedgerClient(get_or_create_ledger(ledger_actor_name(app, deployment), settings.token_ttl_s))
+    return CapacityQueue(ledger, max_wait_s=settings.max_wait_s, seed=settings.seed)
 
 
 class ActorLedgerClient:
@@ -88,9 +100,7 @@ class ActorLedgerClient:
         try:
             return await asyncio.wait_for(ref, wait_s + self.call_timeout_s)
         except (TimeoutError, asyncio.CancelledError):
-            task = asyncio.get_running_loop().create_task(self._release_late_grant(ref))
-            self._reclaims.add(task)
-            task.add_done_callback(self._reclaims.discard)
+            run_in_background(self._reclaims, self._release_late_grant(ref))
             raise
 
     async def release(self, token_id: str) -> bool:

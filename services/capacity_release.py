@@ -26,7 +26,8 @@ from typing import Protocol
 import ray
 from prometheus_client import Counter
 
-from services.capacity_ledger_actor import DEFAULT_CALL_TIMEOUT_S, LEDGER_NAMESPACE, ActorLedgerClient
+from routers.background import run_in_background
+from services.capacity_ledger_actor import LEDGER_NAMESPACE, ActorLedgerClient
 from services.replica_headers import ASGIApp, Message, Receive, Scope, Send
 from sluice.contracts import CAPACITY_TOKEN_HEADER
 
@@ -50,16 +51,15 @@ class TokenReleaser(Protocol):
 class NamedLedgerClient:
     """Releases through the named ledger actor, looked up on first use (and again after a failed lookup)."""
 
-    def __init__(self, name: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.call_timeout_s = call_timeout_s
         self._client: ActorLedgerClient | None = None
 
     async def release(self, token_id: str) -> bool:
         if self._client is None:
             # A blocking lookup at the control store: keep it off the event loop that streams responses.
             handle = await asyncio.to_thread(ray.get_actor, self.name, namespace=LEDGER_NAMESPACE)
-            self._client = ActorLedgerClient(handle, self.call_timeout_s)
+            self._client = ActorLedgerClient(handle)
         return await self._client.release(token_id)
 
 
@@ -82,9 +82,7 @@ class CapacityReleaseMiddleware:
             nonlocal released
             if not released:
                 released = True
-                task = asyncio.get_running_loop().create_task(self._release(token))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+                run_in_background(self._releases, self._release(token))
 
         async def receive_watching() -> Message:
             message = await receive()

@@ -66,7 +66,11 @@ class SlotPool:
         self.backend = backend
         self.map_path = map_path
         self.slots = {name: Slot(name) for name in slot_names}
-        self.active: dict[str, str] = {}  # replica id -> slot name
+
+    @property
+    def active(self) -> dict[str, str]:
+        """Replica id -> slot name of every slot that holds a replica (a fresh dict on every read)."""
+        return {s.endpoint.replica_id: s.name for s in self.slots.values() if s.endpoint is not None}
 
     def slot_of(self, replica_id: str) -> str | None:
         return self.active.get(replica_id)
@@ -96,7 +100,6 @@ class HAProxySyncer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
-        self.settings = settings
         self.replica_source = replica_source
         self.router_source = router_source
         self.drain_grace_s = drain_grace_s
@@ -104,24 +107,21 @@ class HAProxySyncer:
         self.replicas = SlotPool(REPLICA_BACKEND, replica_slot_names(settings), settings.map_path)
         self.routers = SlotPool(ROUTER_BACKEND, router_slot_names(settings), None)
         self._adopted = False
-        self._lock = asyncio.Lock()
 
     async def sync_once(self) -> SyncReport:
         """One reconciliation pass. A source that fails leaves HAProxy as it is (the error propagates)."""
         replicas = await self.replica_source()
         routers = await self.router_source()
-        async with self._lock:
-            return await asyncio.to_thread(self._sync, replicas, routers)
+        return await asyncio.to_thread(self._sync, replicas, routers)
 
     async def run(self, interval_s: float = 0.25) -> None:
         """Reconcile every `interval_s` until cancelled; a failed pass is logged and retried."""
         while True:
             try:
                 report = await self.sync_once()
-                if report.changed or report.no_slot:
+                # A replica left out for want of a slot is logged (a warning) where it happens.
+                if report.changed:
                     logger.info("haproxy sync: %s", report)
-            except asyncio.CancelledError:
-                raise
             except Exception:
                 logger.exception("haproxy sync pass failed; retrying in %.2f s", interval_s)
             await asyncio.sleep(interval_s)
@@ -155,7 +155,6 @@ class HAProxySyncer:
             if pool.map_path is not None:
                 self.runtime.del_map(pool.map_path, replica_id)
             self.runtime.set_server_state(pool.backend, slot_name, "drain")
-            del pool.active[replica_id]
             slot.endpoint = None
             slot.draining_since = now
             report.drained.append((replica_id, slot_name))
@@ -171,8 +170,9 @@ class HAProxySyncer:
                 slot.freed_at = now
                 report.freed.append(slot.name)
         # 3. New replicas: a free slot each.
+        active = pool.active
         for replica_id, endpoint in sorted(wanted.items()):
-            if replica_id in pool.active:
+            if replica_id in active:
                 continue
             slot = pool.take_free_slot()
             if slot is None:
@@ -186,7 +186,6 @@ class HAProxySyncer:
             if pool.map_path is not None:
                 self.runtime.add_map(pool.map_path, replica_id, slot.name)
             slot.endpoint = endpoint
-            pool.active[replica_id] = slot.name
             report.added.append((replica_id, slot.name))
 
     def _adopt(self, stats: dict[tuple[str, str], ServerStat], routers: list[ReplicaEndpoint]) -> None:
@@ -210,10 +209,10 @@ class HAProxySyncer:
                     slot.draining_since = now
                     continue
                 slot.endpoint = endpoint
-                pool.active[endpoint.replica_id] = slot.name
         # Map entries that point at no adopted slot would pin to a slot that is not theirs: drop them.
+        adopted = self.replicas.active
         for replica_id, slot_name in replica_map.items():
-            if self.replicas.active.get(replica_id) != slot_name:
+            if adopted.get(replica_id) != slot_name:
                 self.runtime.del_map(self.replicas.map_path, replica_id)
         if any(pool.active or pool.draining() for pool in (self.replicas, self.routers)):
             logger.info("adopted HAProxy state: replicas %s, routers %s", self.replicas.active, self.routers.active)

@@ -13,6 +13,9 @@ from sluice.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
 from sluice.tiny_model import SERVED_MODEL_NAME
 
 EngineArgValue = str | int | float | bool
+# The LLM deployment's default name. Routers find the deployment's capacity ledger by this name
+# (`ledger_actor_name(app, deployment)`), so the router's default target must be the same.
+LLM_DEPLOYMENT_NAME = "LLMReplica"
 # Serve would silently raise a shorter grace period to this; refuse it instead.
 MIN_DRAIN_GRACE_S = DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + SERVE_SHUTDOWN_BUFFER_S
 
@@ -82,7 +85,7 @@ class ReplicaDeploymentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = "LLMReplica"
+    name: str = LLM_DEPLOYMENT_NAME
     num_replicas: int = Field(2, ge=1)
     max_ongoing_requests: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
     # How long a stopping replica lets in-flight streams finish before Serve kills it (aborting them).

@@ -58,10 +58,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ray import serve
 from ray.serve.deployment import Application
 
-from routers.capacity_queue import CapacityQueue, LedgerClient
+from routers.capacity_queue import LedgerClient
 from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
 from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
-from services.capacity_ledger_actor import ActorLedgerClient, get_or_create_ledger, ledger_actor_name
+from services.capacity_ledger_actor import capacity_queue_policy
+from services.llm_config import LLM_DEPLOYMENT_NAME
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints, with_rollout_version
 from sluice.contracts import (
     BODY_TRUNCATED_HEADER,
@@ -99,7 +100,7 @@ class RouterSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target_app: str = Field(min_length=1)
-    target_deployment: str = "LLMReplica"
+    target_deployment: str = LLM_DEPLOYMENT_NAME
     # The target deployment's `max_ongoing_requests`: each replica's capacity in the views.
     target_capacity: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
     policy: str = "round_robin"
@@ -128,10 +129,9 @@ def build_policy(settings: RouterSettings, ledger: LedgerClient | None = None) -
     if settings.policy == "capacity_queue":
         queue_settings = validate_settings(settings.policy, settings.policy_kwargs)
         assert isinstance(queue_settings, CapacityQueueSettings)
-        if ledger is None:
-            name = ledger_actor_name(settings.target_app, settings.target_deployment)
-            ledger = ActorLedgerClient(get_or_create_ledger(name, token_ttl_s=queue_settings.token_ttl_s))
-        policy: RoutingPolicy = CapacityQueue(ledger, max_wait_s=queue_settings.max_wait_s, seed=queue_settings.seed)
+        policy: RoutingPolicy = capacity_queue_policy(
+            settings.target_app, settings.target_deployment, queue_settings, ledger
+        )
     else:
         policy = build_stateless_policy(settings.policy, settings.policy_kwargs)
     policy.tracker = InFlightTracker(forget_after_s=settings.forget_after_s)
@@ -193,10 +193,10 @@ def route_request_from(headers: Mapping[str, str], body: bytes, session_header: 
 
 
 def route_reply(decision: Decision) -> RouteReply:
-    ranked = [view.replica_id for tier in decision.ranking for view in tier]
+    ranked = decision.ranked_ids
     return RouteReply(
         replica_id=ranked[0],
-        fallbacks=ranked[1:],
+        fallbacks=list(ranked[1:]),
         capacity_token=decision.token.token_id if decision.token is not None else None,
     )
 
@@ -296,13 +296,7 @@ class RouterReplica:
         return self._app
 
 
-def router_application(
-    settings: RouterSettings,
-    num_replicas: int = 1,
-    *,
-    name: str = ROUTER_DEPLOYMENT_NAME,
-    max_ongoing_requests: int = ROUTER_MAX_ONGOING_REQUESTS,
-) -> Application:
+def router_application(settings: RouterSettings, num_replicas: int = 1) -> Application:
     """The router app; deploy it with the route prefix of your choice (`serve.run(app, name=..., route_prefix=...)`).
 
     `num_cpus=0`: a router replica mostly waits on the network, and the control plane must never
@@ -310,10 +304,10 @@ def router_application(
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     deployment = serve.deployment(RouterReplica).options(
-        name=name,
+        name=ROUTER_DEPLOYMENT_NAME,
         num_replicas=num_replicas,
-        max_ongoing_requests=max_ongoing_requests,
+        max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
     )
-    version = config_version([settings.model_dump(mode="json"), name, max_ongoing_requests])
+    version = config_version([settings.model_dump(mode="json"), ROUTER_DEPLOYMENT_NAME, ROUTER_MAX_ONGOING_REQUESTS])
     return with_rollout_version(deployment, version).bind(settings.model_dump())

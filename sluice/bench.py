@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 
 from loadtests.stream_probe import probe
+from sluice.tiny_model import SERVED_MODEL_NAME
 
 BENCH_APP = "bench"
 
@@ -27,22 +28,16 @@ def replica_memory_mib(app: str) -> list[tuple[float, float]]:
 
 
 def run_replica_bench(model: Path, replicas: int = 2) -> None:
-    from ray import serve
-
-    from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
-    from services.llm_replica import llm_application
+    from builders.direct_stream import DirectStreamSpec, deploy_llm
     from sluice.cluster import start_local_cluster, stop_local_cluster, wait_for_endpoints
 
     started = time.monotonic()
     start_local_cluster()
     ray_ready = time.monotonic() - started
     try:
-        config = LLMAppConfig(
-            engine=EngineConfig(model=str(model)),
-            deployment=ReplicaDeploymentConfig(num_replicas=replicas, max_ongoing_requests=64),
-        )
+        spec = DirectStreamSpec(app=BENCH_APP, model=str(model), replicas=replicas, max_ongoing_requests=64)
         deploy_started = time.monotonic()
-        serve.run(llm_application(config), name=BENCH_APP, route_prefix="/", blocking=False)
+        config = deploy_llm(spec)
         endpoints = wait_for_endpoints(BENCH_APP, replicas)
         deploy_s = time.monotonic() - deploy_started
         urls = [e.url for e in endpoints]
@@ -105,7 +100,7 @@ def run_direct_bench(model: Path, samples: int = 200) -> None:
         stack.start()
         replica = asyncio.run(list_replica_endpoints(spec.app))[0]
         router = asyncio.run(list_replica_endpoints(spec.router_app))[0]
-        name = "sluice-tiny"
+        name = SERVED_MODEL_NAME
         _ttft_ms(stack.url, name, 10)
         direct = _ttft_ms(replica.url, name, samples)
         routed = _ttft_ms(stack.url, name, samples)

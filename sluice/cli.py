@@ -8,8 +8,9 @@ import sys
 import threading
 from pathlib import Path
 
-from sluice.contracts import HAPROXY_PORT_DEFAULT
+from sluice.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
 from sluice.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir
+from sluice.tiny_model import SERVED_MODEL_NAME
 
 EMBEDDED_APP_NAME = "llm"
 
@@ -58,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
         print(f"  curl -N {stack.url}/v1/chat/completions -H 'content-type: application/json' \\")
         print(
-            '    -d \'{"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], '
+            f'    -d \'{{"model": "{SERVED_MODEL_NAME}", "messages": [{{"role": "user", "content": "hi"}}], '
             '"max_tokens": 32, "stream": true}\''
         )
         print(f"  HAProxy metrics: http://127.0.0.1:{spec.prometheus_port}/metrics")
@@ -110,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routers", type=int, default=1)
     serve.add_argument("--policy", default="round_robin", choices=sorted(SETTINGS))
     serve.add_argument("--port", type=int, default=HAPROXY_PORT_DEFAULT, help="HAProxy's port on 127.0.0.1")
-    serve.add_argument("--prometheus-port", type=int, default=8404, help="HAProxy's metrics port on 127.0.0.1")
+    serve.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=HAPROXY_PROMETHEUS_PORT_DEFAULT,
+        help="HAProxy's metrics port on 127.0.0.1",
+    )
     serve.add_argument("--serve-proxy-port", type=int, default=DEFAULT_SERVE_PROXY_PORT)
     serve.set_defaults(func=_serve)
 

@@ -32,10 +32,10 @@ DEFAULT_DRAIN_GRACE_S = 30.0
 ROUTE_PATH = "/internal/route"
 APP_HEADER = "x-sluice-app"
 HAPROXY_PORT_DEFAULT = 8000
+HAPROXY_PROMETHEUS_PORT_DEFAULT = 8404
 ROUTE_TIMEOUT_S_DEFAULT = 5.0
 # Router reply when no replica can be chosen (policy reasons such as `capacity_timeout` pass through).
 REASON_NO_REPLICA = "no_replica"
-REASON_ROUTER_NOT_READY = "router_not_ready"
 FAIL_CLOSED_REASONS = (
     REASON_ROUTER_UNREACHABLE,
     REASON_ROUTER_NON_200,
