@@ -6,12 +6,15 @@ import random
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+from builders.direct_stream import DirectStreamSpec, DirectStreamStack
 from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.serve_internals import ReplicaEndpoint
 from sluice.cluster import start_local_cluster, stop_local_cluster, wait_for_endpoints
@@ -82,3 +85,14 @@ def llm_cluster(ray_cluster: None, tiny_model_dir: Path) -> LLMCluster:
     config = deploy_llm_app(LLM_APP, tiny_model_dir, ReplicaDeploymentConfig(num_replicas=2, capacity_ledger=True))
     endpoints = wait_for_endpoints(LLM_APP, 2, timeout_s=300)
     return LLMCluster(app=LLM_APP, config=config, endpoints=endpoints)
+
+
+@contextmanager
+def direct_stack(cluster: LLMCluster, **spec: Any) -> Iterator[DirectStreamStack]:
+    """HAProxy + a router app in front of the session's LLM app, on free loopback ports; stopped on exit."""
+    settings = DirectStreamSpec(app=cluster.app, haproxy_port=free_port(), prometheus_port=free_port(), **spec)
+    started = DirectStreamStack(settings).start(deploy_model=False)
+    try:
+        yield started
+    finally:
+        started.stop()

@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from builders.direct_stream import DirectStreamSpec, DirectStreamStack
+from builders.direct_stream import DirectStreamStack
 from services.serve_internals import list_replica_endpoints
 from sluice.cluster import wait_for_endpoints
 from sluice.contracts import (
@@ -23,7 +23,7 @@ from sluice.contracts import (
     ROUTE_PATH,
     SERVE_REASON_HEADER,
 )
-from tests.integration.conftest import LLMCluster, free_port
+from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.sse import chunks, data_lines
 from tests.integration.vllm_metrics import engine_requests
 
@@ -35,18 +35,14 @@ COMPLETION = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 2}
 
 @pytest.fixture(scope="module")
 def stack(llm_cluster: LLMCluster):
-    spec = DirectStreamSpec(
-        app=llm_cluster.app,
+    with direct_stack(
+        llm_cluster,
         routers=2,
         policy="consistent_hash",
-        haproxy_port=free_port(),
-        prometheus_port=free_port(),
         route_timeout_s=ROUTE_TIMEOUT_S,
         check_inter_s=1.0,
-    )
-    started = DirectStreamStack(spec).start(deploy_model=False)
-    yield started
-    started.stop()
+    ) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import re
 import httpx
 import pytest
 
-from builders.direct_stream import DirectStreamSpec, DirectStreamStack
+from builders.direct_stream import DirectStreamStack
 from services.serve_internals import list_replica_endpoints
 from sluice.contracts import REPLICA_HEADER, SERVE_FALLBACK_HEADER, SERVE_REASON_HEADER
-from tests.integration.conftest import LLMCluster, free_port
+from tests.integration.conftest import LLMCluster, direct_stack
 
 pytestmark = pytest.mark.integration
 
@@ -31,20 +31,16 @@ def _completion(user: str, user_first: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(llm_cluster: LLMCluster):
-    spec = DirectStreamSpec(
-        app=llm_cluster.app,
+    with direct_stack(
+        llm_cluster,
         router_name=f"{llm_cluster.app}-body-router",
         routers=1,
         policy="consistent_hash",
         policy_kwargs={"user_affinity": True},
         forward_body=True,
         body_buffer_bytes=BUFFER_BYTES,
-        haproxy_port=free_port(),
-        prometheus_port=free_port(),
-    )
-    started = DirectStreamStack(spec).start(deploy_model=False)
-    yield started
-    started.stop()
+    ) as started:
+        yield started
 
 
 def _truncated_bodies(stack: DirectStreamStack) -> float:

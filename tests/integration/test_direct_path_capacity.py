@@ -9,10 +9,10 @@ import httpx
 import pytest
 import ray
 
-from builders.direct_stream import DirectStreamSpec, DirectStreamStack
+from builders.direct_stream import DirectStreamStack
 from services.capacity_ledger_actor import ledger_actor_name
 from sluice.contracts import CAPACITY_TOKEN_HEADER, REPLICA_HEADER
-from tests.integration.conftest import LLMCluster, free_port
+from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -22,17 +22,13 @@ STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 16, "stream":
 
 @pytest.fixture(scope="module")
 def stack(llm_cluster: LLMCluster):
-    spec = DirectStreamSpec(
-        app=llm_cluster.app,
+    with direct_stack(
+        llm_cluster,
         router_name="llm-cq-router",
         policy="capacity_queue",
-        haproxy_port=free_port(),
-        prometheus_port=free_port(),
         check_inter_s=1.0,
-    )
-    started = DirectStreamStack(spec).start(deploy_model=False)
-    yield started
-    started.stop()
+    ) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

@@ -29,16 +29,15 @@ from sluice.contracts import (
     SERVE_REASON_HEADER,
 )
 from tests.integration.conftest import LLMCluster
-from tests.integration.dataplane_standins import (
+from tests.integration.dataplane.standins import (
     OPEN_ROUTER_PREFIX,
     ROUTE_TIMEOUT_S,
     LoopThread,
     Plane,
     RouterBehavior,
     RouterStandIn,
-    _make_event,
-    _reset_event,
     assert_fail_closed,
+    rearm_stall,
     start_plane,
     stop_plane,
 )
@@ -73,7 +72,7 @@ def env(llm_cluster: LLMCluster, tmp_path_factory: pytest.TempPathFactory) -> It
     loop = LoopThread()
     replicas = asyncio.run(list_replica_endpoints(llm_cluster.app))
     behavior = RouterBehavior(replica_ids=[e.replica_id for e in replicas])
-    behavior.release = loop.run(_make_event())
+    rearm_stall(loop, behavior)
     routers = [RouterStandIn("faulty-router-a", behavior), RouterStandIn("faulty-router-b", behavior)]
     planes: list[Plane] = []
     try:
@@ -87,7 +86,7 @@ def env(llm_cluster: LLMCluster, tmp_path_factory: pytest.TempPathFactory) -> It
             planes.append(start_plane(loop, tmp_path_factory.mktemp("haproxy"), app, replicas, endpoints))
         yield FaultEnv(loop, behavior, routers, planes[0], planes[1], {e.replica_id for e in replicas})
     finally:
-        loop.loop.call_soon_threadsafe(behavior.release.set)
+        rearm_stall(loop, behavior)
         for plane in planes:
             stop_plane(plane)
         for router in routers:
@@ -113,8 +112,7 @@ def _post(env: FaultEnv, plane: Plane, mode: str) -> tuple[httpx.Response, list[
         return r, parsed, time.monotonic() - started
     finally:
         env.behavior.mode = "choose"
-        env.loop.loop.call_soon_threadsafe(env.behavior.release.set)
-        env.loop.run(_reset_event(env.behavior))
+        rearm_stall(env.loop, env.behavior)
         if mode == "killed":
             for router in env.routers:
                 env.loop.run(router.start())  # same port again

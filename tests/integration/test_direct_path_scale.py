@@ -10,11 +10,11 @@ import httpx
 import psutil
 import pytest
 
-from builders.direct_stream import DirectStreamSpec, DirectStreamStack
+from builders.direct_stream import DirectStreamStack
 from infra.haproxy_config import REPLICA_BACKEND
 from sluice.cluster import wait_for_endpoints
 from sluice.contracts import REPLICA_HEADER, SERVE_REASON_HEADER
-from tests.integration.conftest import LLMCluster, deploy_llm_app, free_port
+from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.integration.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -25,17 +25,13 @@ STREAMERS = 8
 
 @pytest.fixture(scope="module")
 def stack(llm_cluster: LLMCluster):
-    spec = DirectStreamSpec(
-        app=llm_cluster.app,
+    with direct_stack(
+        llm_cluster,
         routers=1,
         policy="power_of_two",
-        haproxy_port=free_port(),
-        prometheus_port=free_port(),
         check_inter_s=1.0,
-    )
-    started = DirectStreamStack(spec).start(deploy_model=False)
-    yield started
-    started.stop()
+    ) as started:
+        yield started
 
 
 class Streamers:

@@ -1,7 +1,7 @@
 """Stand-in replicas and fault-injecting routers for the HAProxy data-plane tests, and the plane around them.
 
 These stand-ins exist only for data-plane fault injection (a real router never answers garbage); the
-end-to-end tests with real vLLM replicas and the real router service are in test_direct_path*.py.
+end-to-end tests with real vLLM replicas and the real router service are in ../test_direct_path*.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import concurrent.futures
 import json
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import httpx
 import uvicorn
 
 from infra.haproxy_config import AppRoute, HAProxySettings
-from infra.haproxy_process import HAProxyProcess
+from infra.haproxy_process import HAProxyProcess, pid_alive
 from infra.runtime_api import RuntimeAPI
 from services.haproxy_syncer import HAProxySyncer, SlotPool
 from services.serve_internals import ReplicaEndpoint
@@ -328,14 +329,7 @@ def stop_plane(plane: Plane) -> None:
     master = plane.haproxy.process
     plane.haproxy.stop(grace_s=2)
     assert master is not None and master.poll() is not None, "HAProxy master still running"
-    assert worker is None or not Path(f"/proc/{worker}").exists() or _zombie(worker), "HAProxy worker still running"
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, IndexError):
-        return True
+    assert worker is None or not pid_alive(worker), "HAProxy worker still running"
 
 
 @dataclass
@@ -351,6 +345,32 @@ class Env:
     @property
     def replicas(self) -> list[ReplicaStandIn]:
         return [self.r1, self.r2]
+
+
+@contextmanager
+def running_env(workdir: Path) -> Iterator[Env]:
+    """Two stand-in replicas and two stand-in routers behind one HAProxy + syncer (a body-forwarding app)."""
+    loop = LoopThread()
+    behavior = RouterBehavior(replica_ids=["r1", "r2"])
+    rearm_stall(loop, behavior)
+    r1, r2 = ReplicaStandIn("r1"), ReplicaStandIn("r2")
+    router_a, router_b = RouterStandIn("router-a", behavior), RouterStandIn("router-b", behavior)
+    started: list[StandIn] = []
+    plane = None
+    try:
+        for stand_in in (r1, r2, router_a, router_b):
+            loop.run(stand_in.start())
+            started.append(stand_in)
+        app = AppRoute(name=APP, forward_body=True, body_buffer_bytes=BODY_BUFFER_BYTES)
+        plane = start_plane(loop, workdir, app, [r1.endpoint, r2.endpoint], [router_a.endpoint, router_b.endpoint])
+        yield Env(loop, behavior, r1, r2, router_a, router_b, plane)
+    finally:
+        rearm_stall(loop, behavior)
+        if plane is not None:
+            stop_plane(plane)
+        for stand_in in started:
+            loop.run(stand_in.stop())
+        loop.close()
 
 
 def data_payloads(text: str) -> list[str]:
@@ -393,10 +413,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _make_event() -> asyncio.Event:
-    return asyncio.Event()
+def rearm_stall(loop: LoopThread, behavior: RouterBehavior) -> None:
+    """Let every stalled route call answer, and give the next stall a fresh event (created on the loop)."""
+    if behavior.release is not None:
+        loop.loop.call_soon_threadsafe(behavior.release.set)
+    loop.run(_new_release_event(behavior))
 
 
-async def _reset_event(behavior: RouterBehavior) -> None:
-    await asyncio.sleep(0)
+async def _new_release_event(behavior: RouterBehavior) -> None:
+    await asyncio.sleep(0)  # the set() above runs first
     behavior.release = asyncio.Event()
