@@ -32,8 +32,8 @@ def settings(tmp_path: Path, **app: object) -> HAProxySettings:
     return HAProxySettings(workdir=tmp_path, app=AppRoute(name="llm", **app), port=18000, prometheus_port=18404)
 
 
-# Constants the data plane must carry, and where each must appear. Router-side reasons (`no_replica`,
-# `router_not_ready`, ...) are passed through from the router's reply, so they appear nowhere here.
+# Constants the data plane must carry, and where each must appear. Router-side reasons (`no_replica`
+# and the like) are passed through from the router's reply, so they appear nowhere here.
 CONFIG_CONSTANTS = {
     "REQUEST_ID_HEADER": contracts.REQUEST_ID_HEADER,
     "SERVE_REASON_HEADER": contracts.SERVE_REASON_HEADER,
