@@ -1,7 +1,7 @@
 """The direct-streaming topology: HAProxy -> router service -> vLLM replicas, composed from one spec.
 
 Order matters: the LLM app first (the router waits for its replica set), then the router app,
-then HAProxy and the syncer that fills HAProxy's slots from the live endpoint sets. The syncer
+then HAProxy and the syncer that keeps HAProxy's servers equal to the live endpoint sets. The syncer
 runs in a thread of its own with its own event loop, so it keeps HAProxy current whatever the
 caller does; every change goes through HAProxy's runtime API, never a reload.
 """
@@ -25,6 +25,7 @@ from infra.haproxy_config import (
     ROUTER_BACKEND,
     AppRoute,
     HAProxySettings,
+    is_internal_server,
 )
 from infra.haproxy_process import HAProxyProcess
 from infra.runtime_api import RuntimeAPI
@@ -186,9 +187,10 @@ class DirectStreamStack:
         return self
 
     def _up_counts(self) -> Counter[str]:
-        """Backend -> number of its servers UP, from one `show stat`."""
+        """Backend -> number of its replica (or router) servers UP, from one `show stat`."""
         assert self.runtime is not None
-        return Counter(backend for (backend, _), stat in self.runtime.show_stat().items() if stat.up)
+        stats = self.runtime.show_stat().items()
+        return Counter(backend for (backend, name), stat in stats if stat.up and not is_internal_server(name))
 
     def up_servers(self, backend: str) -> int:
         return self._up_counts()[backend]

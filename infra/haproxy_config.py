@@ -6,16 +6,25 @@ is a template rendered here, so nothing of the wire contract is written twice by
 Shape of the rendered config:
 
 - frontend `sluice_http` on bind_host:port: strips client-sent internal headers (`x-serve-*`, `x-sluice-*`),
-  sets `x-request-id` when the client sent none (echoed on every response, HAProxy's own 503s included),
-  and, for every method but GET/HEAD, runs the Lua action that asks a router for the replica.
-- backend `sluice_replicas`: `server-template` slots (in maintenance with a dummy address until the syncer
-  fills them through the runtime API), health-checked on `GET /-/healthz`, `balance leastconn` for GETs and
-  fail-open requests, and one `use-server` rule per slot that pins a routed request to the slot the Lua action
-  chose. `option persist` keeps a pinned request on its slot even if that slot went down after the Lua check:
-  a routed request is never load-balanced to a replica the router did not choose.
-- backend `sluice_routers`: `server-template` slots health-checked on `GET /-/healthz`; never proxied to, the
-  Lua action reads the UP ones and calls them itself with `core.tcp`.
-- frontend `sluice_prometheus` on 127.0.0.1:prometheus_port (`/metrics`), the runtime API on a unix socket.
+  sets `x-request-id` when the client sent none (echoed on every response, HAProxy's own errors included),
+  and runs the Lua action: any method but GET/HEAD asks a router for its ranked replicas; the action pins the
+  request to the first of them the frontend can route to (`x-serve-fallback-rank: k` when that is not the
+  primary) or fails closed with a reason. GET/HEAD rotate over the routable replicas without a router.
+- backend `sluice_replicas`: one server per replica, named by its replica id, added and deleted at run time
+  through the runtime API (no slot limit, no reload), health-checked on `GET /-/healthz` and marked DOWN at the
+  first failed connection (`observe layer4`). Replica servers have weight 0: HAProxy never load-balances to
+  them, a request reaches one only when the Lua action pinned it there (`use-server`). The only servers with a
+  weight are two `_retry` servers that loop back into this HAProxy: when the pinned replica refuses the
+  connection, HAProxy redispatches the untouched request there (`option redispatch 1`, no turn-around pause
+  since two servers are usable), and frontend `sluice_retry` pins it to the next replica of the ranked list
+  (`x-sluice-ranked`) — never to a replica the router did not rank.
+- backend `sluice_routers`: one server per router replica, health-checked; never proxied to, the Lua action
+  reads the UP ones and calls them itself with `core.tcp`.
+- every 5xx HAProxy produces itself carries `x-serve-reason` and an OpenAI-style JSON body (`http-error`),
+  and a replica's own 5xx without one gets `replica_error`.
+- frontend `sluice_prometheus` on 127.0.0.1:prometheus_port: HAProxy's exporter on `/metrics`, sluice's
+  frontend counters (fallbacks by reason, from a stick table) on `/sluice/metrics`; the runtime API on a unix
+  socket.
 """
 
 from __future__ import annotations
@@ -27,10 +36,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from sluice.contracts import (
     DEFAULT_BIND_HOST,
+    FALLBACK_RANK_HEADER,
+    FALLBACK_REASONS,
+    HAPROXY_ERROR_REASONS,
     HAPROXY_PORT_DEFAULT,
     HAPROXY_PROMETHEUS_PORT_DEFAULT,
     HEALTH_PATH,
     INTERNAL_HEADER_PREFIXES,
+    REASON_REPLICA_ERROR,
     REASON_ROUTER_UNREACHABLE,
     REQUEST_ID_HEADER,
     ROUTE_TIMEOUT_S_DEFAULT,
@@ -42,18 +55,28 @@ from sluice.runtime import LOOPBACK
 
 # Names inside the rendered config (HAProxy-internal, not part of the wire contract).
 FRONTEND = "sluice_http"
+RETRY_FRONTEND = "sluice_retry"
 PROMETHEUS_FRONTEND = "sluice_prometheus"
 REPLICA_BACKEND = "sluice_replicas"
 ROUTER_BACKEND = "sluice_routers"
-REPLICA_SLOT_PREFIX = "replica"
-ROUTER_SLOT_PREFIX = "router"
+FALLBACK_TABLE = "sluice_fallbacks"
 LUA_ACTION = "sluice_route"
+LUA_RETRY_ACTION = "sluice_retry"
+LUA_METRICS_SERVICE = "sluice_metrics"
 VAR_SERVER = "txn.sluice_server"
 VAR_REASON = "txn.sluice_reason"
 VAR_REQUEST_ID = "txn.sluice_request_id"
-# A freed slot points here: nothing listens on port 1 and the slot is in maintenance anyway.
-DUMMY_SERVER_ADDR = (LOOPBACK, 1)
+VAR_RANK = "txn.sluice_rank"
+VAR_FALLBACK = "txn.sluice_fallback"
+# Servers of sluice's own (the retry loop) start with "_"; replica and router ids may not.
+RETRY_SERVERS = ("_retry1", "_retry2")
+INTERNAL_SERVER_PREFIX = "_"
+# How long an unneeded idle connection to a replica is kept (HAProxy's default is 5 s).
+IDLE_PURGE_S = 1.0
 PROMETHEUS_PATH = "/metrics"
+SLUICE_METRICS_PATH = "/sluice/metrics"
+# A server name is the replica (or router) id: what HAProxy accepts in a name, starting with a letter or digit.
+SERVER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,255}$")
 # Defaults shared with `builders.direct_stream.DirectStreamSpec`.
 BODY_BUFFER_BYTES_DEFAULT = 262144
 CHECK_INTER_S_DEFAULT = 5.0
@@ -61,7 +84,7 @@ CHECK_INTER_S_DEFAULT = 5.0
 HEADER_HEADROOM_BYTES = 32768
 # Lua patterns for values taken from the router's reply (anything else is refused, so nothing reaches a header
 # or a map lookup unchecked).
-LUA_REPLICA_ID_PATTERN = "^[%w%-_.:]+$"
+LUA_REPLICA_ID_PATTERN = "^[%w][%w%-_.:]*$"
 LUA_TOKEN_PATTERN = "^[%w%-_.:~+/=]+$"
 LUA_REASON_PATTERN = "^[a-z0-9_]+$"
 MAX_ID_LENGTH = 256
@@ -124,8 +147,6 @@ class HAProxySettings(BaseModel):
     bind_host: str = DEFAULT_BIND_HOST
     port: int = Field(HAPROXY_PORT_DEFAULT, ge=1, le=65535)
     prometheus_port: int = Field(HAPROXY_PROMETHEUS_PORT_DEFAULT, ge=1, le=65535)
-    replica_slots: int = Field(16, ge=1, le=4096)
-    router_slots: int = Field(8, ge=1, le=256)
     route_timeout_s: float = Field(ROUTE_TIMEOUT_S_DEFAULT, gt=0, le=60)
     # Timeout of one TCP connect attempt to a router. HAProxy retries a failed connect 3 times, so a router that
     # refuses or drops connections costs about 3x this before the next router is tried (measured: 0.05 s -> +0.15 s),
@@ -157,8 +178,9 @@ class HAProxySettings(BaseModel):
 
     @model_validator(mode="after")
     def _socket_path_fits(self) -> HAProxySettings:
-        if len(str(self.socket_path).encode()) > MAX_SOCKET_PATH_BYTES:
-            raise ValueError(f"runtime socket path {self.socket_path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
+        for path in (self.socket_path, self.retry_socket_path):
+            if len(str(path).encode()) > MAX_SOCKET_PATH_BYTES:
+                raise ValueError(f"unix socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         if self.prometheus_port == self.port:
             raise ValueError("prometheus_port must differ from port")
         return self
@@ -172,9 +194,14 @@ class HAProxySettings(BaseModel):
         return self.workdir / "sluice_route.lua"
 
     @property
-    def map_path(self) -> Path:
-        """Runtime-updatable map: replica id -> replica slot server name."""
-        return self.workdir / "replicas.map"
+    def retry_socket_path(self) -> Path:
+        """Where frontend `sluice_retry` listens for the requests whose pinned replica refused the connection."""
+        return self.workdir / "retry.sock"
+
+    @property
+    def frontend_id(self) -> str:
+        """This frontend's name in route calls and membership publications."""
+        return f"{self.bind_host}:{self.port}"
 
     @property
     def socket_path(self) -> Path:
@@ -192,12 +219,8 @@ class HAProxySettings(BaseModel):
         return self.app.body_buffer_bytes + self.tune_maxrewrite + HEADER_HEADROOM_BYTES
 
 
-def replica_slot_names(settings: HAProxySettings) -> list[str]:
-    return [f"{REPLICA_SLOT_PREFIX}{i}" for i in range(1, settings.replica_slots + 1)]
-
-
-def router_slot_names(settings: HAProxySettings) -> list[str]:
-    return [f"{ROUTER_SLOT_PREFIX}{i}" for i in range(1, settings.router_slots + 1)]
+def is_internal_server(name: str) -> bool:
+    return name.startswith(INTERNAL_SERVER_PREFIX)
 
 
 def _ms(seconds: float) -> str:
@@ -206,25 +229,86 @@ def _ms(seconds: float) -> str:
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
+def _check_options(settings: HAProxySettings) -> list[str]:
+    # Dynamic servers do not inherit `default-server`: every check setting goes on the server itself.
+    return [
+        "check",
+        "inter",
+        _ms(settings.check_inter_s),
+        "fastinter",
+        _ms(settings.check_fastinter_s),
+        "downinter",
+        _ms(settings.check_downinter_s),
+        "fall",
+        str(settings.check_fall),
+        "rise",
+        str(settings.check_rise),
+    ]
+
+
+def replica_server_options(settings: HAProxySettings) -> list[str]:
+    """`add server` keywords of a replica: weight 0 (reached only when pinned), health-checked, and DOWN at the
+    first failed connection so the next request goes straight to a fallback. Idle keep-alive connections are
+    purged within `IDLE_PURGE_S` of no longer being needed: HAProxy deletes a server only without connections,
+    and a leaving replica's last streams hand theirs back to the idle pool after it went to maintenance."""
+    return [
+        "weight",
+        "0",
+        *_check_options(settings),
+        "observe",
+        "layer4",
+        "error-limit",
+        "1",
+        "on-error",
+        "mark-down",
+        "pool-purge-delay",
+        _ms(IDLE_PURGE_S),
+    ]
+
+
+def router_server_options(settings: HAProxySettings) -> list[str]:
+    return _check_options(settings)
+
+
+_ERROR_TYPES = {500: "server_error", 502: "server_error", 503: "service_unavailable", 504: "server_error"}
+
+
 def _error_body(message: str, code: int = 503) -> str:
     """OpenAI-style error body; `message` may hold log-format expressions but no double quote."""
-    return '{"error": {"message": "' + message + '", "type": "service_unavailable", "code": ' + str(code) + "}}"
+    kind = _ERROR_TYPES.get(code, "server_error")
+    return '{"error": {"message": "' + message + '", "type": "' + kind + '", "code": ' + str(code) + "}}"
 
 
-def _health_check_lines(settings: HAProxySettings) -> list[str]:
-    return [
-        f"    option httpchk GET {HEALTH_PATH}",
-        "    http-check expect status 200",
-        f"    default-server inter {_ms(settings.check_inter_s)} fastinter {_ms(settings.check_fastinter_s)}"
-        f" downinter {_ms(settings.check_downinter_s)} fall {settings.check_fall} rise {settings.check_rise}",
-    ]
+def _health_check_lines() -> list[str]:
+    return [f"    option httpchk GET {HEALTH_PATH}", "    http-check expect status 200"]
+
+
+def _fail_closed_line(reason: str) -> str:
+    message = f"sluice could not route the request: {reason}"
+    return (
+        f"    http-request return status 503 content-type application/json lf-string '{_error_body(message)}'"
+        f' hdr {SERVE_REASON_HEADER} "{reason}" if {{ var({VAR_REASON}) -m found }}'
+    )
+
+
+def _count_fallback_line() -> str:
+    condition = f"{{ var({VAR_FALLBACK}) -m found }}"
+    return f"    http-request track-sc0 var({VAR_FALLBACK}) table {FALLBACK_TABLE} if {condition}"
+
+
+def _rank_header_line() -> str:
+    # Set by the frontend that pinned the fallback; the public frontend keeps the retry frontend's value.
+    return (
+        f"    http-after-response set-header {FALLBACK_RANK_HEADER} %[var({VAR_RANK})]"
+        f" if {{ var({VAR_RANK}) -m int gt 0 }} !{{ res.hdr({FALLBACK_RANK_HEADER}) -m found }}"
+    )
 
 
 def render_config(settings: HAProxySettings) -> str:
     """The whole haproxy.cfg for one app."""
     app = settings.app
-    dummy = "{}:{}".format(*DUMMY_SERVER_ADDR)
     reason = f"%[var({VAR_REASON})]"
+    retry_addr = f"unix@{settings.retry_socket_path}"
     lines = [
         "# Rendered by infra/haproxy_config.py from sluice/contracts.py: do not edit by hand.",
         "global",
@@ -251,17 +335,21 @@ def render_config(settings: HAProxySettings) -> str:
         f"    timeout server {_ms(settings.timeout_server_s)}",
         f"    timeout http-keep-alive {_ms(settings.timeout_http_keep_alive_s)}",
         f"    timeout http-request {_ms(settings.timeout_http_request_s)}",
-        # HAProxy's own errors (no server up, connect failure) in the same OpenAI-style JSON as the 503 below.
+        "    # HAProxy's own errors in the contract's shape: a reason header and an OpenAI-style JSON body.",
     ]
-    for status, kind in ((502, "bad gateway"), (503, "no replica available"), (504, "gateway timeout")):
-        body = _error_body(kind, status)
-        lines.append(f"    http-error status {status} content-type application/json string '{body}'")
+    for status, status_reason in HAPROXY_ERROR_REASONS.items():
+        body = _error_body(f"sluice: {status_reason}", status)
+        lines.append(
+            f"    http-error status {status} content-type application/json"
+            f" hdr {SERVE_REASON_HEADER} {status_reason} string '{body}'"
+        )
     lines += [
         "",
         f"frontend {PROMETHEUS_FRONTEND}",
         f"    bind {LOOPBACK}:{settings.prometheus_port}",
         "    no log",
         f"    http-request use-service prometheus-exporter if {{ path {PROMETHEUS_PATH} }}",
+        f"    http-request use-service lua.{LUA_METRICS_SERVICE} if {{ path {SLUICE_METRICS_PATH} }}",
         "    http-request return status 404",
         "",
         f"frontend {FRONTEND}",
@@ -282,45 +370,57 @@ def render_config(settings: HAProxySettings) -> str:
         f"    http-request set-var({VAR_REQUEST_ID}) req.fhdr({REQUEST_ID_HEADER})",
         f"    http-after-response set-header {REQUEST_ID_HEADER} %[var({VAR_REQUEST_ID})]"
         f" if {{ var({VAR_REQUEST_ID}) -m found }}",
-        f"    # Every method but GET/HEAD asks the router pool ({app.name}); GETs are load-balanced (leastconn).",
-        f"    http-request lua.{LUA_ACTION} unless METH_GET",
-        "    # Backstop: a routed request that got neither a slot nor a reason (Lua error) fails like an unreachable"
-        " router.",
-        f"    http-request set-var({VAR_REASON}) str({REASON_ROUTER_UNREACHABLE}) unless METH_GET"
-        f" || {{ var({VAR_SERVER}) -m found }} || {{ var({VAR_REASON}) -m found }}",
+        f"    # Any method but GET/HEAD asks the router pool ({app.name}); GET/HEAD rotate over the routable replicas.",
+        f"    http-request lua.{LUA_ACTION}",
+        "    # Backstop: a request with neither a replica nor a reason (Lua error) fails like an unreachable router.",
+        f"    http-request set-var({VAR_REASON}) str({REASON_ROUTER_UNREACHABLE})"
+        f" unless {{ var({VAR_SERVER}) -m found }} || {{ var({VAR_REASON}) -m found }}",
+        _count_fallback_line(),
     ]
     if app.fail_open:
         lines += [
-            "    # Fail open (per-app opt-in): load-balance the request and say so on the response.",
+            "    # Fail open (per-app opt-in): the action rotated over the routable replicas instead; say so.",
             f"    http-after-response set-header {SERVE_FALLBACK_HEADER} {reason} if {{ var({VAR_REASON}) -m found }}",
         ]
     else:
-        message = f"sluice could not route the request: {reason}"
         lines += [
-            "    # Fail closed: never send a routed request to a replica the router did not choose.",
-            f"    http-request return status 503 content-type application/json lf-string '{_error_body(message)}'"
-            f' hdr {SERVE_REASON_HEADER} "{reason}" if {{ var({VAR_REASON}) -m found }}',
+            "    # Fail closed: never send a routed request to a replica the router did not rank.",
+            _fail_closed_line(reason),
         ]
     lines += [
+        _rank_header_line(),
+        f"    default_backend {REPLICA_BACKEND}",
+        "",
+        f"frontend {RETRY_FRONTEND}",
+        "    # A request whose pinned replica refused the connection: the next usable replica of its ranked list.",
+        f"    bind {retry_addr} mode 600",
+        f"    http-request lua.{LUA_RETRY_ACTION}",
+        _count_fallback_line(),
+        _fail_closed_line(reason),
+        _rank_header_line(),
         f"    default_backend {REPLICA_BACKEND}",
         "",
         f"backend {REPLICA_BACKEND}",
-        "    balance leastconn",
-        # A pinned request goes to its slot even if the slot went down after the Lua check (it then fails there
-        # with HAProxy's 503) instead of being load-balanced; no redispatch to another replica either.
-        "    option persist",
-        "    no option redispatch",
-        *_health_check_lines(settings),
+        "    # Replica servers have weight 0: only a pin reaches them. Load balancing (a redispatch after a refused",
+        "    # connection) can only pick a retry server, which hands the request to the next ranked replica.",
+        "    balance roundrobin",
+        "    retries 1",
+        "    option redispatch 1",
+        *_health_check_lines(),
+        f"    use-server %[var({VAR_SERVER})] if {{ var({VAR_SERVER}) -m found }}",
+        f"    http-response set-header {SERVE_REASON_HEADER} {REASON_REPLICA_ERROR}"
+        f" if {{ status ge 500 }} !{{ res.hdr({SERVE_REASON_HEADER}) -m found }}",
     ]
-    slots = replica_slot_names(settings)
-    lines += [f"    use-server {slot} if {{ var({VAR_SERVER}) -m str {slot} }}" for slot in slots]
+    lines += [f"    server {name} {retry_addr}" for name in RETRY_SERVERS]
     lines += [
-        f"    server-template {REPLICA_SLOT_PREFIX} 1-{settings.replica_slots} {dummy} check disabled",
         "",
         f"backend {ROUTER_BACKEND}",
         "    # Health-checked router pool; the Lua action calls the UP ones itself (never proxied to).",
-        *_health_check_lines(settings),
-        f"    server-template {ROUTER_SLOT_PREFIX} 1-{settings.router_slots} {dummy} check disabled",
+        *_health_check_lines(),
+        "",
+        f"backend {FALLBACK_TABLE}",
+        "    # Requests served past the router's primary, by why the primary was passed over.",
+        f"    stick-table type string len 32 size {len(FALLBACK_REASONS) * 4} store http_req_cnt",
         "",
     ]
     return "\n".join(lines)

@@ -96,10 +96,9 @@ def find_haproxy_binary(explicit: Path | str | None = None) -> Path:
 
 
 def write_files(settings: HAProxySettings) -> None:
-    """Write the config, the Lua action and an empty map (the syncer fills it at runtime) into the workdir."""
+    """Write the config and the Lua action into the workdir (the syncer adds the servers at run time)."""
     settings.workdir.mkdir(parents=True, exist_ok=True)
     settings.lua_path.write_text(render_lua(settings))
-    settings.map_path.write_text("")
     settings.config_path.write_text(render_config(settings))
 
 
@@ -136,6 +135,7 @@ class HAProxyProcess:
         write_files(self.settings)
         check_config(self.settings, self.binary)
         self.settings.socket_path.unlink(missing_ok=True)
+        self.settings.retry_socket_path.unlink(missing_ok=True)
         with open(self.settings.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [str(self.binary), "-W", "-db", "-f", str(self.settings.config_path)],

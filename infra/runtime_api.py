@@ -84,33 +84,29 @@ class RuntimeAPI:
             raise ValueError(f"server state must be one of {', '.join(states)}, not {state!r}")
         self.checked(f"set server {backend}/{server} state {state}")
 
-    # Maps.
-    def add_map(self, map_path: Path | str, key: str, value: str) -> None:
-        _check_token(key)
-        _check_token(value)
-        self.checked(f"add map {map_path} {key} {value}")
-
-    def del_map(self, map_path: Path | str, key: str) -> None:
-        """Delete a map entry; an entry already gone is not an error."""
-        _check_token(key)
-        command = f"del map {map_path} {key}"
-        reply = self.command(command).strip()
-        if reply and "not found" not in reply.lower():
+    def add_server(self, backend: str, server: str, host: str, port: int, options: list[str]) -> None:
+        """Add a server at run time (it starts in maintenance with its health checks off)."""
+        _check_token(server)
+        for option in options:
+            _check_token(option)
+        command = f"add server {backend}/{server} {host}:{int(port)} {' '.join(options)}".rstrip()
+        reply = self.command(command)
+        if "New server registered" not in reply:
             raise RuntimeAPIError(command, reply)
 
-    def show_map(self, map_path: Path | str) -> dict[str, str]:
-        """Key -> value of a map (each line of `show map` is `<ref> <key> <value>`)."""
-        command = f"show map {map_path}"
+    def enable_health(self, backend: str, server: str) -> None:
+        self.checked(f"enable health {backend}/{server}")
+
+    def shutdown_sessions(self, backend: str, server: str) -> None:
+        """Cut every stream still attached to the server."""
+        self.checked(f"shutdown sessions server {backend}/{server}")
+
+    def del_server(self, backend: str, server: str) -> None:
+        """Delete a server in maintenance; HAProxy refuses while connections are still attached to it."""
+        command = f"del server {backend}/{server}"
         reply = self.command(command)
-        entries = {}
-        for line in reply.splitlines():
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 3 or not parts[0].startswith("0x"):
-                raise RuntimeAPIError(command, reply)
-            entries[parts[1]] = parts[2]
-        return entries
+        if "Server deleted" not in reply:
+            raise RuntimeAPIError(command, reply)
 
     # Stats.
     def show_stat(self) -> dict[tuple[str, str], ServerStat]:
@@ -148,4 +144,4 @@ class RuntimeAPI:
 
 def _check_token(value: str) -> None:
     if not value or any(c.isspace() for c in value) or ";" in value or "\\" in value:
-        raise ValueError(f"map keys and values must be non-empty without spaces, ';' or '\\': {value!r}")
+        raise ValueError(f"runtime API arguments must be non-empty without spaces, ';' or '\\': {value!r}")

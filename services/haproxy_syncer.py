@@ -1,12 +1,18 @@
-"""Keeps HAProxy's replica and router slots equal to the live endpoint sets, through the runtime API only.
+"""Keeps HAProxy's replica and router servers equal to the live endpoint sets, through the runtime API only, and
+tells the routers which replicas this frontend can route to.
 
-No reload, no restart: a new replica takes a free `server-template` slot (`set server addr`, `state ready`,
-then a map entry replica id -> slot so the Lua action may pin to it); a replica that left is drained (map
-entry deleted first so nothing new is pinned to it, slot `state drain` so nothing new is load-balanced to it,
-in-flight streams go on) and its slot goes to maintenance and back to the free list only once it holds no
-session or after the drain grace. A replaced replica (new id, or same id on a new address) is a new replica.
-Everything is keyed by replica id; a slot still draining is never reused. Routers get the same treatment,
-without the map (the Lua action reads the UP, non-draining router slots itself).
+No reload, no restart, no slot limit: each replica is a server named by its replica id, added when it appears
+(`add server`, health checks on, `state ready`) and, when it leaves, put in maintenance at once (the Lua action
+pins nothing new to it; its in-flight streams go on) and deleted once it holds no stream or after the drain
+grace (`shutdown sessions`, then `del server`). A replica on a new address under the same id is moved in
+place (`set server addr`). Routers get the same treatment.
+
+One membership truth: after each pass the syncer publishes, to every router replica, the replica ids this
+frontend can route to now — in its server set, UP, not leaving (`Membership`, `POST <prefix>/internal/membership`),
+when that set changes and every `PUBLISH_HEARTBEAT_S`. A replica joins it only once HAProxy has it UP (the stats
+of a pass are read before its additions), and leaves it in the same pass that puts it in maintenance, so a router
+names it for at most one publication round trip after; the Lua action walks the router's ranked list past any
+replica it cannot route to, so that moment costs no request either.
 """
 
 from __future__ import annotations
@@ -16,71 +22,66 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+
+import httpx
 
 from infra.haproxy_config import (
     REPLICA_BACKEND,
     ROUTER_BACKEND,
+    SERVER_NAME_PATTERN,
     HAProxySettings,
-    replica_slot_names,
-    router_slot_names,
+    is_internal_server,
+    replica_server_options,
+    router_server_options,
 )
-from infra.runtime_api import RuntimeAPI, ServerStat
+from infra.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
 from services.serve_internals import ReplicaEndpoint
-from sluice.contracts import DEFAULT_DRAIN_GRACE_S
+from sluice.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
+from sluice.route_wire import Membership
 
 logger = logging.getLogger(__name__)
 
 EndpointSource = Callable[[], Awaitable[list[ReplicaEndpoint]]]
+# A router that missed a publication (or restarted and lost it) has the set again within this.
+PUBLISH_HEARTBEAT_S = 2.0
+PUBLISH_TIMEOUT_S = 1.0
 
 
 @dataclass
-class Slot:
-    name: str
-    endpoint: ReplicaEndpoint | None = None
-    draining_since: float | None = None
-    # When the slot was last freed: the least recently freed free slot is reused first.
-    freed_at: float = float("-inf")
-
-    @property
-    def free(self) -> bool:
-        return self.endpoint is None and self.draining_since is None
+class Member:
+    endpoint: ReplicaEndpoint
+    leaving_since: float | None = None
 
 
 @dataclass
 class SyncReport:
-    added: list[tuple[str, str]] = field(default_factory=list)  # (replica id, slot)
-    drained: list[tuple[str, str]] = field(default_factory=list)
-    freed: list[str] = field(default_factory=list)
-    no_slot: list[str] = field(default_factory=list)  # replica ids left out: every slot taken
+    added: list[str] = field(default_factory=list)  # replica (or router) ids
+    moved: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # ids that cannot name an HAProxy server
+    routable: list[str] = field(default_factory=list)  # replica ids published to the routers
 
     @property
     def changed(self) -> bool:
-        return bool(self.added or self.drained or self.freed)
+        return bool(self.added or self.moved or self.left or self.deleted)
 
 
-class SlotPool:
-    """The slots of one backend and which replica id holds which."""
+class ServerPool:
+    """The servers of one backend, keyed by replica (or router) id, which is also the server's name."""
 
-    def __init__(self, backend: str, slot_names: list[str], map_path: Path | None) -> None:
+    def __init__(self, backend: str, options: list[str]) -> None:
         self.backend = backend
-        self.map_path = map_path
-        self.slots = {name: Slot(name) for name in slot_names}
+        self.options = options
+        self.members: dict[str, Member] = {}
 
     @property
-    def active(self) -> dict[str, str]:
-        """Replica id -> slot name of every slot that holds a replica (a fresh dict on every read)."""
-        return {s.endpoint.replica_id: s.name for s in self.slots.values() if s.endpoint is not None}
+    def live(self) -> dict[str, ReplicaEndpoint]:
+        """Id -> endpoint of every member not leaving (a fresh dict on every read)."""
+        return {name: m.endpoint for name, m in self.members.items() if m.leaving_since is None}
 
-    def slot_of(self, replica_id: str) -> str | None:
-        return self.active.get(replica_id)
-
-    def draining(self) -> list[str]:
-        return [s.name for s in self.slots.values() if s.draining_since is not None]
-
-    def take_free_slot(self) -> Slot | None:
-        free = [s for s in self.slots.values() if s.free]
-        return min(free, key=lambda s: s.freed_at) if free else None
+    def leaving(self) -> list[str]:
+        return [name for name, m in self.members.items() if m.leaving_since is not None]
 
 
 def _same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:
@@ -88,7 +89,8 @@ def _same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:
 
 
 class HAProxySyncer:
-    """Reconciles HAProxy's slots with `replica_source()` and `router_source()` (e.g. `list_replica_endpoints`)."""
+    """Reconciles HAProxy's servers with `replica_source()` and `router_source()` (e.g. `list_replica_endpoints`)
+    and publishes the routable replicas to the routers."""
 
     def __init__(
         self,
@@ -100,26 +102,32 @@ class HAProxySyncer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
+        self.settings = settings
         self.replica_source = replica_source
         self.router_source = router_source
         self.drain_grace_s = drain_grace_s
         self.clock = clock
-        self.replicas = SlotPool(REPLICA_BACKEND, replica_slot_names(settings), settings.map_path)
-        self.routers = SlotPool(ROUTER_BACKEND, router_slot_names(settings), None)
+        self.replicas = ServerPool(REPLICA_BACKEND, replica_server_options(settings))
+        self.routers = ServerPool(ROUTER_BACKEND, router_server_options(settings))
         self._adopted = False
+        # Router id -> (the set last published to it, when).
+        self._published: dict[str, tuple[tuple[str, ...], float]] = {}
+        self._publish_failing: set[str] = set()
 
     async def sync_once(self) -> SyncReport:
-        """One reconciliation pass. A source that fails leaves HAProxy as it is (the error propagates)."""
+        """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is (the error
+        propagates)."""
         replicas = await self.replica_source()
         routers = await self.router_source()
-        return await asyncio.to_thread(self._sync, replicas, routers)
+        report = await asyncio.to_thread(self._sync, replicas, routers)
+        await self._publish(tuple(report.routable))
+        return report
 
     async def run(self, interval_s: float = 0.25) -> None:
         """Reconcile every `interval_s` until cancelled; a failed pass is logged and retried."""
         while True:
             try:
                 report = await self.sync_once()
-                # A replica left out for want of a slot is logged (a warning) where it happens.
                 if report.changed:
                     logger.info("haproxy sync: %s", report)
             except Exception:
@@ -130,95 +138,132 @@ class HAProxySyncer:
     def _sync(self, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint]) -> SyncReport:
         stats = self.runtime.show_stat()
         if not self._adopted:
-            self._adopt(stats, routers)
+            self._adopt(stats, replicas, routers)
             self._adopted = True
         report = SyncReport()
         for pool, endpoints in ((self.replicas, replicas), (self.routers, routers)):
             self._sync_pool(pool, endpoints, stats, report)
+        report.routable = sorted(
+            name
+            for name in self.replicas.live
+            if name not in report.added and (stat := stats.get((REPLICA_BACKEND, name))) is not None and stat.up
+        )
         return report
 
     def _sync_pool(
         self,
-        pool: SlotPool,
+        pool: ServerPool,
         endpoints: list[ReplicaEndpoint],
         stats: dict[tuple[str, str], ServerStat],
         report: SyncReport,
     ) -> None:
-        wanted = {e.replica_id: e for e in endpoints}
+        wanted: dict[str, ReplicaEndpoint] = {}
+        for endpoint in endpoints:
+            if SERVER_NAME_PATTERN.match(endpoint.replica_id):
+                wanted[endpoint.replica_id] = endpoint
+            else:
+                report.refused.append(endpoint.replica_id)
+                logger.warning("%s: id %r cannot name an HAProxy server; not routable", pool.backend, endpoint)
         now = self.clock()
-        # 1. Replicas that left (or moved to a new address): stop pinning, then drain.
-        for replica_id, slot_name in sorted(pool.active.items()):
-            slot = pool.slots[slot_name]
-            live = wanted.get(replica_id)
-            if live is not None and slot.endpoint is not None and _same_address(live, slot.endpoint):
+        # 1. Members that left: maintenance at once (nothing new is pinned to them), in-flight streams go on.
+        #    Members that stayed but moved: the new address in place.
+        for name, member in sorted(pool.members.items()):
+            live = wanted.get(name)
+            if live is None:
+                if member.leaving_since is None:
+                    self.runtime.set_server_state(pool.backend, name, "maint")
+                    member.leaving_since = now
+                    report.left.append(name)
                 continue
-            if pool.map_path is not None:
-                self.runtime.del_map(pool.map_path, replica_id)
-            self.runtime.set_server_state(pool.backend, slot_name, "drain")
-            slot.endpoint = None
-            slot.draining_since = now
-            report.drained.append((replica_id, slot_name))
-        # 2. Draining slots with no session left (or past the grace): maintenance, then free.
-        for slot in pool.slots.values():
-            if slot.draining_since is None:
+            if not _same_address(live, member.endpoint):
+                self.runtime.set_server_addr(pool.backend, name, live.host, live.port)
+                member.endpoint = live
+                report.moved.append(name)
+            if member.leaving_since is not None:  # came back before it was deleted
+                self.runtime.set_server_state(pool.backend, name, "ready")
+                member.leaving_since = None
+                report.added.append(name)
+        # 2. Leaving members with no stream left (or past the grace): deleted.
+        for name in pool.leaving():
+            member = pool.members[name]
+            stat = stats.get((pool.backend, name))
+            idle = stat is not None and stat.scur == 0 and member.leaving_since != now
+            overdue = now - member.leaving_since >= self.drain_grace_s  # type: ignore[operator]
+            if not (idle or overdue or stat is None):
                 continue
-            stat = stats.get((pool.backend, slot.name))
-            idle = stat is not None and stat.scur == 0 and not _drained_this_pass(slot, now)
-            if idle or now - slot.draining_since >= self.drain_grace_s:
-                self.runtime.set_server_state(pool.backend, slot.name, "maint")
-                slot.draining_since = None
-                slot.freed_at = now
-                report.freed.append(slot.name)
-        # 3. New replicas: a free slot each.
-        active = pool.active
-        for replica_id, endpoint in sorted(wanted.items()):
-            if replica_id in active:
+            try:
+                if overdue and stat is not None and stat.scur:
+                    self.runtime.shutdown_sessions(pool.backend, name)
+                if stat is not None:
+                    self.runtime.del_server(pool.backend, name)
+            except RuntimeAPIError as error:
+                # Connections still attached (HAProxy releases them asynchronously): the next pass tries again.
+                logger.debug("%s", error)
                 continue
-            slot = pool.take_free_slot()
-            if slot is None:
-                report.no_slot.append(replica_id)
-                logger.warning(
-                    "no free %s slot for %s (all %d taken or draining)", pool.backend, replica_id, len(pool.slots)
-                )
+            del pool.members[name]
+            report.deleted.append(name)
+        # 3. New members: a server each.
+        for name, endpoint in sorted(wanted.items()):
+            if name in pool.members:
                 continue
-            self.runtime.set_server_addr(pool.backend, slot.name, endpoint.host, endpoint.port)
-            self.runtime.set_server_state(pool.backend, slot.name, "ready")
-            if pool.map_path is not None:
-                self.runtime.add_map(pool.map_path, replica_id, slot.name)
-            slot.endpoint = endpoint
-            report.added.append((replica_id, slot.name))
+            self.runtime.add_server(pool.backend, name, endpoint.host, endpoint.port, pool.options)
+            self.runtime.enable_health(pool.backend, name)
+            self.runtime.set_server_state(pool.backend, name, "ready")
+            pool.members[name] = Member(endpoint)
+            report.added.append(name)
 
-    def _adopt(self, stats: dict[tuple[str, str], ServerStat], routers: list[ReplicaEndpoint]) -> None:
-        """Take over what an earlier syncer left in this HAProxy: slots not in maintenance are kept when the
-        map (replicas) or the address (routers) says whose they are, and drained otherwise."""
+    def _adopt(
+        self,
+        stats: dict[tuple[str, str], ServerStat],
+        replicas: list[ReplicaEndpoint],
+        routers: list[ReplicaEndpoint],
+    ) -> None:
+        """Take over what an earlier syncer left in this HAProxy: a server that is live under its name and address
+        is kept, any other is treated as leaving (deleted once idle)."""
         now = self.clock()
-        replica_map = self.runtime.show_map(self.replicas.map_path) if self.replicas.map_path else {}
-        router_by_addr = {f"{e.host}:{e.port}": e for e in routers}
-        for pool in (self.replicas, self.routers):
-            owners = {slot: rid for rid, slot in replica_map.items()} if pool is self.replicas else {}
-            for slot in pool.slots.values():
-                stat = stats.get((pool.backend, slot.name))
-                if stat is None or stat.admin_maint:
+        for pool, endpoints in ((self.replicas, replicas), (self.routers, routers)):
+            wanted = {e.replica_id: e for e in endpoints}
+            for (backend, name), stat in stats.items():
+                if backend != pool.backend or is_internal_server(name):
                     continue
                 host, _, port = stat.addr.rpartition(":")
-                if pool is self.replicas and slot.name in owners and not stat.draining:
-                    endpoint = ReplicaEndpoint(replica_id=owners[slot.name], deployment="", host=host, port=int(port))
-                elif pool is self.routers and stat.addr in router_by_addr and not stat.draining:
-                    endpoint = router_by_addr[stat.addr]
+                found = ReplicaEndpoint(replica_id=name, deployment="", host=host, port=int(port or 0))
+                live = wanted.get(name)
+                if live is not None and _same_address(live, found) and not stat.admin_maint:
+                    pool.members[name] = Member(live)
                 else:
-                    slot.draining_since = now
-                    continue
-                slot.endpoint = endpoint
-        # Map entries that point at no adopted slot would pin to a slot that is not theirs: drop them.
-        adopted = self.replicas.active
-        for replica_id, slot_name in replica_map.items():
-            if adopted.get(replica_id) != slot_name:
-                self.runtime.del_map(self.replicas.map_path, replica_id)
-        if any(pool.active or pool.draining() for pool in (self.replicas, self.routers)):
-            logger.info("adopted HAProxy state: replicas %s, routers %s", self.replicas.active, self.routers.active)
+                    pool.members[name] = Member(found, leaving_since=now)
+            if pool.members:
+                logger.info("adopted %s servers: %s", pool.backend, sorted(pool.members))
 
+    async def _publish(self, routable: tuple[str, ...]) -> None:
+        """Send the routable set to every live router that lacks it or is due a heartbeat."""
+        now = self.clock()
+        due = [endpoint for name, endpoint in self.routers.live.items() if self._due(name, routable, now)]
+        for name in set(self._published) - set(self.routers.live):
+            del self._published[name]
+        if not due:
+            return
+        body = Membership(frontend=self.settings.frontend_id, replica_ids=list(routable)).model_dump_json()
+        async with httpx.AsyncClient(timeout=PUBLISH_TIMEOUT_S) as client:
+            results = await asyncio.gather(
+                *(self._publish_to(client, endpoint, body) for endpoint in due), return_exceptions=True
+            )
+        for endpoint, result in zip(due, results, strict=True):
+            name = endpoint.replica_id
+            if isinstance(result, BaseException):
+                if name not in self._publish_failing:
+                    logger.warning("publishing the routable replicas to router %s failed: %r", name, result)
+                self._publish_failing.add(name)
+                continue
+            self._publish_failing.discard(name)
+            self._published[name] = (routable, now)
 
-def _drained_this_pass(slot: Slot, now: float) -> bool:
-    # `stats` was read before this pass set the slot to drain: its scur may predate a request pinned a moment
-    # before the map entry went away. Free a slot at the earliest on the pass after the one that drained it.
-    return slot.draining_since == now
+    def _due(self, router: str, routable: tuple[str, ...], now: float) -> bool:
+        last = self._published.get(router)
+        return last is None or last[0] != routable or now - last[1] >= PUBLISH_HEARTBEAT_S
+
+    async def _publish_to(self, client: httpx.AsyncClient, router: ReplicaEndpoint, body: str) -> None:
+        url = f"{router.url}{self.settings.app.router_route_prefix}{MEMBERSHIP_PATH}"
+        response = await client.post(url, content=body, headers={"content-type": "application/json"})
+        response.raise_for_status()

@@ -8,8 +8,9 @@ straight to the chosen replica's own port, never through the router.
 Serving. `RouterReplica` is a Ray Serve deployment whose FastAPI app is served on each router
 replica's own direct-ingress port (like the LLM replica), so every router replica is discoverable
 with `list_replica_endpoints(<router app>)`. The route path on that port is the app's
-`route_prefix` + `ROUTE_PATH` (Serve only serves paths under the prefix). `GET /metrics` on the same
-app exports the router's counters together with the policies' decision counters.
+`route_prefix` + `ROUTE_PATH` (Serve only serves paths under the prefix); the frontend's syncer
+publishes its membership at `route_prefix` + `MEMBERSHIP_PATH`. `GET /metrics` on the same app exports
+the router's counters together with the policies' decision counters.
 
 Replica set. Each router replica polls `list_replica_endpoints(target_app)` every
 `refresh_interval_s` (0.25 s: a replaced replica is routable within a quarter second, for one
@@ -17,7 +18,11 @@ controller call per router replica per interval) and keeps the last known set wh
 The ids are Serve's replica unique ids, the very ids the LLM replicas stamp as `x-serve-replica`,
 and the views depend only on the set, so consistent hash gives the same answer on every router
 replica without any coordination. The constructor returns only once it knows a non-empty set, so
-Serve opens the router's port (and `/-/healthz` on it) only then.
+Serve opens the router's port (and `/-/healthz` on it) only then. Serve's list is the candidate set;
+the set a frontend publishes (`Membership`, the replicas it has UP and not leaving) narrows it for that
+frontend's route calls (`x-sluice-frontend`), so the router never ranks a replica the asking frontend
+cannot reach and the primary it names is one the frontend can actually use. The rule is in
+`services.frontend_membership`; an empty result is a 503 `no_replica` (fail closed).
 
 In-flight counts. A policy's tracker counts a request on its primary at decision time and forgets
 it when told the request completed; on the direct path the router is never told (the stream runs
@@ -54,7 +59,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray import serve
 from ray.serve.deployment import Application
 
@@ -62,17 +67,20 @@ from routers.capacity_queue import LedgerClient
 from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
 from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
 from services.capacity_ledger_actor import capacity_queue_policy
+from services.frontend_membership import FrontendMembership
 from services.llm_config import LLM_DEPLOYMENT_NAME
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints, with_rollout_version
 from sluice.contracts import (
     BODY_TRUNCATED_HEADER,
     DEFAULT_MAX_ONGOING_REQUESTS,
+    FRONTEND_HEADER,
+    MEMBERSHIP_PATH,
     REQUEST_ID_HEADER,
     ROUTE_PATH,
     SESSION_HEADER_DEFAULT,
 )
 from sluice.rollout import config_version
-from sluice.route_wire import RouteRefusal, RouteReply
+from sluice.route_wire import Membership, RouteRefusal, RouteReply
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +99,9 @@ ROUTED_TOTAL = Counter("sluice_router_routed", "Route calls answered with a repl
 REFUSED_TOTAL = Counter("sluice_router_refused", "Route calls refused (503) by reason.", ["app", "policy", "reason"])
 TRUNCATED_TOTAL = Counter(
     "sluice_router_truncated_bodies", "Route calls whose forwarded body was cut at the buffer limit.", ["app"]
+)
+MEMBERSHIP_UPDATES_TOTAL = Counter(
+    "sluice_router_membership_updates", "Frontend membership publications accepted (heartbeats included).", ["app"]
 )
 
 
@@ -204,23 +215,39 @@ def route_reply(decision: Decision) -> RouteReply:
 def build_router_app(
     settings: RouterSettings, policy: RoutingPolicy, replicas: Callable[[], Sequence[ReplicaView]]
 ) -> FastAPI:
-    """The router's HTTP app; `replicas()` gives the current views of the target app's replicas."""
+    """The router's HTTP app; `replicas()` gives the current views of the target app's replicas, which
+    each route call narrows to those its frontend published (`FrontendMembership`)."""
     app = FastAPI(title="sluice router", openapi_url=None, docs_url=None, redoc_url=None)
     routed = ROUTED_TOTAL.labels(settings.target_app, policy.name)
     truncated_bodies = TRUNCATED_TOTAL.labels(settings.target_app)
+    membership_updates = MEMBERSHIP_UPDATES_TOTAL.labels(settings.target_app)
+    membership = FrontendMembership()
 
     @app.post(ROUTE_PATH)
     async def route(request: Request) -> Response:
         route_request = route_request_from(request.headers, await request.body(), settings.session_header)
         if route_request.body_truncated:
             truncated_bodies.inc()
+        frontend = request.headers.get(FRONTEND_HEADER) or None
         try:
-            decision = await policy.decide(replicas(), route_request)
+            decision = await policy.decide(membership.routable(replicas(), frontend), route_request)
         except NoReplicaAvailable as refusal:
             REFUSED_TOTAL.labels(settings.target_app, policy.name, refusal.reason).inc()
             return Response(RouteRefusal(reason=refusal.reason).model_dump_json(), status_code=503, media_type=_JSON)
         routed.inc()
         return Response(route_reply(decision).model_dump_json(), media_type=_JSON)
+
+    @app.post(MEMBERSHIP_PATH)
+    async def publish_membership(request: Request) -> Response:
+        try:
+            published = Membership.model_validate_json(await request.body())
+        except ValidationError as error:
+            # Invalid JSON is a ValidationError too; the context may hold exceptions, which json cannot dump.
+            detail = error.errors(include_url=False, include_input=False, include_context=False)
+            return Response(json.dumps({"detail": detail}), status_code=422, media_type=_JSON)
+        membership.publish(published)
+        membership_updates.inc()
+        return Response(status_code=204)
 
     @app.get(METRICS_PATH)
     async def metrics() -> Response:

@@ -14,6 +14,13 @@ CAPACITY_TOKEN_HEADER = "x-sluice-capacity-token"
 BODY_TRUNCATED_HEADER = "x-body-truncated"
 SERVE_REASON_HEADER = "x-serve-reason"
 SERVE_FALLBACK_HEADER = "x-serve-fallback"
+# Set on a response served by the replica at rank k >= 1 of the router's ranked list (0 = the primary).
+FALLBACK_RANK_HEADER = "x-serve-fallback-rank"
+# Sent by the frontend on every route call: which frontend (HAProxy) asks, so the router ranks only the
+# replicas that frontend can route to.
+FRONTEND_HEADER = "x-sluice-frontend"
+# Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection.
+RANKED_HEADER = "x-sluice-ranked"
 INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")
 
 # Routing failure reasons (HAProxy -> client, `X-Serve-Reason`).
@@ -21,6 +28,19 @@ REASON_ROUTER_UNREACHABLE = "router_unreachable"
 REASON_ROUTER_NON_200 = "router_non_200"
 REASON_UNPARSEABLE_REPLICA_ID = "unparseable_replica_id"
 REASON_UNKNOWN_REPLICA_ID = "unknown_replica_id"
+# Errors HAProxy itself produces after routing (each carries `X-Serve-Reason` and an OpenAI-style body).
+REASON_REPLICA_UNAVAILABLE = "replica_unavailable"  # 503: no ranked replica could take the connection
+REASON_REPLICA_FAILED = "replica_failed"  # 502: the replica closed or answered garbage before its headers
+REASON_REPLICA_TIMEOUT = "replica_timeout"  # 504: no response headers within the server timeout
+REASON_FRONTEND_ERROR = "frontend_error"  # 500: an internal error of the frontend itself
+# A 5xx the replica sent itself without a reason gets this one.
+REASON_REPLICA_ERROR = "replica_error"
+
+# Why the frontend passed over the router's primary (the fallback counter's `reason` label).
+FALLBACK_ABSENT = "absent"  # not (or no longer) in the frontend's server set
+FALLBACK_DOWN = "down"  # DOWN by health check or observed connection errors, or leaving (maintenance)
+FALLBACK_REFUSED = "refused"  # the connection failed before any byte was sent
+FALLBACK_REASONS = (FALLBACK_ABSENT, FALLBACK_DOWN, FALLBACK_REFUSED)
 
 # Replica defaults.
 HEALTH_PATH = "/-/healthz"
@@ -30,6 +50,8 @@ DEFAULT_DRAIN_GRACE_S = 30.0
 
 # Direct-streaming data plane (HAProxy -> router -> replica).
 ROUTE_PATH = "/internal/route"
+# The frontend's syncer publishes the replica ids it can route to here, on every router replica.
+MEMBERSHIP_PATH = "/internal/membership"
 APP_HEADER = "x-sluice-app"
 HAPROXY_PORT_DEFAULT = 8000
 HAPROXY_PROMETHEUS_PORT_DEFAULT = 8404
@@ -42,3 +64,10 @@ FAIL_CLOSED_REASONS = (
     REASON_UNPARSEABLE_REPLICA_ID,
     REASON_UNKNOWN_REPLICA_ID,
 )
+# Reason of each 5xx status HAProxy can generate itself.
+HAPROXY_ERROR_REASONS = {
+    500: REASON_FRONTEND_ERROR,
+    502: REASON_REPLICA_FAILED,
+    503: REASON_REPLICA_UNAVAILABLE,
+    504: REASON_REPLICA_TIMEOUT,
+}

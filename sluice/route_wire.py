@@ -1,4 +1,4 @@
-"""Wire format of the route call (HAProxy Lua -> router service), DESIGN.md §3."""
+"""Wire formats between the frontend and the router service (DESIGN.md §3)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ from pydantic import BaseModel, ConfigDict
 
 
 class RouteReply(BaseModel):
-    """200 reply: a small flat JSON object the Lua action parses with patterns, so no nesting."""
+    """200 reply to a route call: a small flat JSON object the Lua action parses with patterns, so no nesting.
+
+    `fallbacks` are the router's further ranked replicas, best first: the frontend tries them in order when
+    it cannot route to the primary (and to nothing else)."""
 
     model_config = ConfigDict(extra="forbid")
 
     replica_id: str
-    server: str | None = None
     fallbacks: list[str] = []
     capacity_token: str | None = None
 
@@ -20,3 +22,15 @@ class RouteRefusal(BaseModel):
     """Non-200 reply; `reason` becomes the client's `X-Serve-Reason`."""
 
     reason: str
+
+
+class Membership(BaseModel):
+    """What one frontend can route to, published by its syncer to every router replica.
+
+    `replica_ids`: the replicas in the frontend's server set that are UP and not leaving. A router ranks only
+    these for that frontend's route calls."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    frontend: str
+    replica_ids: list[str]

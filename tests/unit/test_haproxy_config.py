@@ -1,4 +1,4 @@
-"""The rendered HAProxy config and Lua action; `haproxy -c` on them; the syncer's slot bookkeeping (fake runtime)."""
+"""The rendered HAProxy config and Lua action; `haproxy -c` on them; the syncer's server bookkeeping (fake runtime)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ from pydantic import ValidationError
 from infra import haproxy_config
 from infra.haproxy_config import (
     REPLICA_BACKEND,
+    RETRY_SERVERS,
     ROUTER_BACKEND,
     AppRoute,
     HAProxySettings,
     render_config,
-    replica_slot_names,
+    replica_server_options,
 )
 from infra.haproxy_lua import LUA_TEMPLATE, render_lua
 from infra.haproxy_process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
-from infra.runtime_api import ServerStat
+from infra.runtime_api import RuntimeAPIError, ServerStat
 from services.haproxy_syncer import HAProxySyncer
 from services.serve_internals import ReplicaEndpoint
 from sluice import contracts
@@ -38,7 +39,10 @@ CONFIG_CONSTANTS = {
     "REQUEST_ID_HEADER": contracts.REQUEST_ID_HEADER,
     "SERVE_REASON_HEADER": contracts.SERVE_REASON_HEADER,
     "SERVE_FALLBACK_HEADER": contracts.SERVE_FALLBACK_HEADER,
+    "FALLBACK_RANK_HEADER": contracts.FALLBACK_RANK_HEADER,
     "HEALTH_PATH": contracts.HEALTH_PATH,
+    "REASON_REPLICA_ERROR": contracts.REASON_REPLICA_ERROR,
+    **{f"HAPROXY_ERROR_REASONS[{code}]": reason for code, reason in contracts.HAPROXY_ERROR_REASONS.items()},
 }
 LUA_CONSTANTS = {
     "REQUEST_ID_HEADER": contracts.REQUEST_ID_HEADER,
@@ -46,8 +50,12 @@ LUA_CONSTANTS = {
     "CAPACITY_TOKEN_HEADER": contracts.CAPACITY_TOKEN_HEADER,
     "BODY_TRUNCATED_HEADER": contracts.BODY_TRUNCATED_HEADER,
     "APP_HEADER": contracts.APP_HEADER,
+    "FRONTEND_HEADER": contracts.FRONTEND_HEADER,
+    "RANKED_HEADER": contracts.RANKED_HEADER,
     "ROUTE_PATH": contracts.ROUTE_PATH,
+    "REASON_REPLICA_UNAVAILABLE": contracts.REASON_REPLICA_UNAVAILABLE,
     **{f"FAIL_CLOSED_REASONS[{i}]": reason for i, reason in enumerate(contracts.FAIL_CLOSED_REASONS)},
+    **{f"FALLBACK_REASONS[{i}]": reason for i, reason in enumerate(contracts.FALLBACK_REASONS)},
 }
 
 
@@ -66,8 +74,8 @@ def test_constants_come_from_contracts(tmp_path: Path, fail_open: bool) -> None:
     s = settings(tmp_path, fail_open=fail_open)
     config, lua = render_config(s), render_lua(s)
     for name, value in CONFIG_CONSTANTS.items():
-        if name == ("SERVE_REASON_HEADER" if fail_open else "SERVE_FALLBACK_HEADER"):
-            assert value not in config, name
+        if name == "SERVE_FALLBACK_HEADER" and not fail_open:
+            assert f"set-header {value} " not in config, name
         else:
             assert value in config, name
     for name, value in LUA_CONSTANTS.items():
@@ -91,9 +99,16 @@ def test_nothing_of_the_contract_is_written_by_hand() -> None:
         contracts.BODY_TRUNCATED_HEADER,
         contracts.SERVE_REASON_HEADER,
         contracts.SERVE_FALLBACK_HEADER,
+        contracts.FALLBACK_RANK_HEADER,
+        contracts.FRONTEND_HEADER,
+        contracts.RANKED_HEADER,
         contracts.APP_HEADER,
         contracts.HEALTH_PATH,
         *contracts.FAIL_CLOSED_REASONS,
+        *contracts.HAPROXY_ERROR_REASONS.values(),
+        contracts.REASON_REPLICA_ERROR,
+        # Plain words, so only as string literals.
+        *(f'"{reason}"' for reason in contracts.FALLBACK_REASONS),
         *contracts.INTERNAL_HEADER_PREFIXES,
     ]
     for literal in literals:
@@ -111,12 +126,16 @@ def test_frontend_pieces(tmp_path: Path) -> None:
         "unique-id-format %[uuid()]",
         "http-request set-header x-request-id %[unique-id] unless { req.hdr(x-request-id) -m found }",
         "http-after-response set-header x-request-id %[var(txn.sluice_request_id)]",
-        "http-request lua.sluice_route unless METH_GET",
-        "balance leastconn",
-        "option persist",
+        "http-request lua.sluice_route",
+        "balance roundrobin",
+        "option redispatch 1",
+        "retries 1",
+        "use-server %[var(txn.sluice_server)] if { var(txn.sluice_server) -m found }",
+        f"bind unix@{tmp_path.resolve()}/retry.sock mode 600",
+        "http-request lua.sluice_retry",
         "option httpchk GET /-/healthz",
         "http-check expect status 200",
-        "default-server inter 5s fastinter 250ms downinter 250ms fall 2 rise 2",
+        "http-request use-service lua.sluice_metrics if { path /sluice/metrics }",
         "timeout client 3600s",
         "timeout server 3600s",
         "timeout connect 5s",
@@ -140,7 +159,10 @@ def test_frontend_pieces(tmp_path: Path) -> None:
 
 def test_fail_open_has_no_503_but_a_fallback_header(tmp_path: Path) -> None:
     config = render_config(settings(tmp_path, fail_open=True))
-    assert "http-request return status 503" not in config
+    public = config[config.index("frontend sluice_http") : config.index("frontend sluice_retry")]
+    assert "http-request return status 503" not in public
+    # Only when every candidate refused the connection: nothing is left to serve it.
+    assert "http-request return status 503" in config[config.index("frontend sluice_retry") :]
     assert "http-after-response set-header x-serve-fallback %[var(txn.sluice_reason)]" in config
 
 
@@ -166,15 +188,21 @@ def test_custom_session_header_and_timeout(tmp_path: Path) -> None:
     assert "local ROUTE_TIMEOUT_S = 1.5" in lua
 
 
-@pytest.mark.parametrize("slots", [1, 3, 16])
-def test_one_use_server_rule_per_slot(tmp_path: Path, slots: int) -> None:
-    s = HAProxySettings(workdir=tmp_path, app=AppRoute(name="llm"), replica_slots=slots, router_slots=2)
+def test_only_the_retry_servers_take_load_balanced_traffic(tmp_path: Path) -> None:
+    s = settings(tmp_path)
     config = render_config(s)
-    rules = re.findall(r"use-server (\S+) if \{ var\(txn\.sluice_server\) -m str (\S+) \}", config)
-    assert rules == [(name, name) for name in replica_slot_names(s)]
-    assert f"server-template replica 1-{slots} 127.0.0.1:1 check disabled" in config
-    assert "server-template router 1-2 127.0.0.1:1 check disabled" in config
-    assert 'local ROUTER_SLOTS = {"router1", "router2"}' in render_lua(s)
+    servers = re.findall(r"^    server (\S+) (\S+)", config, re.M)
+    assert servers == [(name, f"unix@{s.retry_socket_path}") for name in RETRY_SERVERS]
+    options = replica_server_options(s)
+    assert options[:2] == ["weight", "0"]
+    for piece in ("observe layer4", "on-error mark-down", "error-limit 1", "inter 5s", "fall 2", "rise 2"):
+        assert piece in " ".join(options), piece
+    # Every HAProxy-made 5xx carries its reason and an OpenAI-style body.
+    for code, reason in contracts.HAPROXY_ERROR_REASONS.items():
+        line = next(li for li in config.splitlines() if li.startswith(f"    http-error status {code} "))
+        assert f"hdr x-serve-reason {reason}" in line and f'"code": {code}' in line
+    lua = render_lua(s)
+    assert f'local FRONTEND_ID = "{s.frontend_id}"' in lua and s.frontend_id == "127.0.0.1:18000"
 
 
 def test_settings_refuse_bad_values(tmp_path: Path) -> None:
@@ -199,10 +227,9 @@ def test_settings_refuse_bad_values(tmp_path: Path) -> None:
     ],
 )
 def test_haproxy_accepts_the_rendered_config(tmp_path: Path, app: AppRoute) -> None:
-    s = HAProxySettings(workdir=tmp_path, app=app, port=18000, prometheus_port=18404, replica_slots=5)
+    s = HAProxySettings(workdir=tmp_path, app=app, port=18000, prometheus_port=18404)
     write_files(s)
     assert "Configuration file is valid" in check_config(s)
-    assert s.map_path.read_text() == ""
 
 
 def test_binary_search_names_what_it_tried(tmp_path: Path) -> None:
@@ -216,106 +243,129 @@ def test_binary_search_names_what_it_tried(tmp_path: Path) -> None:
     assert find_haproxy_binary().is_file()
 
 
-# The syncer's slot bookkeeping against an in-memory runtime API.
+# The syncer's server bookkeeping against an in-memory runtime API.
 class FakeRuntime:
-    def __init__(self, s: HAProxySettings) -> None:
-        self.servers = {
-            (backend, f"{prefix}{i}"): {"addr": "127.0.0.1:1", "state": "maint", "scur": 0}
-            for backend, prefix, n in ((REPLICA_BACKEND, "replica", s.replica_slots), (ROUTER_BACKEND, "router", 2))
-            for i in range(1, n + 1)
-        }
-        self.map: dict[str, str] = {}
+    def __init__(self) -> None:
+        self.servers: dict[tuple[str, str], dict[str, object]] = {}
         self.commands: list[str] = []
 
     def show_stat(self) -> dict[tuple[str, str], ServerStat]:
-        status = {"ready": "UP", "drain": "DRAIN", "maint": "MAINT"}
+        status = {"ready": "UP", "maint": "MAINT"}
         return {
-            key: ServerStat(key[0], key[1], status[v["state"]], v["scur"], v["addr"]) for key, v in self.servers.items()
+            key: ServerStat(key[0], key[1], status[v["state"]], v["scur"], v["addr"])  # type: ignore[arg-type]
+            for key, v in self.servers.items()
         }
 
-    def show_map(self, map_path: Path) -> dict[str, str]:
-        return dict(self.map)
+    def add_server(self, backend: str, server: str, host: str, port: int, options: list[str]) -> None:
+        self.commands.append(f"add {server}")
+        self.servers[(backend, server)] = {"addr": f"{host}:{port}", "state": "maint", "scur": 0, "options": options}
+
+    def enable_health(self, backend: str, server: str) -> None:
+        assert (backend, server) in self.servers
 
     def set_server_addr(self, backend: str, server: str, host: str, port: int) -> None:
+        self.commands.append(f"addr {server} {port}")
         self.servers[(backend, server)]["addr"] = f"{host}:{port}"
 
     def set_server_state(self, backend: str, server: str, state: str) -> None:
         self.commands.append(f"{server} {state}")
         self.servers[(backend, server)]["state"] = state
 
-    def add_map(self, map_path: Path, key: str, value: str) -> None:
-        self.map[key] = value
+    def shutdown_sessions(self, backend: str, server: str) -> None:
+        self.commands.append(f"shutdown {server}")
+        self.servers[(backend, server)]["scur"] = 0
 
-    def del_map(self, map_path: Path, key: str, missing_ok: bool = True) -> None:
-        self.map.pop(key, None)
+    def del_server(self, backend: str, server: str) -> None:
+        entry = self.servers[(backend, server)]
+        if entry["state"] != "maint" or entry["scur"]:
+            raise RuntimeAPIError(f"del server {backend}/{server}", "Server still has connections attached to it")
+        self.commands.append(f"del {server}")
+        del self.servers[(backend, server)]
 
 
 def endpoint(replica_id: str, port: int) -> ReplicaEndpoint:
     return ReplicaEndpoint(replica_id=replica_id, deployment="d", host="127.0.0.1", port=port)
 
 
-def test_syncer_never_reuses_a_draining_slot(tmp_path: Path) -> None:
-    s = HAProxySettings(workdir=tmp_path, app=AppRoute(name="llm"), replica_slots=2, router_slots=2)
-    runtime = FakeRuntime(s)
+def make_syncer(
+    tmp_path: Path, runtime: FakeRuntime, live: list, routers: list, now: list[float], grace: float = 30
+) -> HAProxySyncer:
+    s = settings(tmp_path)
+    syncer = HAProxySyncer(
+        runtime, s, lambda: _value(list(live)), lambda: _value(list(routers)), drain_grace_s=grace, clock=lambda: now[0]
+    )
+    return syncer
+
+
+def test_syncer_adds_retires_and_deletes_servers_by_replica_id(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
     live = [endpoint("a", 1001), endpoint("b", 1002)]
     now = [0.0]
-    syncer = HAProxySyncer(
-        runtime, s, lambda: _value(list(live)), lambda: _value([]), drain_grace_s=30, clock=lambda: now[0]
-    )
+    syncer = make_syncer(tmp_path, runtime, live, [], now)
 
     def sync() -> object:
         return asyncio.run(syncer.sync_once())
 
-    sync()
-    assert runtime.map == {"a": "replica1", "b": "replica2"}
-    assert runtime.servers[(REPLICA_BACKEND, "replica1")]["addr"] == "127.0.0.1:1001"
-    # `a` leaves while it still streams; `c` arrives: no slot is free, `a`'s draining slot is not reused.
-    runtime.servers[(REPLICA_BACKEND, "replica1")]["scur"] = 3
+    report = sync()
+    assert report.added == ["a", "b"] and report.routable == []  # routable only once HAProxy has them UP
+    assert runtime.servers[(REPLICA_BACKEND, "a")]["addr"] == "127.0.0.1:1001"
+    assert runtime.servers[(REPLICA_BACKEND, "a")]["options"] == replica_server_options(settings(tmp_path))
+    now[0] = 0.25
+    assert sync().routable == ["a", "b"]
+    # `a` leaves while it still streams; `c` arrives: `a` goes to maintenance at once and leaves the routable set.
+    runtime.servers[(REPLICA_BACKEND, "a")]["scur"] = 3
     live[:] = [endpoint("b", 1002), endpoint("c", 1003)]
     now[0] = 1.0
     report = sync()
-    assert report.drained == [("a", "replica1")] and report.no_slot == ["c"]
-    assert runtime.map == {"b": "replica2"}
-    assert runtime.servers[(REPLICA_BACKEND, "replica1")]["state"] == "drain"
+    assert report.left == ["a"] and report.added == ["c"] and report.routable == ["b"]
+    assert runtime.servers[(REPLICA_BACKEND, "a")]["state"] == "maint"
     now[0] = 2.0
-    assert sync().no_slot == ["c"]
-    # Its streams end: maintenance, then the slot is free again and `c` gets it.
-    runtime.servers[(REPLICA_BACKEND, "replica1")]["scur"] = 0
+    assert sync().deleted == []
+    # Its streams end: deleted on the next pass.
+    runtime.servers[(REPLICA_BACKEND, "a")]["scur"] = 0
     now[0] = 3.0
     report = sync()
-    assert report.freed == ["replica1"] and report.added == [("c", "replica1")]
-    assert runtime.commands[-2:] == ["replica1 maint", "replica1 ready"]
-    assert runtime.map == {"b": "replica2", "c": "replica1"}
-    assert runtime.servers[(REPLICA_BACKEND, "replica1")]["addr"] == "127.0.0.1:1003"
+    assert report.deleted == ["a"] and (REPLICA_BACKEND, "a") not in runtime.servers
+    assert report.routable == ["b", "c"]
 
 
-def test_syncer_drain_grace_and_moved_replica(tmp_path: Path) -> None:
-    s = HAProxySettings(workdir=tmp_path, app=AppRoute(name="llm"), replica_slots=3, router_slots=2)
-    runtime = FakeRuntime(s)
+def test_syncer_drain_grace_moved_replica_and_adoption(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
     live = [endpoint("a", 1001)]
     routers = [endpoint("r", 2001)]
     now = [0.0]
-    syncer = HAProxySyncer(
-        runtime, s, lambda: _value(list(live)), lambda: _value(list(routers)), drain_grace_s=5, clock=lambda: now[0]
-    )
+    syncer = make_syncer(tmp_path, runtime, live, routers, now, grace=5)
     asyncio.run(syncer.sync_once())
-    assert runtime.servers[(ROUTER_BACKEND, "router1")] == {"addr": "127.0.0.1:2001", "state": "ready", "scur": 0}
-    # Same id on a new port (a replaced replica): a new slot; the old one drains, stuck sessions or not.
-    runtime.servers[(REPLICA_BACKEND, "replica1")]["scur"] = 1
+    assert runtime.servers[(ROUTER_BACKEND, "r")]["state"] == "ready"
+    # Same id on a new port: moved in place.
     live[:] = [endpoint("a", 1009)]
     now[0] = 1.0
-    report = asyncio.run(syncer.sync_once())
-    assert report.drained == [("a", "replica1")] and report.added == [("a", "replica2")]
-    assert runtime.map == {"a": "replica2"}
-    now[0] = 5.5
-    assert asyncio.run(syncer.sync_once()).freed == []
-    now[0] = 6.0
-    assert asyncio.run(syncer.sync_once()).freed == ["replica1"]
+    assert asyncio.run(syncer.sync_once()).moved == ["a"]
+    assert runtime.servers[(REPLICA_BACKEND, "a")]["addr"] == "127.0.0.1:1009"
+    # A leaving replica whose streams never end is cut after the grace, then deleted.
+    runtime.servers[(REPLICA_BACKEND, "a")]["scur"] = 1
+    live[:] = []
+    now[0] = 2.0
+    assert asyncio.run(syncer.sync_once()).left == ["a"]
+    now[0] = 6.5
+    assert asyncio.run(syncer.sync_once()).deleted == []
+    now[0] = 7.0
+    assert asyncio.run(syncer.sync_once()).deleted == ["a"]
+    assert runtime.commands[-2:] == ["shutdown a", "del a"]
     # A fresh syncer (e.g. after a restart) adopts what it finds instead of starting over.
-    again = HAProxySyncer(runtime, s, lambda: _value(list(live)), lambda: _value(list(routers)), clock=lambda: 7.0)
+    live[:] = [endpoint("b", 1002)]
+    asyncio.run(syncer.sync_once())
+    again = make_syncer(tmp_path, runtime, live, routers, [8.0])
     report = asyncio.run(again.sync_once())
-    assert not report.changed
-    assert again.replicas.slot_of("a") == "replica2" and again.routers.slot_of("r") == "router1"
+    assert not report.changed and report.routable == ["b"]
+    assert set(again.replicas.live) == {"b"} and set(again.routers.live) == {"r"}
+
+
+def test_syncer_refuses_ids_that_cannot_name_a_server(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
+    live = [endpoint("ok-1", 1001), endpoint("_retry1", 1002), endpoint("bad id", 1003)]
+    report = asyncio.run(make_syncer(tmp_path, runtime, live, [], [0.0]).sync_once())
+    assert report.added == ["ok-1"] and sorted(report.refused) == ["_retry1", "bad id"]
 
 
 async def _value(value: list[ReplicaEndpoint]) -> list[ReplicaEndpoint]:

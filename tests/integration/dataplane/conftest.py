@@ -20,6 +20,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 def reset_behavior(env: Env) -> Iterator[None]:
     env.behavior.mode = "choose"
     env.behavior.replica_ids = ["r1", "r2"]
+    env.behavior.ranked = None
     env.behavior.capacity_token = None
     yield
     rearm_stall(env.loop, env.behavior)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -20,20 +21,21 @@ from typing import Any
 import httpx
 import uvicorn
 
-from infra.haproxy_config import AppRoute, HAProxySettings
+from infra.haproxy_config import SLUICE_METRICS_PATH, AppRoute, HAProxySettings
 from infra.haproxy_process import HAProxyProcess, pid_alive
 from infra.runtime_api import RuntimeAPI
-from services.haproxy_syncer import HAProxySyncer, SlotPool
+from services.haproxy_syncer import HAProxySyncer, ServerPool
 from services.serve_internals import ReplicaEndpoint
 from sluice.contracts import (
     HEALTH_PATH,
+    MEMBERSHIP_PATH,
     REASON_NO_REPLICA,
     REPLICA_HEADER,
     REQUEST_ID_HEADER,
     ROUTE_PATH,
     SERVE_REASON_HEADER,
 )
-from sluice.route_wire import RouteRefusal, RouteReply
+from sluice.route_wire import Membership, RouteRefusal, RouteReply
 from tests.integration.conftest import free_port
 
 APP = "llm"
@@ -174,6 +176,9 @@ class ReplicaStandIn(StandIn):
         except ValueError:
             params = {}
         params = params if isinstance(params, dict) else {}
+        if "status" in params:
+            await respond(send, int(params["status"]), b"stand-in error", reply_headers)
+            return
         await send(
             {
                 "type": "http.response.start",
@@ -189,6 +194,60 @@ class ReplicaStandIn(StandIn):
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
+class TinyReplica:
+    """A stand-in replica on a raw asyncio server, for tests that need many (no uvicorn per replica): answers
+    `/-/healthz`, and any other request with 200 and `x-serve-replica`, or, in `close_without_answer` mode, closes
+    the connection before answering."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.port = free_port()
+        self.close_without_answer = False
+        self.server: asyncio.Server | None = None
+
+    @property
+    def endpoint(self) -> ReplicaEndpoint:
+        return ReplicaEndpoint(replica_id=self.name, deployment="stand-in", host=LOOPBACK, port=self.port)
+
+    async def start(self) -> None:
+        for _ in range(20):  # another stand-in may have taken the port picked at construction
+            try:
+                self.server = await asyncio.start_server(self._serve, LOOPBACK, self.port)
+                return
+            except OSError:
+                self.port = free_port()
+        raise RuntimeError(f"no free port for stand-in {self.name}")
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+        self.server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                if self.close_without_answer and not head.split(b" ")[1].startswith(HEALTH_PATH.encode()):
+                    break
+                body = self.name.encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s: %s\r\n\r\n%s"
+                    % (len(body), REPLICA_HEADER.encode(), body, body)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
@@ -199,10 +258,13 @@ class RouterBehavior:
 
     mode: str = "choose"
     replica_ids: list[str] = field(default_factory=list)
+    # When set, "choose" answers exactly this ranking (primary, then fallbacks) instead of cycling.
+    ranked: list[str] | None = None
     capacity_token: str | None = None
     cursor: int = 0
     decisions: dict[str, str] = field(default_factory=dict)  # request id -> chosen replica id
     calls: list[tuple[str, Recorded]] = field(default_factory=list)  # (router name, request)
+    memberships: list[tuple[str, Membership]] = field(default_factory=list)  # (router name, publication)
     release: asyncio.Event | None = None  # stalled calls wait on it
 
     def choose(self) -> str:
@@ -222,6 +284,10 @@ class RouterStandIn(StandIn):
         if scope["path"] == HEALTH_PATH:
             await respond(send, 200, b"ok")
             return
+        if scope["path"] in (MEMBERSHIP_PATH, OPEN_ROUTER_PREFIX + MEMBERSHIP_PATH):
+            self.behavior.memberships.append((self.name, Membership.model_validate_json(body)))
+            await respond(send, 204, b"")
+            return
         if scope["path"] not in (ROUTE_PATH, OPEN_ROUTER_PREFIX + ROUTE_PATH):
             await respond(send, 404, b"not found")
             return
@@ -237,9 +303,9 @@ class RouterStandIn(StandIn):
             await b.release.wait()
             return await respond(send, 200, RouteReply(replica_id=b.replica_ids[0]).model_dump_json().encode())
         if mode == "choose":
-            replica_id = b.choose()
-            b.decisions[request.header(REQUEST_ID_HEADER) or ""] = replica_id
-            reply = RouteReply(replica_id=replica_id, server=None, fallbacks=[], capacity_token=b.capacity_token)
+            ranked = list(b.ranked) if b.ranked is not None else [b.choose()]
+            b.decisions[request.header(REQUEST_ID_HEADER) or ""] = ranked[0]
+            reply = RouteReply(replica_id=ranked[0], fallbacks=ranked[1:], capacity_token=b.capacity_token)
             return await respond(send, 200, reply.model_dump_json().encode(), json_type)
         if mode == "http_500":
             return await respond(send, 500, b"Internal Server Error")
@@ -274,34 +340,44 @@ class Plane:
     def runtime(self) -> RuntimeAPI:
         return self.haproxy.runtime
 
-    def status(self, pool: SlotPool, slot: str) -> str:
-        return self.runtime.show_stat()[(pool.backend, slot)].status
+    def status(self, pool: ServerPool, name: str) -> str:
+        return self.runtime.show_stat()[(pool.backend, name)].status
 
     def synced(self) -> bool:
+        """HAProxy serves exactly the sources, every server UP, and nothing is left over from earlier members."""
         stats = self.runtime.show_stat()
         for pool, endpoints in ((self.syncer.replicas, self.replicas), (self.syncer.routers, self.routers)):
-            if set(pool.active) != {e.replica_id for e in endpoints}:
+            if set(pool.members) != {e.replica_id for e in endpoints}:
                 return False
-            if not all(stats[(pool.backend, pool.active[e.replica_id])].up for e in endpoints):
+            if not all((s := stats.get((pool.backend, e.replica_id))) and s.up for e in endpoints):
                 return False
         return True
+
+    def published(self, behavior: RouterBehavior) -> list[str] | None:
+        """The replica ids this plane's syncer last published to the stand-in routers."""
+        frontend = self.haproxy.settings.frontend_id
+        return next((m.replica_ids for _, m in reversed(behavior.memberships) if m.frontend == frontend), None)
 
     def wait_synced(self, timeout_s: float = 5.0) -> None:
         wait_until(self.synced, timeout_s, "HAProxy to match the endpoint sources")
 
 
 def start_plane(
-    loop: LoopThread, workdir: Path, app: AppRoute, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint]
+    loop: LoopThread,
+    workdir: Path,
+    app: AppRoute,
+    replicas: list[ReplicaEndpoint],
+    routers: list[ReplicaEndpoint],
+    check_inter_s: float = 0.5,
+    sync_timeout_s: float = 5.0,
 ) -> Plane:
     settings = HAProxySettings(
         workdir=workdir,
         app=app,
         port=free_port(),
         prometheus_port=free_port(),
-        replica_slots=4,
-        router_slots=3,
         route_timeout_s=ROUTE_TIMEOUT_S,
-        check_inter_s=0.5,
+        check_inter_s=check_inter_s,
     )
     haproxy = HAProxyProcess(settings).start()
     plane = Plane(haproxy=haproxy, syncer=None, replicas=list(replicas), routers=list(routers))  # type: ignore[arg-type]
@@ -315,7 +391,7 @@ def start_plane(
     plane.syncer = HAProxySyncer(haproxy.runtime, settings, replica_source, router_source, drain_grace_s=10)
     plane.sync_future = loop.submit(plane.syncer.run(interval_s=0.1))
     try:
-        plane.wait_synced()
+        plane.wait_synced(sync_timeout_s)
     except BaseException:
         stop_plane(plane)
         raise
@@ -406,6 +482,14 @@ def stream_one(url: str, payload: dict[str, Any]) -> tuple[httpx.Headers, list[s
     with httpx.Client(timeout=30) as client, client.stream("POST", url + CHAT_PATH, json=payload) as response:
         assert response.status_code == 200, response.read()
         return response.headers, [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def fallback_counts(plane: Plane) -> dict[str, int]:
+    """The frontend's fallback counter by reason, from sluice's metrics endpoint."""
+    port = plane.haproxy.settings.prometheus_port
+    text = httpx.get(f"http://{LOOPBACK}:{port}{SLUICE_METRICS_PATH}", timeout=5).text
+    pattern = r'^sluice_frontend_fallbacks_total\{reason="(\w+)"\} (\d+)$'
+    return {m[1]: int(m[2]) for m in re.finditer(pattern, text, re.M)}
 
 
 def percentile(values: list[float], q: float) -> float:

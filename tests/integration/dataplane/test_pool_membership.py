@@ -1,5 +1,5 @@
-"""HAProxy's server pools follow their sources, for real: the syncer adds, drains and frees slots through the
-runtime API without a reload, and the route action copes with an empty, dead or unhealthy pool. Against
+"""HAProxy's server pools follow their sources, for real: the syncer adds, retires and deletes servers through
+the runtime API without a reload, and the route action copes with an empty, dead or unhealthy pool. Against
 stand-in replicas and routers (conftest.py); the plane is started once for the module.
 """
 
@@ -16,8 +16,8 @@ import pytest
 
 from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND
 from sluice.contracts import (
+    REASON_REPLICA_UNAVAILABLE,
     REASON_ROUTER_UNREACHABLE,
-    REASON_UNKNOWN_REPLICA_ID,
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
@@ -40,7 +40,7 @@ def test_no_router_in_the_pool(env: Env, client: httpx.Client) -> None:
     saved = list(plane.routers)
     plane.routers.clear()
     try:
-        wait_until(lambda: not plane.syncer.routers.active and not plane.syncer.routers.draining(), what="no router")
+        wait_until(lambda: not plane.syncer.routers.members, what="no router")
         start = time.monotonic()
         response = client.post(CHAT_PATH, json={"events": 1})
         assert_fail_closed(response, REASON_ROUTER_UNREACHABLE)
@@ -54,14 +54,14 @@ def test_no_router_in_the_pool(env: Env, client: httpx.Client) -> None:
 
 def test_replica_that_fails_its_health_check_is_not_pinned(env: Env, client: httpx.Client) -> None:
     plane, r2 = env.plane, env.r2
-    slot = plane.syncer.replicas.slot_of("r2")
-    assert slot is not None
     r2.healthy = False
     try:
-        wait_until(lambda: plane.status(plane.syncer.replicas, slot).startswith("DOWN"), what="r2 DOWN")
+        wait_until(lambda: plane.status(plane.syncer.replicas, "r2").startswith("DOWN"), what="r2 DOWN")
+        # The syncer stops publishing r2 to the routers.
+        wait_until(lambda: plane.published(env.behavior) == ["r1"], what="r2 unpublished")
         env.behavior.replica_ids = ["r2"]
         posts = r2.posts()
-        assert_fail_closed(client.post(CHAT_PATH, json={}), REASON_UNKNOWN_REPLICA_ID)
+        assert_fail_closed(client.post(CHAT_PATH, json={}), REASON_REPLICA_UNAVAILABLE)
         assert {client.get("/v1/models").headers[REPLICA_HEADER] for _ in range(6)} == {"r1"}
         assert r2.posts() == posts
     finally:
@@ -72,8 +72,6 @@ def test_replica_that_fails_its_health_check_is_not_pinned(env: Env, client: htt
 
 def test_killed_router_does_not_fail_requests(env: Env, client: httpx.Client) -> None:
     plane, killed = env.plane, env.router_b
-    slot = plane.syncer.routers.slot_of(killed.name)
-    assert slot is not None
     failures = []
     try:
         for i in range(60):
@@ -86,7 +84,7 @@ def test_killed_router_does_not_fail_requests(env: Env, client: httpx.Client) ->
                 assert_pinned(response, env.behavior)
         assert not failures
         # HAProxy's health check takes the dead router out; requests never waited on it.
-        wait_until(lambda: plane.status(plane.syncer.routers, slot).startswith("DOWN"), what="router DOWN")
+        wait_until(lambda: plane.status(plane.syncer.routers, killed.name).startswith("DOWN"), what="router DOWN")
         calls = len(env.behavior.calls)
         for _ in range(10):
             assert_pinned(client.post(CHAT_PATH, json={}), env.behavior)
@@ -96,7 +94,7 @@ def test_killed_router_does_not_fail_requests(env: Env, client: httpx.Client) ->
         plane.wait_synced()
 
 
-def test_syncer_adds_and_drains_replicas_under_streams_without_reload(env: Env) -> None:
+def test_syncer_adds_and_retires_replicas_under_streams_without_reload(env: Env) -> None:
     plane, r1 = env.plane, env.r1
     runtime, pool = plane.runtime, plane.syncer.replicas
     info_before = runtime.show_info()
@@ -105,37 +103,37 @@ def test_syncer_adds_and_drains_replicas_under_streams_without_reload(env: Env) 
     r3 = ReplicaStandIn("r3")
     env.loop.run(r3.start())
     try:
-        r1_slot = pool.slot_of("r1")
-        assert r1_slot is not None
         events = 25
         with concurrent.futures.ThreadPoolExecutor(6) as streams:
             posts = r1.posts() + env.r2.posts()
             futures = [streams.submit(stream_one, plane.url, {"events": events, "delay_s": 0.08}) for _ in range(6)]
             wait_until(lambda: r1.posts() + env.r2.posts() == posts + 6, what="every stream started")
-            assert runtime.show_stat()[(REPLICA_BACKEND, r1_slot)].scur >= 2
+            assert runtime.show_stat()[(REPLICA_BACKEND, "r1")].scur >= 2
             # r1 leaves and r3 arrives while the streams run.
             r1_posts = r1.posts()
             plane.replicas[:] = [env.r2.endpoint, r3.endpoint]
-            wait_until(lambda: pool.slot_of("r3") is not None, what="r3 slot")
-            wait_until(lambda: r1_slot in pool.draining(), what="r1 draining")
-            assert pool.slot_of("r3") != r1_slot
-            assert "r1" not in runtime.show_map(plane.haproxy.settings.map_path)
-            stat = runtime.show_stat()[(REPLICA_BACKEND, r1_slot)]
-            assert stat.status.startswith("DRAIN") and stat.scur >= 2, stat
-            plane.wait_synced()
+            wait_until(lambda: "r3" in pool.live, what="r3 added")
+            wait_until(lambda: "r1" in pool.leaving(), what="r1 leaving")
+            # In maintenance: nothing new is pinned to it, its streams go on.
+            stat = runtime.show_stat()[(REPLICA_BACKEND, "r1")]
+            assert stat.status.startswith("MAINT") and stat.scur >= 2, stat
+            wait_until(lambda: plane.published(env.behavior) == ["r2", "r3"], what="r3 UP, r1 gone")
             env.behavior.replica_ids = ["r2", "r3"]
             results = [f.result(timeout=30) for f in futures]
         for _headers, payloads in results:
             assert len(payloads) == events + 2 and payloads[-1] == "[DONE]", "a stream was cut"
             assert [json.loads(p)["i"] for p in payloads[1:-1]] == list(range(events))
         assert "r1" in {headers[REPLICA_HEADER] for headers, _ in results}
-        # Streams done: r1's slot leaves DRAIN for maintenance and is free again.
-        wait_until(lambda: pool.slots[r1_slot].free, what="r1 slot freed")
-        assert plane.status(pool, r1_slot) == "MAINT"
-        # The new replica takes traffic; the removed one gets nothing new.
+        # Streams done: r1's server is deleted.
+        wait_until(lambda: "r1" not in pool.members, what="r1 deleted")
+        assert (REPLICA_BACKEND, "r1") not in runtime.show_stat()
+        # The new replica takes traffic; the removed one gets nothing new, even when a router still names it.
         with httpx.Client(base_url=plane.url, timeout=10) as client:
             served = Counter(assert_pinned(client.post(CHAT_PATH, json={}), env.behavior) for _ in range(20))
+            env.behavior.ranked = ["r1", "r3"]
+            late = client.post(CHAT_PATH, json={})
         assert served.keys() == {"r2", "r3"}
+        assert late.status_code == 200 and late.headers[REPLICA_HEADER] == "r3", late.headers
         assert r1.posts() == r1_posts
         # Same HAProxy all along: no reload (a new worker) and no restart.
         info_after = runtime.show_info()
@@ -145,6 +143,7 @@ def test_syncer_adds_and_drains_replicas_under_streams_without_reload(env: Env) 
         assert plane.haproxy.settings.log_path.read_text().count("Loading success") == 1
     finally:
         env.behavior.replica_ids = ["r1", "r2"]
+        env.behavior.ranked = None
         plane.replicas[:] = [env.r1.endpoint, env.r2.endpoint]
         plane.wait_synced()
         env.loop.run(r3.stop())
@@ -158,8 +157,8 @@ def test_runtime_api_reports_clear_errors(env: Env) -> None:
         runtime.set_server_state(REPLICA_BACKEND, "replica99", "ready")
     with pytest.raises(RuntimeAPIError):
         runtime.set_server_addr(ROUTER_BACKEND, "nope", LOOPBACK, 1)
-    with pytest.raises(RuntimeAPIError, match="Unknown map"):
-        runtime.add_map("/nonexistent.map", "a", "b")
+    with pytest.raises(RuntimeAPIError, match="No such"):
+        runtime.del_server(REPLICA_BACKEND, "no-such-replica")
     info = runtime.show_info()
     assert int(info["Pid"]) == env.plane.haproxy.worker_pid and os.getpid() != int(info["Pid"])
     metrics = httpx.get(f"http://{LOOPBACK}:{env.plane.haproxy.settings.prometheus_port}/metrics", timeout=5)

@@ -24,6 +24,7 @@ from sluice.contracts import (
     BODY_TRUNCATED_HEADER,
     CAPACITY_TOKEN_HEADER,
     INTERNAL_HEADER_PREFIXES,
+    RANKED_HEADER,
     REASON_NO_REPLICA,
     REASON_ROUTER_NON_200,
     REASON_ROUTER_UNREACHABLE,
@@ -172,14 +173,19 @@ def test_client_cannot_pin_a_replica_or_forge_internal_headers(env: Env, client:
         APP_HEADER: "evil",
         SERVE_REASON_HEADER: "fake",
         "X-Serve-Fallback": "fake",
+        RANKED_HEADER: "0|1=r2",
     }
     for _ in range(4):
         response = client.post(CHAT_PATH, json={"events": 1}, headers=forged)
         assert assert_pinned(response, env.behavior) == "r1"
         received = Recorded("POST", CHAT_PATH, [tuple(h) for h in first_event(response)["headers"]], b"")
         assert received.header(CAPACITY_TOKEN_HEADER) == "tok-from-router"
+        # The frontend's own ranked list goes along (a retry needs it), never the client's.
+        assert received.header(RANKED_HEADER) == "0|"
         leaked = [
-            k for k, _ in received.headers if k.startswith(INTERNAL_HEADER_PREFIXES) and k != CAPACITY_TOKEN_HEADER
+            k
+            for k, _ in received.headers
+            if k.startswith(INTERNAL_HEADER_PREFIXES) and k not in (CAPACITY_TOKEN_HEADER, RANKED_HEADER)
         ]
         assert not leaked
         _, call = env.behavior.calls[-1]

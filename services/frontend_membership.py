@@ -1,0 +1,61 @@
+"""One membership truth: a router ranks only the replicas the asking frontend can route to.
+
+Serve's replica list (`LiveReplicas.views()`) is the candidate set. Each frontend's syncer publishes the
+replica ids it can route to (`Membership`: UP in its server set and not leaving); a route call names its
+frontend in `x-sluice-frontend`. Without this, the router could rank a replica the frontend has not added
+yet or has marked DOWN, and the frontend would have to skip its primary (breaking session stickiness)
+or fail the request.
+
+The rule, for the views of one route call:
+- a frontend that has published: the views whose id is in its latest set. The intersection with Serve's
+  list means a stale publication can never keep a replica Serve removed;
+- no publication at all: every view (nothing to narrow by);
+- an unnamed frontend, or one that never published: the views every publishing frontend can route to,
+  so a direct route call (tests, tools) gets an answer any frontend can serve.
+The result may be empty; the policy then refuses with `no_replica` (fail closed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from routers.core import ReplicaView
+from sluice.route_wire import Membership
+
+
+class FrontendMembership:
+    """The latest publication per frontend and the views each frontend may be offered.
+
+    The filtered views are cached per publishing frontend (plus one entry for everyone else), keyed by the
+    identity of the views sequence: a route call pays O(N) only after the views or a publication changed.
+    Callers must replace the views sequence rather than mutate it (`LiveReplicas` builds a new tuple)."""
+
+    def __init__(self) -> None:
+        self._sets: dict[str, frozenset[str]] = {}
+        # The ids every publishing frontend can route to; None while nothing was published.
+        self._common: frozenset[str] | None = None
+        # Key: a publishing frontend, or None for the common set. Value: (views seen, views filtered).
+        self._cache: dict[str | None, tuple[Sequence[ReplicaView], tuple[ReplicaView, ...]]] = {}
+
+    def publish(self, membership: Membership) -> None:
+        """Replace `membership.frontend`'s set; an unchanged set (a heartbeat) keeps the cache."""
+        ids = frozenset(membership.replica_ids)
+        if self._sets.get(membership.frontend) == ids:
+            return
+        self._sets[membership.frontend] = ids
+        self._common = frozenset.intersection(*self._sets.values())
+        self._cache.clear()
+
+    def routable(self, views: Sequence[ReplicaView], frontend: str | None) -> Sequence[ReplicaView]:
+        """The views `frontend` (None: unnamed) may be offered; see the module docstring for the rule."""
+        if self._common is None:
+            return views
+        # Unknown names share the common entry, so the cache stays bounded by the publishing frontends.
+        key = frontend if frontend in self._sets else None
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] is views:
+            return cached[1]
+        allowed = self._common if key is None else self._sets[key]
+        filtered = tuple(view for view in views if view.replica_id in allowed)
+        self._cache[key] = (views, filtered)
+        return filtered
