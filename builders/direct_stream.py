@@ -146,6 +146,7 @@ class DirectStreamStack:
         self.spec = spec
         self.haproxy: HAProxyProcess | None = None
         self.runtime: RuntimeAPI | None = None
+        self.syncer: HAProxySyncer | None = None
         self._syncer: _SyncerThread | None = None
 
     @property
@@ -181,6 +182,7 @@ class DirectStreamStack:
             replica_source=lambda: list_replica_endpoints(spec.app),
             router_source=lambda: list_replica_endpoints(spec.router_app),
         )
+        self.syncer = syncer
         self._syncer = _SyncerThread(syncer, interval_s=0.25)
         self._syncer.start()
         self.wait_until_serving(spec.replicas, spec.routers, timeout_s=60)
@@ -196,13 +198,19 @@ class DirectStreamStack:
         return self._up_counts()[backend]
 
     def wait_until_serving(self, replicas: int, routers: int, timeout_s: float) -> None:
+        """Until HAProxy has `replicas` replicas and `routers` routers UP and every router knows the replicas."""
+        assert self.syncer is not None
         deadline = time.monotonic() + timeout_s
         while True:
             up = self._up_counts()
-            if up[REPLICA_BACKEND] >= replicas and up[ROUTER_BACKEND] >= routers:
+            if (
+                up[REPLICA_BACKEND] >= replicas
+                and up[ROUTER_BACKEND] >= routers
+                and self.syncer.published_replicas() >= replicas
+            ):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError("HAProxy never saw every replica and router UP")
+                raise TimeoutError("HAProxy never saw every replica and router UP, or the routers never learnt them")
             time.sleep(0.2)
 
     def stop(self, delete_apps: bool = True) -> None:

@@ -43,6 +43,11 @@ class ServerStat:
     def up(self) -> bool:
         return self.status.startswith("UP") or self.status == "no check"
 
+    @property
+    def confirmed_up(self) -> bool:
+        """UP by its health checks, and not on the way down ("UP 1/2")."""
+        return self.status == "UP"
+
 
 class RuntimeAPI:
     """Sends commands to HAProxy's runtime API over its unix socket."""
@@ -96,6 +101,10 @@ class RuntimeAPI:
 
     def enable_health(self, backend: str, server: str) -> None:
         self.checked(f"enable health {backend}/{server}")
+
+    def set_server_health_down(self, backend: str, server: str) -> None:
+        """Consider the server DOWN until its health checks pass (`rise` of them), instead of assuming it UP."""
+        self.checked(f"set server {backend}/{server} health down")
 
     def shutdown_sessions(self, backend: str, server: str) -> None:
         """Cut every stream still attached to the server."""

@@ -9,10 +9,11 @@ place (`set server addr`). Routers get the same treatment.
 
 One membership truth: after each pass the syncer publishes, to every router replica, the replica ids this
 frontend can route to now — in its server set, UP, not leaving (`Membership`, `POST <prefix>/internal/membership`),
-when that set changes and every `PUBLISH_HEARTBEAT_S`. A replica joins it only once HAProxy has it UP (the stats
-of a pass are read before its additions), and leaves it in the same pass that puts it in maintenance, so a router
-names it for at most one publication round trip after; the Lua action walks the router's ranked list past any
-replica it cannot route to, so that moment costs no request either.
+when that set changes and every `PUBLISH_HEARTBEAT_S`. A replica joins it only once HAProxy's health checks have
+it UP (a new server starts DOWN instead of being assumed UP; the stats of a pass are read before its additions),
+and leaves it in the same pass that puts it in maintenance, so a router names it for at most one publication round
+trip after; the Lua action walks the router's ranked list past any replica it cannot route to, so that moment
+costs no request either.
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ class HAProxySyncer:
         report.routable = sorted(
             name
             for name in self.replicas.live
-            if name not in report.added and (stat := stats.get((REPLICA_BACKEND, name))) is not None and stat.up
+            if name not in report.added
+            and (stat := stats.get((REPLICA_BACKEND, name))) is not None
+            and stat.confirmed_up
         )
         return report
 
@@ -208,6 +211,8 @@ class HAProxySyncer:
                 continue
             self.runtime.add_server(pool.backend, name, endpoint.host, endpoint.port, pool.options)
             self.runtime.enable_health(pool.backend, name)
+            # Routable only once its checks say so: HAProxy would otherwise assume a new server UP.
+            self.runtime.set_server_health_down(pool.backend, name)
             self.runtime.set_server_state(pool.backend, name, "ready")
             pool.members[name] = Member(endpoint)
             report.added.append(name)
@@ -258,6 +263,13 @@ class HAProxySyncer:
                 continue
             self._publish_failing.discard(name)
             self._published[name] = (routable, now)
+
+    def published_replicas(self) -> int:
+        """How many replicas every live router has last been told about (0 while one has been told nothing)."""
+        live = self.routers.live
+        if not live or any(name not in self._published for name in live):
+            return 0
+        return min(len(self._published[name][0]) for name in live)
 
     def _due(self, router: str, routable: tuple[str, ...], now: float) -> bool:
         last = self._published.get(router)

@@ -18,6 +18,7 @@ from builders.direct_stream import DirectStreamSpec, DirectStreamStack
 from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.serve_internals import ReplicaEndpoint
 from sluice.cluster import start_local_cluster, stop_local_cluster, wait_for_endpoints
+from tests.integration.frontend_contract import checking_frontend_responses, register_frontend
 
 LLM_APP = "llm"
 
@@ -68,6 +69,13 @@ def deploy_llm_app(
     return config
 
 
+@pytest.fixture(scope="session", autouse=True)
+def frontend_responses_follow_the_error_contract() -> Iterator[None]:
+    """Every response from a sluice frontend, in every integration test: a 5xx carries `x-serve-reason`."""
+    with checking_frontend_responses():
+        yield
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     """A local Ray + Serve on 127.0.0.1; at the end, no process it started may survive."""
@@ -91,6 +99,7 @@ def llm_cluster(ray_cluster: None, tiny_model_dir: Path) -> LLMCluster:
 def direct_stack(cluster: LLMCluster, **spec: Any) -> Iterator[DirectStreamStack]:
     """HAProxy + a router app in front of the session's LLM app, on free loopback ports; stopped on exit."""
     settings = DirectStreamSpec(app=cluster.app, haproxy_port=free_port(), prometheus_port=free_port(), **spec)
+    register_frontend(settings.haproxy_port)
     started = DirectStreamStack(settings).start(deploy_model=False)
     try:
         yield started

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import free_port
+from tests.integration.frontend_contract import register_frontend
 from tests.integration.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -36,6 +37,7 @@ def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) ->
 def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     port = free_port()
+    register_frontend(port)
     with log.open("w") as out:
         process = subprocess.Popen(
             [

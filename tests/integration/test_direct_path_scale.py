@@ -1,7 +1,9 @@
-"""Scaling the LLM deployment 2 -> 3 -> 2 under live streams: HAProxy follows through its runtime API alone."""
+"""Scaling the LLM deployment 2 -> 3 -> 2 under live streams: HAProxy follows through its runtime API alone, and
+not one request fails or is cut. `SLUICE_SCALE_REPEATS=N` runs the cycle N times in one test (CI runs it once)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 100, "ignore_eos": True, "stream": True}
 STREAMERS = 8
+REPEATS = int(os.environ.get("SLUICE_SCALE_REPEATS", "1"))
 
 
 @pytest.fixture(scope="module")
@@ -88,24 +91,30 @@ def test_scale_2_3_2_while_streams_run_without_a_reload(
     assert stack.runtime is not None and stack.haproxy is not None
     before = stack.runtime.show_info()
     master_pid, worker_pid = stack.haproxy.pid, before["Pid"]
-    original = {e.replica_id for e in llm_cluster.endpoints}
     with Streamers(stack.url) as streamers:
         _wait(lambda: len(streamers.served) >= STREAMERS, 120, "streams never got going")
-        deploy_llm_app(
-            llm_cluster.app, tiny_model_dir, llm_cluster.config.deployment.model_copy(update={"num_replicas": 3})
-        )
-        three = {e.replica_id for e in wait_for_endpoints(llm_cluster.app, 3, timeout_s=300)}
-        assert original < three, "scaling up restarted the running replicas instead of adding one"
-        (added,) = three - original
-        stack.wait_until_serving(replicas=3, routers=1, timeout_s=60)
-        _wait(lambda: added in streamers.served, 60, "the new replica never received traffic")
+        for cycle in range(REPEATS):
+            original = {e.replica_id for e in llm_cluster.endpoints}
+            deploy_llm_app(
+                llm_cluster.app, tiny_model_dir, llm_cluster.config.deployment.model_copy(update={"num_replicas": 3})
+            )
+            three = {e.replica_id for e in wait_for_endpoints(llm_cluster.app, 3, timeout_s=300)}
+            assert original < three, f"cycle {cycle}: scaling up restarted the running replicas instead of adding one"
+            (added,) = three - original
+            stack.wait_until_serving(replicas=3, routers=1, timeout_s=60)
+            _wait(lambda: added in streamers.served, 60, "the new replica never received traffic")  # noqa: B023
 
-        deploy_llm_app(llm_cluster.app, tiny_model_dir, llm_cluster.config.deployment)
-        llm_cluster.endpoints[:] = wait_for_endpoints(llm_cluster.app, 2, timeout_s=120)
-        assert {e.replica_id for e in llm_cluster.endpoints} < three
-        _wait(lambda: stack.up_servers(REPLICA_BACKEND) == 2, 60, "HAProxy still balances to the removed replica")
-        served_at_two = len(streamers.served)
-        _wait(lambda: len(streamers.served) >= served_at_two + STREAMERS, 60, "streams stalled after scale-down")
+            deploy_llm_app(llm_cluster.app, tiny_model_dir, llm_cluster.config.deployment)
+            llm_cluster.endpoints[:] = wait_for_endpoints(llm_cluster.app, 2, timeout_s=120)
+            assert {e.replica_id for e in llm_cluster.endpoints} < three
+            _wait(lambda: stack.up_servers(REPLICA_BACKEND) == 2, 60, "HAProxy still balances to the removed replica")
+            served_at_two = len(streamers.served)
+            _wait(
+                lambda: len(streamers.served) >= served_at_two + STREAMERS,  # noqa: B023
+                60,
+                "streams stalled after scale-down",
+            )
+            assert streamers.failures == [], f"cycle {cycle}"
     assert streamers.failures == []
     after = stack.runtime.show_info()
     assert stack.haproxy.pid == master_pid and psutil.pid_exists(master_pid)

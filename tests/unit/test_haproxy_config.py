@@ -263,6 +263,9 @@ class FakeRuntime:
     def enable_health(self, backend: str, server: str) -> None:
         assert (backend, server) in self.servers
 
+    def set_server_health_down(self, backend: str, server: str) -> None:
+        self.commands.append(f"health down {server}")
+
     def set_server_addr(self, backend: str, server: str, host: str, port: int) -> None:
         self.commands.append(f"addr {server} {port}")
         self.servers[(backend, server)]["addr"] = f"{host}:{port}"

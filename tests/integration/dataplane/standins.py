@@ -37,6 +37,7 @@ from sluice.contracts import (
 )
 from sluice.route_wire import Membership, RouteRefusal, RouteReply
 from tests.integration.conftest import free_port
+from tests.integration.frontend_contract import register_frontend
 
 APP = "llm"
 LOOPBACK = "127.0.0.1"
@@ -379,6 +380,7 @@ def start_plane(
         route_timeout_s=ROUTE_TIMEOUT_S,
         check_inter_s=check_inter_s,
     )
+    register_frontend(settings.port)
     haproxy = HAProxyProcess(settings).start()
     plane = Plane(haproxy=haproxy, syncer=None, replicas=list(replicas), routers=list(routers))  # type: ignore[arg-type]
 

@@ -37,6 +37,7 @@ from tests.integration.dataplane.standins import (
     stop_plane,
     wait_until,
 )
+from tests.integration.frontend_contract import check_frontend_response, checked
 
 pytestmark = pytest.mark.integration
 
@@ -230,3 +231,16 @@ def test_two_hundred_replicas_are_each_routable_and_scale_without_a_reload(
         stop_plane(plane)
         for replica in replicas:
             env.loop.run(replica.stop())
+
+
+def test_the_suite_checks_every_frontend_response_for_the_error_contract(env: Env, client: httpx.Client) -> None:
+    before = checked["responses"]
+    env.behavior.ranked = ["r1"]
+    client.post(CHAT_PATH, json={})
+    client.get("/v1/models")
+    assert checked["responses"] == before + 2, "the suite's hook did not see the frontend's responses"
+    request = httpx.Request("POST", f"{env.plane.url}{CHAT_PATH}")
+    with pytest.raises(AssertionError, match=SERVE_REASON_HEADER):
+        check_frontend_response(httpx.Response(502, request=request))
+    check_frontend_response(httpx.Response(502, headers={SERVE_REASON_HEADER: "x"}, request=request))
+    check_frontend_response(httpx.Response(502, request=httpx.Request("GET", "http://127.0.0.1:1/")))
