@@ -67,3 +67,14 @@ def test_the_serve_deployment_carries_the_options() -> None:
     assert deployment.max_ongoing_requests == 17
     assert deployment.num_replicas == 3
     assert deployment.name == "LLMReplica"
+
+
+def test_every_vllm_engine_process_loads_the_amx_plugin() -> None:
+    """vLLM loads its general plugins in each engine process: ours must be one of them, and callable."""
+    from vllm.plugins import load_plugins_by_group
+
+    from services.vllm_cpu_amx import request_amx_permission
+
+    plugins = load_plugins_by_group("vllm.general_plugins")
+    assert plugins.get("sluice_cpu_amx") is request_amx_permission
+    request_amx_permission()
