@@ -114,6 +114,7 @@ class HAProxySyncer:
         # Router id -> (the set last published to it, when).
         self._published: dict[str, tuple[tuple[str, ...], float]] = {}
         self._publish_failing: set[str] = set()
+        self._refused_logged: set[str] = set()
 
     async def sync_once(self) -> SyncReport:
         """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is (the error
@@ -166,7 +167,9 @@ class HAProxySyncer:
                 wanted[endpoint.replica_id] = endpoint
             else:
                 report.refused.append(endpoint.replica_id)
-                logger.warning("%s: id %r cannot name an HAProxy server; not routable", pool.backend, endpoint)
+                if endpoint.replica_id not in self._refused_logged:
+                    self._refused_logged.add(endpoint.replica_id)
+                    logger.warning("%s: id %r cannot name an HAProxy server; not routable", pool.backend, endpoint)
         now = self.clock()
         # 1. Members that left: maintenance at once (nothing new is pinned to them), in-flight streams go on.
         #    Members that stayed but moved: the new address in place.

@@ -205,6 +205,7 @@ class TinyReplica:
         self.port = free_port()
         self.close_without_answer = False
         self.server: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
 
     @property
     def endpoint(self) -> ReplicaEndpoint:
@@ -220,12 +221,16 @@ class TinyReplica:
         raise RuntimeError(f"no free port for stand-in {self.name}")
 
     async def stop(self) -> None:
+        """Like a killed process: the port refuses, and every open connection (idle keep-alive too) is closed."""
         if self.server is not None:
             self.server.close()
+            for writer in list(self._connections):
+                writer.close()
             await self.server.wait_closed()
         self.server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._connections.add(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -246,6 +251,7 @@ class TinyReplica:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._connections.discard(writer)
             writer.close()
 
 

@@ -28,7 +28,7 @@ from sluice.contracts import (
 from tests.integration.dataplane.standins import (
     CHAT_PATH,
     Env,
-    ReplicaStandIn,
+    Plane,
     TinyReplica,
     assert_fail_closed,
     fallback_counts,
@@ -87,48 +87,60 @@ def test_no_usable_ranked_replica_fails_closed_with_the_primarys_reason(env: Env
 
 
 @pytest.fixture
-def third(env: Env) -> Iterator[ReplicaStandIn]:
-    r3 = ReplicaStandIn("r3")
-    env.loop.run(r3.start())
-    env.plane.replicas.append(r3.endpoint)
+def quiet_plane(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plane, list[TinyReplica]]]:
+    """Three lightweight replicas behind a plane whose health checks run only every 10 s once they are UP, so
+    only a connection can tell HAProxy that one died."""
+    replicas = [TinyReplica(f"quiet-{i}") for i in range(3)]
+    for replica in replicas:
+        env.loop.run(replica.start())
+    plane = start_plane(
+        env.loop,
+        tmp_path_factory.mktemp("haproxy-quiet"),
+        AppRoute(name="quiet"),
+        [r.endpoint for r in replicas],
+        [env.router_a.endpoint],
+        check_inter_s=10.0,
+    )
     try:
-        env.plane.wait_synced()
-        yield r3
+        yield plane, replicas
     finally:
-        env.plane.replicas[:] = [env.r1.endpoint, env.r2.endpoint]
-        env.plane.wait_synced(15)
-        env.loop.run(r3.stop())
+        stop_plane(plane)
+        for replica in replicas:
+            env.loop.run(replica.stop())
+
+
+def served_by(response: httpx.Response) -> tuple[str, str | None]:
+    assert response.status_code == 200, (response.status_code, response.headers, response.text[:300])
+    assert response.text == response.headers[REPLICA_HEADER]
+    return response.headers[REPLICA_HEADER], response.headers.get(FALLBACK_RANK_HEADER)
 
 
 def test_a_stopped_primary_still_in_the_frontend_is_served_by_the_fallback_at_once(
-    env: Env, client: httpx.Client, third: ReplicaStandIn
+    env: Env, quiet_plane: tuple[Plane, list[TinyReplica]]
 ) -> None:
-    plane = env.plane
+    plane, (first, second, third) = quiet_plane
+    pool = plane.syncer.replicas
     before = fallback_counts(plane)
-    env.loop.run(third.stop())  # its server stays UP in HAProxy until a check or a connection says otherwise
-    try:
-        assert plane.status(plane.syncer.replicas, "r3").startswith("UP")
-        env.behavior.ranked = ["r3", "r2", "r1"]
+    env.behavior.ranked = [first.name, second.name, third.name]
+    with httpx.Client(base_url=plane.url, timeout=10) as client:
+        assert served_by(client.post(CHAT_PATH, content=b"{}")) == (first.name, None)
+        env.loop.run(first.stop())  # its server stays UP in HAProxy until a check or a connection says otherwise
+        assert plane.status(pool, first.name).startswith("UP")
         start = time.monotonic()
-        response = client.post(CHAT_PATH, json={})
+        response = client.post(CHAT_PATH, content=b"{}")
         elapsed = time.monotonic() - start
-        assert served(response) == ("r2", "1")
+        assert served_by(response) == (second.name, "1")
         assert elapsed < 0.1, elapsed
-        # The refused connection marked r3 DOWN at once (the health check runs every 0.5 s, needing 2 failures),
-        # and the routers stop being told about it.
-        assert plane.status(plane.syncer.replicas, "r3").startswith("DOWN")
-        wait_until(lambda: "r3" not in (plane.published(env.behavior) or ["r3"]), 1.0, "r3 unpublished")
-        # The next request skips it without trying; the one after a refused fallback goes one rank further.
-        assert served(client.post(CHAT_PATH, json={})) == ("r2", "1")
-        env.r2.healthy = False
-        wait_until(lambda: plane.status(plane.syncer.replicas, "r2").startswith("DOWN"), what="r2 DOWN")
-        assert served(client.post(CHAT_PATH, json={})) == ("r1", "2")
-        after = fallback_counts(plane)
-        assert after[FALLBACK_REFUSED] == before[FALLBACK_REFUSED] + 1
-        assert after[FALLBACK_DOWN] == before[FALLBACK_DOWN] + 2
-    finally:
-        env.r2.healthy = True
-        env.loop.run(third.start())
+        # The refused connection marked it DOWN at once, and the routers stop being told about it.
+        assert plane.status(pool, first.name).startswith("DOWN")
+        wait_until(lambda: plane.published(env.behavior) == [second.name, third.name], 1.0, "DOWN one unpublished")
+        # The next request skips it without trying; a refused fallback passes to the next rank.
+        assert served_by(client.post(CHAT_PATH, content=b"{}")) == (second.name, "1")
+        env.loop.run(second.stop())
+        assert served_by(client.post(CHAT_PATH, content=b"{}")) == (third.name, "2")
+    after = fallback_counts(plane)
+    assert after[FALLBACK_REFUSED] == before[FALLBACK_REFUSED] + 1
+    assert after[FALLBACK_DOWN] == before[FALLBACK_DOWN] + 2
 
 
 def test_a_refused_fallback_passes_to_the_next_rank_and_then_fails_closed(env: Env, client: httpx.Client) -> None:
