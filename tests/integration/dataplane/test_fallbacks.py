@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -86,27 +88,34 @@ def test_no_usable_ranked_replica_fails_closed_with_the_primarys_reason(env: Env
     assert env.r1.posts() == posts[0] + 1
 
 
-@pytest.fixture
-def quiet_plane(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plane, list[TinyReplica]]]:
-    """Three lightweight replicas behind a plane whose health checks run only every 10 s once they are UP, so
-    only a connection can tell HAProxy that one died."""
-    replicas = [TinyReplica(f"quiet-{i}") for i in range(3)]
-    for replica in replicas:
-        env.loop.run(replica.start())
-    plane = start_plane(
-        env.loop,
-        tmp_path_factory.mktemp("haproxy-quiet"),
-        AppRoute(name="quiet"),
-        [r.endpoint for r in replicas],
-        [env.router_a.endpoint],
-        check_inter_s=10.0,
-    )
+@contextmanager
+def tiny_plane(
+    env: Env, workdir: Path, name: str, count: int, check_inter_s: float
+) -> Iterator[tuple[Plane, list[TinyReplica]]]:
+    """`count` lightweight replicas behind a plane of their own (router: the env's stand-in router a)."""
+    replicas = [TinyReplica(f"{name}-{i:03d}") for i in range(count)]
+    plane = None
     try:
+        for replica in replicas:
+            env.loop.run(replica.start())
+        endpoints = [r.endpoint for r in replicas]
+        plane = start_plane(
+            env.loop, workdir, AppRoute(name=name), endpoints, [env.router_a.endpoint], check_inter_s, 30.0
+        )
         yield plane, replicas
     finally:
-        stop_plane(plane)
+        if plane is not None:
+            stop_plane(plane)
         for replica in replicas:
             env.loop.run(replica.stop())
+
+
+@pytest.fixture
+def quiet_plane(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Plane, list[TinyReplica]]]:
+    """Three replicas behind a plane whose health checks run only every 10 s once they are UP, so only a
+    connection can tell HAProxy that one died."""
+    with tiny_plane(env, tmp_path_factory.mktemp("haproxy-quiet"), "quiet", 3, check_inter_s=10.0) as started:
+        yield started
 
 
 def served_by(response: httpx.Response) -> tuple[str, str | None]:
@@ -205,19 +214,8 @@ REPLICAS = 200
 def test_two_hundred_replicas_are_each_routable_and_scale_without_a_reload(
     env: Env, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    replicas = [TinyReplica(f"many-{i:03d}") for i in range(REPLICAS)]
-    for replica in replicas:
-        env.loop.run(replica.start())
-    plane = start_plane(
-        env.loop,
-        tmp_path_factory.mktemp("haproxy-many"),
-        AppRoute(name="many"),
-        [r.endpoint for r in replicas],
-        [env.router_a.endpoint],
-        check_inter_s=5.0,
-        sync_timeout_s=30.0,
-    )
-    try:
+    workdir = tmp_path_factory.mktemp("haproxy-many")
+    with tiny_plane(env, workdir, "many", REPLICAS, check_inter_s=5.0) as (plane, replicas):
         info = plane.runtime.show_info()
 
         def each_is_routable(names: list[str]) -> None:
@@ -239,10 +237,6 @@ def test_two_hundred_replicas_are_each_routable_and_scale_without_a_reload(
         after = plane.runtime.show_info()
         assert after["Pid"] == info["Pid"] and int(after["Uptime_sec"]) >= int(info["Uptime_sec"])
         assert plane.haproxy.settings.log_path.read_text().count("Loading success") == 1
-    finally:
-        stop_plane(plane)
-        for replica in replicas:
-            env.loop.run(replica.stop())
 
 
 def test_the_suite_checks_every_frontend_response_for_the_error_contract(env: Env, client: httpx.Client) -> None:
