@@ -57,14 +57,15 @@ def _assert_no_process_left(timeout_s: float = 20.0) -> None:
 
 
 def deploy_llm_app(
-    name: str, model: Path, deployment: ReplicaDeploymentConfig, route_prefix: str = "/"
+    name: str, model: Path, deployment: ReplicaDeploymentConfig, route_prefix: str = "/", **engine: Any
 ) -> LLMAppConfig:
-    """Deploy an LLM app; its replicas serve `route_prefix` + vLLM's paths on their own ports."""
+    """Deploy an LLM app; its replicas serve `route_prefix` + vLLM's paths on their own ports. `engine`: further
+    `EngineConfig` fields."""
     from ray import serve
 
     from services.llm_replica import llm_application
 
-    config = LLMAppConfig(engine=EngineConfig(model=str(model)), deployment=deployment)
+    config = LLMAppConfig(engine=EngineConfig(model=str(model), **engine), deployment=deployment)
     serve.run(llm_application(config), name=name, route_prefix=route_prefix, blocking=False)
     return config
 

@@ -126,17 +126,24 @@ async def _cut_streams(url: str, app: str, streams: int, max_tokens: int) -> tup
     return results, time.monotonic() - deleted
 
 
+# 192 concurrent streams of 1,000 tokens keep one tiny-model replica busy well past the grace period on 2 cores
+# (48 were seen to finish within the 10 s once vLLM's CPU attention ran on AMX). The engine runs them all at once.
+ABORT_STREAMS = 192
+
+
 def test_streams_outlasting_the_grace_period_are_aborted(llm_cluster: LLMCluster, tiny_model_dir) -> None:
     app, grace_s = "lifecycle-abort", MIN_DRAIN_GRACE_S
     deploy_llm_app(
         app,
         tiny_model_dir,
-        ReplicaDeploymentConfig(name="AbortReplica", num_replicas=1, max_ongoing_requests=64, drain_grace_s=grace_s),
+        ReplicaDeploymentConfig(
+            name="AbortReplica", num_replicas=1, max_ongoing_requests=ABORT_STREAMS, drain_grace_s=grace_s
+        ),
         route_prefix="/abort",
+        max_num_seqs=ABORT_STREAMS,
     )
     endpoint = wait_for_endpoints(app, 1, timeout_s=300)[0]
-    # 48 x 1,000 tokens keep one tiny-model replica busy well past the grace period on 2 cores.
-    results, cut_after = asyncio.run(_cut_streams(f"{endpoint.url}/abort/v1/completions", app, 48, 1000))
+    results, cut_after = asyncio.run(_cut_streams(f"{endpoint.url}/abort/v1/completions", app, ABORT_STREAMS, 1000))
     finished = [r for r in results if r and r[-1] == "[DONE]"]
     assert not finished, f"{len(finished)} streams finished; none should outlast the grace period"
     assert all(r for r in results), "every stream was running when the replica began to drain"
