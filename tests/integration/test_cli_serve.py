@@ -53,6 +53,7 @@ def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp
         assert url == f"http://127.0.0.1:{port}"
         served = set()
         body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        body["ignore_eos"] = True
         body["stream"] = True
         for _ in range(6):  # round-robin over 2 replicas, through HAProxy and the router
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:

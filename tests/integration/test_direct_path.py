@@ -89,7 +89,8 @@ def test_a_session_sticks_and_unsessioned_requests_spread(stack, client, llm_clu
 
 
 def test_sse_streams_through_haproxy(stack, client) -> None:
-    body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "stream": True}
+    body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    body |= {"ignore_eos": True, "stream": True}
     with client.stream("POST", f"{stack.url}/v1/chat/completions", json=body, headers={"x-request-id": "e2e-1"}) as r:
         assert r.status_code == 200
         assert r.headers[REQUEST_ID_HEADER] == "e2e-1"

@@ -17,7 +17,7 @@ from tests.integration.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 
-STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 16, "stream": True}
+STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 16, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ GREEDY_CHAT = {
     "messages": [{"role": "user", "content": "same answer twice"}],
     "max_tokens": 24,
     "temperature": 0,
+    "ignore_eos": True,
     "stream": True,
 }
 

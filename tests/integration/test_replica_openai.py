@@ -18,8 +18,14 @@ from tests.integration.sse import chunks, data_lines
 pytestmark = pytest.mark.integration
 
 MODEL = "sluice-tiny"
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "route the stream"}], "max_tokens": 12}
-COMPLETION = {"model": MODEL, "prompt": "ka lo mi", "max_tokens": 12}
+# ignore_eos: random weights rarely emit EOS, but they may, and these tests assert a `length` finish.
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "route the stream"}],
+    "max_tokens": 12,
+    "ignore_eos": True,
+}
+COMPLETION = {"model": MODEL, "prompt": "ka lo mi", "max_tokens": 12, "ignore_eos": True}
 WEATHER_SCHEMA = {
     "type": "object",
     "properties": {
@@ -111,6 +117,7 @@ def test_openai_client_streams_a_chat_completion(llm_cluster: LLMCluster) -> Non
         max_tokens=16,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     received = list(stream)
     assert received[0].choices[0].delta.role == "assistant"
