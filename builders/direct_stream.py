@@ -147,7 +147,7 @@ class DirectStreamStack:
         self.haproxy: HAProxyProcess | None = None
         self.runtime: RuntimeAPI | None = None
         self.syncer: HAProxySyncer | None = None
-        self._syncer: _SyncerThread | None = None
+        self._syncer_thread: _SyncerThread | None = None
 
     @property
     def url(self) -> str:
@@ -183,8 +183,8 @@ class DirectStreamStack:
             router_source=lambda: list_replica_endpoints(spec.router_app),
         )
         self.syncer = syncer
-        self._syncer = _SyncerThread(syncer, interval_s=0.25)
-        self._syncer.start()
+        self._syncer_thread = _SyncerThread(syncer, interval_s=0.25)
+        self._syncer_thread.start()
         self.wait_until_serving(spec.replicas, spec.routers, timeout_s=60)
         return self
 
@@ -214,8 +214,8 @@ class DirectStreamStack:
             time.sleep(0.2)
 
     def stop(self, delete_apps: bool = True) -> None:
-        if self._syncer is not None:
-            self._syncer.stop()
+        if self._syncer_thread is not None:
+            self._syncer_thread.stop()
         if self.haproxy is not None:
             self.haproxy.stop()
         if delete_apps:

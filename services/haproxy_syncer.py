@@ -145,12 +145,11 @@ class HAProxySyncer:
         report = SyncReport()
         for pool, endpoints in ((self.replicas, replicas), (self.routers, routers)):
             self._sync_pool(pool, endpoints, stats, report)
+        # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
         report.routable = sorted(
             name
             for name in self.replicas.live
-            if name not in report.added
-            and (stat := stats.get((REPLICA_BACKEND, name))) is not None
-            and stat.confirmed_up
+            if (stat := stats.get((REPLICA_BACKEND, name))) is not None and stat.confirmed_up
         )
         return report
 
@@ -247,8 +246,9 @@ class HAProxySyncer:
     async def _publish(self, routable: tuple[str, ...]) -> None:
         """Send the routable set to every live router that lacks it or is due a heartbeat."""
         now = self.clock()
-        due = [endpoint for name, endpoint in self.routers.live.items() if self._due(name, routable, now)]
-        for name in set(self._published) - set(self.routers.live):
+        live = self.routers.live
+        due = [endpoint for name, endpoint in live.items() if self._due(name, routable, now)]
+        for name in self._published.keys() - live.keys():
             del self._published[name]
         if not due:
             return

@@ -29,17 +29,15 @@ from sluice.contracts import (
     SERVE_REASON_HEADER,
 )
 from tests.integration.conftest import LLMCluster
+from tests.integration.dataplane.plane import Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import (
     OPEN_ROUTER_PREFIX,
     ROUTE_TIMEOUT_S,
     LoopThread,
-    Plane,
     RouterBehavior,
     RouterStandIn,
     assert_fail_closed,
     rearm_stall,
-    start_plane,
-    stop_plane,
 )
 from tests.integration.sse import chunks, data_lines
 from tests.integration.vllm_metrics import engine_requests

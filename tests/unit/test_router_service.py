@@ -3,100 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Callable, Iterable, Sequence
 
 import httpx
 import pytest
-from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import LocalLedgerClient
-from routers.consistent_hash import ConsistentHash
 from routers.core import ReplicaView, RouteRequest
-from services.frontend_membership import FrontendMembership
 from services.router_service import (
     METRICS_PATH,
     LiveReplicas,
     RouterSettings,
     build_policy,
-    build_router_app,
     fields_from_body,
     route_request_from,
 )
 from services.serve_internals import ReplicaEndpoint
 from sluice.contracts import (
-    APP_HEADER,
     BODY_TRUNCATED_HEADER,
-    FRONTEND_HEADER,
-    MEMBERSHIP_PATH,
     REQUEST_ID_HEADER,
-    ROUTE_PATH,
-    SESSION_HEADER_DEFAULT,
 )
-from sluice.route_wire import Membership, RouteRefusal, RouteReply
-
-REPLICA_IDS = ["r1a2b3c4", "r5d6e7f8", "r9g0h1i2", "rj3k4l5m"]
-
-
-def views(ids: Sequence[str] = REPLICA_IDS, capacity: int = 4) -> list[ReplicaView]:
-    return [
-        ReplicaView(replica_id=r, endpoint=f"http://127.0.0.1:{30000 + i}", capacity=capacity)
-        for i, r in enumerate(ids)
-    ]
-
-
-def router(
-    settings: RouterSettings,
-    replicas: Sequence[ReplicaView] | Callable[[], Sequence[ReplicaView]],
-    ledger=None,
-) -> httpx.AsyncClient:
-    """A client of a router app; `replicas` is a fixed set or, to change it between calls, a callable."""
-    source = replicas if callable(replicas) else lambda: replicas
-    app = build_router_app(settings, build_policy(settings, ledger), source)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
-
-
-def unique_app() -> str:
-    """A fresh `app` label, so counter checks are not disturbed by other tests in this process."""
-    return f"app-{uuid.uuid4().hex[:8]}"
-
-
-def sample(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-async def route(
-    client: httpx.AsyncClient,
-    session: str | None = None,
-    body: bytes = b"",
-    *,
-    frontend: str | None = None,
-    **headers: str,
-):
-    sent = {REQUEST_ID_HEADER: uuid.uuid4().hex, APP_HEADER: "llm", **headers}
-    if session is not None:
-        sent[SESSION_HEADER_DEFAULT] = session
-    if frontend is not None:
-        sent[FRONTEND_HEADER] = frontend
-    return await client.post(ROUTE_PATH, content=body, headers=sent)
-
-
-async def publish(client: httpx.AsyncClient, frontend: str, replica_ids: Iterable[str]) -> None:
-    reply = await client.post(MEMBERSHIP_PATH, json={"frontend": frontend, "replica_ids": list(replica_ids)})
-    assert reply.status_code == 204 and reply.content == b""
-
-
-async def named_ids(client: httpx.AsyncClient, calls: int = 8, frontend: str | None = None) -> set[str]:
-    """Every replica id (primary or fallback) that `calls` route calls name; all must succeed."""
-    names: set[str] = set()
-    for _ in range(calls):
-        reply = await route(client, frontend=frontend)
-        assert reply.status_code == 200, reply.text
-        parsed = RouteReply.model_validate(reply.json())
-        names.update([parsed.replica_id, *parsed.fallbacks])
-    return names
+from sluice.route_wire import RouteRefusal, RouteReply
+from tests.unit.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
 
 
 def test_settings_are_validated_with_clear_errors() -> None:
@@ -291,172 +220,6 @@ def test_metrics_expose_route_refusal_truncation_and_decision_counters() -> None
 def test_decisions_are_forgotten_after_forget_after_s() -> None:
     policy = build_policy(RouterSettings(target_app="llm", policy="power_of_two", forget_after_s=2.0))
     assert policy.tracker.forget_after_s == 2.0
-
-
-def ring_over(replica_ids: Iterable[str]) -> ConsistentHash:
-    ring = ConsistentHash()
-    ring.on_replicas_changed(sorted(replica_ids))
-    return ring
-
-
-def test_a_published_set_narrows_consistent_hash_to_the_next_published_replica_on_the_ring() -> None:
-    app = unique_app()
-    unpublished = REPLICA_IDS[0]
-    published = REPLICA_IDS[1:]
-    full, narrowed = ring_over(REPLICA_IDS), ring_over(published)
-    sessions = [f"session-{i}" for i in range(200)]
-    moved = [s for s in sessions if full.lookup(s)[0][0] == unpublished]
-    assert moved, "some session must have the unpublished replica as its natural primary"
-
-    async def run() -> list[dict]:
-        async with router(RouterSettings(target_app=app, policy="consistent_hash"), views()) as client:
-            await publish(client, "fe-a", published)
-            return [(await route(client, s, frontend="fe-a")).json() for s in sessions]
-
-    replies = asyncio.run(run())
-    for session, reply in zip(sessions, replies, strict=True):
-        assert [reply["replica_id"], *reply["fallbacks"]] == narrowed.lookup(session)[0]
-        assert unpublished not in [reply["replica_id"], *reply["fallbacks"]]
-        if session not in moved:  # every other session keeps its natural primary
-            assert reply["replica_id"] == full.lookup(session)[0][0]
-    assert sample("sluice_router_membership_updates_total", app=app) == 1
-
-
-def test_without_publications_any_frontend_gets_every_live_replica() -> None:
-    async def run() -> None:
-        async with router(RouterSettings(target_app=unique_app()), views()) as client:
-            assert await named_ids(client, frontend="fe-never-published") == set(REPLICA_IDS)
-            assert await named_ids(client) == set(REPLICA_IDS)
-
-    asyncio.run(run())
-
-
-def test_an_unnamed_or_unknown_frontend_gets_what_every_publishing_frontend_can_route_to() -> None:
-    async def run() -> None:
-        async with router(RouterSettings(target_app=unique_app()), views()) as client:
-            await publish(client, "fe-a", REPLICA_IDS[:3])
-            await publish(client, "fe-b", REPLICA_IDS[1:])
-            assert await named_ids(client) == set(REPLICA_IDS[1:3])
-            assert await named_ids(client, frontend="fe-unknown") == set(REPLICA_IDS[1:3])
-            assert await named_ids(client, frontend="fe-a") == set(REPLICA_IDS[:3])
-            assert await named_ids(client, frontend="fe-b") == set(REPLICA_IDS[1:])
-
-    asyncio.run(run())
-
-
-def test_a_published_replica_that_serve_no_longer_lists_is_never_named() -> None:
-    live = tuple(views())
-
-    async def run() -> None:
-        async with router(RouterSettings(target_app=unique_app()), lambda: live) as client:
-            await publish(client, "fe-a", [*REPLICA_IDS[:2], "r-never-listed"])
-            assert await named_ids(client, frontend="fe-a") == set(REPLICA_IDS[:2])
-            assert await named_ids(client) == set(REPLICA_IDS[:2])
-            # Serve drops a replica the frontend still publishes: it is gone from the very next call.
-            nonlocal live
-            live = tuple(views(REPLICA_IDS[1:]))
-            assert await named_ids(client, frontend="fe-a") == {REPLICA_IDS[1]}
-
-    asyncio.run(run())
-
-
-def test_an_empty_intersection_is_refused_with_503_no_replica() -> None:
-    app = unique_app()
-
-    async def run() -> None:
-        async with router(RouterSettings(target_app=app, policy="consistent_hash"), views()) as client:
-            await publish(client, "fe-a", ["r-not-in-serve"])
-            await publish(client, "fe-b", REPLICA_IDS[:1])
-            await publish(client, "fe-c", REPLICA_IDS[1:])
-            for frontend in ("fe-a", None, "fe-unknown"):  # fe-a's set is not live; b and c are disjoint
-                reply = await route(client, "s1", frontend=frontend)
-                assert reply.status_code == 503
-                assert RouteRefusal.model_validate(reply.json()).reason == "no_replica"
-            assert (await route(client, "s1", frontend="fe-b")).json()["replica_id"] == REPLICA_IDS[0]
-
-    asyncio.run(run())
-    assert sample("sluice_router_refused_total", app=app, policy="consistent_hash", reason="no_replica") == 3
-
-
-MALFORMED_MEMBERSHIPS = [
-    b"",
-    b"not json",
-    b'{"frontend": "fe-a", "replica_ids": ["r1"',
-    b"\xff\xfe{}",
-    b"null",
-    b'["fe-a", ["r1"]]',
-    b'{"frontend": "fe-a"}',
-    b'{"replica_ids": ["r1"]}',
-    b'{"frontend": "fe-a", "replica_ids": "r1a2b3c4"}',
-    b'{"frontend": "fe-a", "replica_ids": [1, 2]}',
-    b'{"frontend": 7, "replica_ids": []}',
-    b'{"frontend": "fe-a", "replica_ids": [], "server": "x"}',
-    b"[" * 100_000,
-]
-
-
-def test_malformed_memberships_are_rejected_with_422_and_the_router_keeps_routing() -> None:
-    app = unique_app()
-
-    async def run() -> None:
-        async with router(RouterSettings(target_app=app), views()) as client:
-            await publish(client, "fe-a", REPLICA_IDS[:2])
-            for body in MALFORMED_MEMBERSHIPS:
-                reply = await client.post(MEMBERSHIP_PATH, content=body, headers={"content-type": "application/json"})
-                assert reply.status_code == 422, body
-                assert reply.headers["content-type"] == "application/json"
-                assert reply.json()["detail"], body
-            # The last valid publication still holds, for that frontend and for everyone else.
-            assert await named_ids(client, frontend="fe-a") == set(REPLICA_IDS[:2])
-            assert await named_ids(client) == set(REPLICA_IDS[:2])
-
-    asyncio.run(run())
-    assert sample("sluice_router_membership_updates_total", app=app) == 1
-
-
-def test_a_republication_replaces_the_previous_set() -> None:
-    app = unique_app()
-
-    async def run() -> None:
-        async with router(RouterSettings(target_app=app), views()) as client:
-            await publish(client, "fe-a", REPLICA_IDS[:2])
-            assert await named_ids(client, frontend="fe-a") == set(REPLICA_IDS[:2])
-            await publish(client, "fe-a", REPLICA_IDS[2:])
-            assert await named_ids(client, frontend="fe-a") == set(REPLICA_IDS[2:])
-            await publish(client, "fe-a", REPLICA_IDS[2:])  # a heartbeat: same set, still counted
-            assert await named_ids(client) == set(REPLICA_IDS[2:])
-
-    asyncio.run(run())
-    assert sample("sluice_router_membership_updates_total", app=app) == 3
-
-
-def test_membership_caches_the_filtered_views_until_the_views_or_a_publication_change() -> None:
-    membership = FrontendMembership()
-    first = tuple(views())
-    assert membership.routable(first, "fe-a") is first  # nothing published: nothing to narrow
-
-    membership.publish(Membership(frontend="fe-a", replica_ids=REPLICA_IDS[:3]))
-    narrowed = membership.routable(first, "fe-a")
-    assert [v.replica_id for v in narrowed] == REPLICA_IDS[:3]
-    assert membership.routable(first, "fe-a") is narrowed
-    assert membership.routable(first, None) is membership.routable(first, "fe-unknown")
-
-    # Equal content but a new tuple (a fresh poll): recomputed, so a changed set is never missed.
-    second = tuple(views(REPLICA_IDS[1:]))
-    assert [v.replica_id for v in membership.routable(second, "fe-a")] == REPLICA_IDS[1:3]
-
-    # A heartbeat with the same set keeps the cached result; a new set replaces it.
-    cached = membership.routable(second, "fe-a")
-    membership.publish(Membership(frontend="fe-a", replica_ids=list(reversed(REPLICA_IDS[:3]))))
-    assert membership.routable(second, "fe-a") is cached
-    membership.publish(Membership(frontend="fe-a", replica_ids=REPLICA_IDS[3:]))
-    assert [v.replica_id for v in membership.routable(second, "fe-a")] == REPLICA_IDS[3:]
-
-    # Another frontend's publication narrows the common set, and only that.
-    membership.publish(Membership(frontend="fe-b", replica_ids=REPLICA_IDS[2:]))
-    assert [v.replica_id for v in membership.routable(second, None)] == REPLICA_IDS[3:]
-    assert [v.replica_id for v in membership.routable(second, "fe-b")] == REPLICA_IDS[2:]
-    assert [v.replica_id for v in membership.routable(second, "fe-a")] == REPLICA_IDS[3:]
 
 
 def endpoint(replica_id: str, port: int) -> ReplicaEndpoint:

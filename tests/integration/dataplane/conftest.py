@@ -7,7 +7,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.dataplane.standins import Env, rearm_stall, running_env
+from tests.integration.dataplane.plane import Env, running_env
+from tests.integration.dataplane.standins import (
+    rearm_stall,
+)
 
 
 @pytest.fixture(scope="module")

@@ -27,16 +27,12 @@ from sluice.contracts import (
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
+from tests.integration.dataplane.plane import Env, Plane, fallback_counts, start_plane, stop_plane
 from tests.integration.dataplane.standins import (
     CHAT_PATH,
-    Env,
-    Plane,
     TinyReplica,
     assert_fail_closed,
-    fallback_counts,
     first_event,
-    start_plane,
-    stop_plane,
     wait_until,
 )
 from tests.integration.frontend_contract import check_frontend_response, checked

@@ -21,10 +21,10 @@ from sluice.contracts import (
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
+from tests.integration.dataplane.plane import Env
 from tests.integration.dataplane.standins import (
     CHAT_PATH,
     LOOPBACK,
-    Env,
     ReplicaStandIn,
     assert_fail_closed,
     assert_pinned,

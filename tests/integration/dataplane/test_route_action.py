@@ -37,6 +37,7 @@ from sluice.contracts import (
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
 )
+from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import (
     APP,
     BODY_BUFFER_BYTES,
@@ -44,16 +45,12 @@ from tests.integration.dataplane.standins import (
     LOOPBACK,
     OPEN_ROUTER_PREFIX,
     ROUTE_TIMEOUT_S,
-    Env,
-    Plane,
     Recorded,
     assert_fail_closed,
     assert_pinned,
     data_payloads,
     first_event,
     percentile,
-    start_plane,
-    stop_plane,
 )
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,171 @@
+"""The stand-in data plane: one HAProxy with its syncer over static, mutable endpoint sources, and the shared
+environment of stand-in replicas and routers the data-plane tests run against (see standins.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from infra.haproxy_config import SLUICE_METRICS_PATH, AppRoute, HAProxySettings
+from infra.haproxy_process import HAProxyProcess, pid_alive
+from infra.runtime_api import RuntimeAPI
+from services.haproxy_syncer import HAProxySyncer, ServerPool
+from services.serve_internals import ReplicaEndpoint
+from tests.integration.conftest import free_port
+from tests.integration.dataplane.standins import (
+    APP,
+    BODY_BUFFER_BYTES,
+    LOOPBACK,
+    ROUTE_TIMEOUT_S,
+    LoopThread,
+    ReplicaStandIn,
+    RouterBehavior,
+    RouterStandIn,
+    StandIn,
+    rearm_stall,
+    wait_until,
+)
+from tests.integration.frontend_contract import register_frontend
+
+
+@dataclass
+class Plane:
+    """One HAProxy with its syncer; `replicas`/`routers` are the syncer's (static, mutable) sources."""
+
+    haproxy: HAProxyProcess
+    syncer: HAProxySyncer
+    sync_future: concurrent.futures.Future[Any] | None = None
+    replicas: list[ReplicaEndpoint] = field(default_factory=list)
+    routers: list[ReplicaEndpoint] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.haproxy.settings.port}"
+
+    @property
+    def runtime(self) -> RuntimeAPI:
+        return self.haproxy.runtime
+
+    def status(self, pool: ServerPool, name: str) -> str:
+        return self.runtime.show_stat()[(pool.backend, name)].status
+
+    def synced(self) -> bool:
+        """HAProxy serves exactly the sources, every server UP, and nothing is left over from earlier members."""
+        stats = self.runtime.show_stat()
+        for pool, endpoints in ((self.syncer.replicas, self.replicas), (self.syncer.routers, self.routers)):
+            if set(pool.members) != {e.replica_id for e in endpoints}:
+                return False
+            if not all((s := stats.get((pool.backend, e.replica_id))) and s.up for e in endpoints):
+                return False
+        return True
+
+    def published(self, behavior: RouterBehavior) -> list[str] | None:
+        """The replica ids this plane's syncer last published to the stand-in routers."""
+        frontend = self.haproxy.settings.frontend_id
+        return next((m.replica_ids for _, m in reversed(behavior.memberships) if m.frontend == frontend), None)
+
+    def wait_synced(self, timeout_s: float = 5.0) -> None:
+        wait_until(self.synced, timeout_s, "HAProxy to match the endpoint sources")
+
+
+def start_plane(
+    loop: LoopThread,
+    workdir: Path,
+    app: AppRoute,
+    replicas: list[ReplicaEndpoint],
+    routers: list[ReplicaEndpoint],
+    check_inter_s: float = 0.5,
+    sync_timeout_s: float = 5.0,
+) -> Plane:
+    settings = HAProxySettings(
+        workdir=workdir,
+        app=app,
+        port=free_port(),
+        prometheus_port=free_port(),
+        route_timeout_s=ROUTE_TIMEOUT_S,
+        check_inter_s=check_inter_s,
+    )
+    register_frontend(settings.port)
+    haproxy = HAProxyProcess(settings).start()
+    plane = Plane(haproxy=haproxy, syncer=None, replicas=list(replicas), routers=list(routers))  # type: ignore[arg-type]
+
+    async def replica_source() -> list[ReplicaEndpoint]:
+        return list(plane.replicas)
+
+    async def router_source() -> list[ReplicaEndpoint]:
+        return list(plane.routers)
+
+    plane.syncer = HAProxySyncer(haproxy.runtime, settings, replica_source, router_source, drain_grace_s=10)
+    plane.sync_future = loop.submit(plane.syncer.run(interval_s=0.1))
+    try:
+        plane.wait_synced(sync_timeout_s)
+    except BaseException:
+        stop_plane(plane)
+        raise
+    return plane
+
+
+def stop_plane(plane: Plane) -> None:
+    if plane.sync_future is not None:
+        plane.sync_future.cancel()
+    worker = plane.haproxy.worker_pid
+    master = plane.haproxy.process
+    plane.haproxy.stop(grace_s=2)
+    assert master is not None and master.poll() is not None, "HAProxy master still running"
+    assert worker is None or not pid_alive(worker), "HAProxy worker still running"
+
+
+@dataclass
+class Env:
+    loop: LoopThread
+    behavior: RouterBehavior
+    r1: ReplicaStandIn
+    r2: ReplicaStandIn
+    router_a: RouterStandIn
+    router_b: RouterStandIn
+    plane: Plane
+
+    @property
+    def replicas(self) -> list[ReplicaStandIn]:
+        return [self.r1, self.r2]
+
+
+@contextmanager
+def running_env(workdir: Path) -> Iterator[Env]:
+    """Two stand-in replicas and two stand-in routers behind one HAProxy + syncer (a body-forwarding app)."""
+    loop = LoopThread()
+    behavior = RouterBehavior(replica_ids=["r1", "r2"])
+    rearm_stall(loop, behavior)
+    r1, r2 = ReplicaStandIn("r1"), ReplicaStandIn("r2")
+    router_a, router_b = RouterStandIn("router-a", behavior), RouterStandIn("router-b", behavior)
+    started: list[StandIn] = []
+    plane = None
+    try:
+        for stand_in in (r1, r2, router_a, router_b):
+            loop.run(stand_in.start())
+            started.append(stand_in)
+        app = AppRoute(name=APP, forward_body=True, body_buffer_bytes=BODY_BUFFER_BYTES)
+        plane = start_plane(loop, workdir, app, [r1.endpoint, r2.endpoint], [router_a.endpoint, router_b.endpoint])
+        yield Env(loop, behavior, r1, r2, router_a, router_b, plane)
+    finally:
+        rearm_stall(loop, behavior)
+        if plane is not None:
+            stop_plane(plane)
+        for stand_in in started:
+            loop.run(stand_in.stop())
+        loop.close()
+
+
+def fallback_counts(plane: Plane) -> dict[str, int]:
+    """The frontend's fallback counter by reason, from sluice's metrics endpoint."""
+    port = plane.haproxy.settings.prometheus_port
+    text = httpx.get(f"http://{LOOPBACK}:{port}{SLUICE_METRICS_PATH}", timeout=5).text
+    pattern = r'^sluice_frontend_fallbacks_total\{reason="(\w+)"\} (\d+)$'
+    return {m[1]: int(m[2]) for m in re.finditer(pattern, text, re.M)}
