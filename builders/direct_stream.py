@@ -12,12 +12,15 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Coroutine
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from infra.frontend_protection import FrontendProtection
 from infra.haproxy_config import (
     BODY_BUFFER_BYTES_DEFAULT,
     CHECK_INTER_S_DEFAULT,
@@ -29,6 +32,7 @@ from infra.haproxy_config import (
 )
 from infra.haproxy_process import HAProxyProcess
 from infra.runtime_api import RuntimeAPI
+from services.api_key_watcher import ApiKeyWatcher
 from services.haproxy_syncer import HAProxySyncer
 from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.llm_replica import llm_application
@@ -43,6 +47,9 @@ from sluice.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from sluice.runtime import cache_dir
+
+# How often the syncer compares HAProxy's servers with Serve's endpoints.
+SYNC_INTERVAL_S = 0.25
 
 
 class DirectStreamSpec(BaseModel):
@@ -67,7 +74,9 @@ class DirectStreamSpec(BaseModel):
     prometheus_port: int = HAPROXY_PROMETHEUS_PORT_DEFAULT
     route_timeout_s: float = ROUTE_TIMEOUT_S_DEFAULT
     check_inter_s: float = CHECK_INTER_S_DEFAULT
-    # Config, Lua, map and runtime socket; None: a folder per HAProxy port in the cache.
+    # Timeouts, size limits, per-client limits and API keys of the frontend.
+    protection: FrontendProtection = FrontendProtection()
+    # Config, Lua, key list and runtime socket; None: a folder per HAProxy port in the cache.
     workdir: Path | None = None
 
     @property
@@ -85,6 +94,7 @@ class DirectStreamSpec(BaseModel):
             prometheus_port=self.prometheus_port,
             route_timeout_s=self.route_timeout_s,
             check_inter_s=self.check_inter_s,
+            protection=self.protection,
             app=AppRoute(
                 name=self.app,
                 fail_open=self.fail_open,
@@ -112,19 +122,20 @@ def deploy_llm(spec: DirectStreamSpec) -> LLMAppConfig:
     return config
 
 
-class _SyncerThread:
-    def __init__(self, syncer: HAProxySyncer, interval_s: float) -> None:
+class _FrontendThread:
+    """The frontend's background tasks (the syncer, the API key watcher) on an event loop of their own."""
+
+    def __init__(self, tasks: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
         self._loop = asyncio.new_event_loop()
-        self._task: asyncio.Task | None = None
-        self._syncer = syncer
-        self._interval_s = interval_s
-        self._thread = threading.Thread(target=self._run, name="haproxy-syncer", daemon=True)
+        self._tasks: list[asyncio.Task] = []
+        self._factories = tasks
+        self._thread = threading.Thread(target=self._run, name="sluice-frontend", daemon=True)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._task = self._loop.create_task(self._syncer.run(self._interval_s))
+        self._tasks = [self._loop.create_task(factory()) for factory in self._factories]
         try:
-            self._loop.run_until_complete(self._task)
+            self._loop.run_until_complete(asyncio.gather(*self._tasks))
         except asyncio.CancelledError:
             pass
         finally:
@@ -134,8 +145,8 @@ class _SyncerThread:
         self._thread.start()
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
+        for task in self._tasks:
+            self._loop.call_soon_threadsafe(task.cancel)
         self._thread.join(timeout=10)
 
 
@@ -147,7 +158,8 @@ class DirectStreamStack:
         self.haproxy: HAProxyProcess | None = None
         self.runtime: RuntimeAPI | None = None
         self.syncer: HAProxySyncer | None = None
-        self._syncer_thread: _SyncerThread | None = None
+        self.key_watcher: ApiKeyWatcher | None = None
+        self._frontend_thread: _FrontendThread | None = None
 
     @property
     def url(self) -> str:
@@ -183,8 +195,13 @@ class DirectStreamStack:
             router_source=lambda: list_replica_endpoints(spec.router_app),
         )
         self.syncer = syncer
-        self._syncer_thread = _SyncerThread(syncer, interval_s=0.25)
-        self._syncer_thread.start()
+        tasks = [partial(syncer.run, SYNC_INTERVAL_S)]
+        keys = settings.protection.api_keys
+        if keys is not None and keys.file is not None:
+            self.key_watcher = ApiKeyWatcher(self.runtime, settings, keys)
+            tasks.append(self.key_watcher.run)
+        self._frontend_thread = _FrontendThread(tasks)
+        self._frontend_thread.start()
         self.wait_until_serving(spec.replicas, spec.routers, timeout_s=60)
         return self
 
@@ -214,8 +231,8 @@ class DirectStreamStack:
             time.sleep(0.2)
 
     def stop(self, delete_apps: bool = True) -> None:
-        if self._syncer_thread is not None:
-            self._syncer_thread.stop()
+        if self._frontend_thread is not None:
+            self._frontend_thread.stop()
         if self.haproxy is not None:
             self.haproxy.stop()
         if delete_apps:

@@ -7,9 +7,11 @@ Shape of the rendered config:
 
 - frontend `sluice_http` on bind_host:port: strips client-sent internal headers (`x-serve-*`, `x-sluice-*`),
   sets `x-request-id` when the client sent none (echoed on every response, HAProxy's own errors included),
-  and runs the Lua action: any method but GET/HEAD asks a router for its ranked replicas; the action pins the
-  request to the first of them the frontend can route to (`x-serve-fallback-rank: k` when that is not the
-  primary) or fails closed with a reason. GET/HEAD rotate over the routable replicas without a router.
+  refuses what would hold or starve a replica (`infra.frontend_protection`: timeouts, sizes, per-client limits,
+  API keys) and waits for the whole body, then runs the Lua action: any method but GET/HEAD asks a router for
+  its ranked replicas; the action pins the request to the first of them the frontend can route to
+  (`x-serve-fallback-rank: k` when that is not the primary) or fails closed with a reason. GET/HEAD rotate
+  over the routable replicas without a router.
 - backend `sluice_replicas`: one server per replica, named by its replica id, added and deleted at run time
   through the runtime API (no slot limit, no reload), health-checked on `GET /-/healthz` and marked DOWN at the
   first failed connection (`observe layer4`). Replica servers have weight 0: HAProxy never load-balances to
@@ -20,8 +22,8 @@ Shape of the rendered config:
   (`x-sluice-ranked`) — never to a replica the router did not rank.
 - backend `sluice_routers`: one server per router replica, health-checked; never proxied to, the Lua action
   reads the UP ones and calls them itself with `core.tcp`.
-- every 5xx HAProxy produces itself carries `x-serve-reason` and an OpenAI-style JSON body (`http-error`),
-  and a replica's own 5xx without one gets `replica_error`.
+- every error HAProxy produces itself (a stream's 400/408 and every 5xx) carries `x-serve-reason` and an
+  OpenAI-style JSON body (`http-error`), and a replica's own 5xx without one gets `replica_error`.
 - frontend `sluice_prometheus` on 127.0.0.1:prometheus_port: HAProxy's exporter on `/metrics`, sluice's
   frontend counters (fallbacks by reason, from a stick table) on `/sluice/metrics`; the runtime API on a unix
   socket.
@@ -34,6 +36,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from infra.frontend_protection import FrontendProtection, client_table_lines, protection_lines
+from infra.haproxy_errors import openai_error_body
 from sluice.contracts import (
     DEFAULT_BIND_HOST,
     FALLBACK_RANK_HEADER,
@@ -80,7 +84,7 @@ SERVER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,255}$")
 # Defaults shared with `builders.direct_stream.DirectStreamSpec`.
 BODY_BUFFER_BYTES_DEFAULT = 262144
 CHECK_INTER_S_DEFAULT = 5.0
-# Headroom in the request buffer for the request line and headers when the body is buffered for the router.
+# Room in the request buffer beyond a maximal request: HAProxy's own headers and HTX's bookkeeping.
 HEADER_HEADROOM_BYTES = 32768
 # Lua patterns for values taken from the router's reply (anything else is refused, so nothing reaches a header
 # or a map lookup unchecked).
@@ -163,13 +167,12 @@ class HAProxySettings(BaseModel):
     timeout_server_s: float = Field(3600.0, gt=0)
     timeout_connect_s: float = Field(5.0, gt=0)
     timeout_http_keep_alive_s: float = Field(90.0, gt=0)
-    # Time a client has to send its headers (and, with body forwarding, its buffered body).
-    timeout_http_request_s: float = Field(30.0, gt=0)
     hard_stop_after_s: float = Field(120.0, gt=0)
     maxconn: int = Field(4096, ge=1)
     # None: HAProxy's default (one thread per CPU it may run on).
     nbthread: int | None = Field(None, ge=1)
     tune_maxrewrite: int = Field(8192, ge=1024)
+    protection: FrontendProtection = FrontendProtection()
 
     @field_validator("workdir")
     @classmethod
@@ -183,6 +186,8 @@ class HAProxySettings(BaseModel):
                 raise ValueError(f"unix socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         if self.prometheus_port == self.port:
             raise ValueError("prometheus_port must differ from port")
+        if self.app.forward_body and self.app.body_buffer_bytes > self.protection.max_body_bytes:
+            raise ValueError("body_buffer_bytes (forwarded to the router) may not exceed protection.max_body_bytes")
         return self
 
     @property
@@ -212,11 +217,14 @@ class HAProxySettings(BaseModel):
         return self.workdir / "haproxy.log"
 
     @property
-    def tune_bufsize(self) -> int | None:
-        """Request buffer size; None keeps HAProxy's default (16 KiB) when no body is buffered."""
-        if not self.app.forward_body:
-            return None
-        return self.app.body_buffer_bytes + self.tune_maxrewrite + HEADER_HEADROOM_BYTES
+    def keys_acl_path(self) -> Path:
+        """The accepted API key digests, as HAProxy's pattern file (written at start, replaced at run time)."""
+        return self.workdir / "api_keys.acl"
+
+    @property
+    def tune_bufsize(self) -> int:
+        """Request buffer size: a whole request up to the protection's maxima, plus HAProxy's rewrite reserve."""
+        return self.protection.request_bytes() + self.tune_maxrewrite + HEADER_HEADROOM_BYTES
 
 
 def is_internal_server(name: str) -> bool:
@@ -270,23 +278,14 @@ def router_server_options(settings: HAProxySettings) -> list[str]:
     return _check_options(settings)
 
 
-_ERROR_TYPES = {500: "server_error", 502: "server_error", 503: "service_unavailable", 504: "server_error"}
-
-
-def _error_body(message: str, code: int = 503) -> str:
-    """OpenAI-style error body; `message` may hold log-format expressions but no double quote."""
-    kind = _ERROR_TYPES.get(code, "server_error")
-    return '{"error": {"message": "' + message + '", "type": "' + kind + '", "code": ' + str(code) + "}}"
-
-
 def _health_check_lines() -> list[str]:
     return [f"    option httpchk GET {HEALTH_PATH}", "    http-check expect status 200"]
 
 
 def _fail_closed_line(reason: str) -> str:
-    message = f"sluice could not route the request: {reason}"
+    body = openai_error_body(f"sluice could not route the request: {reason}", 503)
     return (
-        f"    http-request return status 503 content-type application/json lf-string '{_error_body(message)}'"
+        f"    http-request return status 503 content-type application/json lf-string '{body}'"
         f' hdr {SERVE_REASON_HEADER} "{reason}" if {{ var({VAR_REASON}) -m found }}'
     )
 
@@ -322,8 +321,7 @@ def render_config(settings: HAProxySettings) -> str:
     ]
     if settings.nbthread is not None:
         lines.append(f"    nbthread {settings.nbthread}")
-    if settings.tune_bufsize is not None:
-        lines.append(f"    tune.bufsize {settings.tune_bufsize}")
+    lines.append(f"    tune.bufsize {settings.tune_bufsize}")
     lines += [
         "",
         "defaults",
@@ -334,11 +332,11 @@ def render_config(settings: HAProxySettings) -> str:
         f"    timeout client {_ms(settings.timeout_client_s)}",
         f"    timeout server {_ms(settings.timeout_server_s)}",
         f"    timeout http-keep-alive {_ms(settings.timeout_http_keep_alive_s)}",
-        f"    timeout http-request {_ms(settings.timeout_http_request_s)}",
+        f"    timeout http-request {_ms(settings.protection.request_timeout_s)}",
         "    # HAProxy's own errors in the contract's shape: a reason header and an OpenAI-style JSON body.",
     ]
     for status, status_reason in HAPROXY_ERROR_REASONS.items():
-        body = _error_body(f"sluice: {status_reason}", status)
+        body = openai_error_body(f"sluice: {status_reason}", status)
         lines.append(
             f"    http-error status {status} content-type application/json"
             f" hdr {SERVE_REASON_HEADER} {status_reason} string '{body}'"
@@ -355,10 +353,6 @@ def render_config(settings: HAProxySettings) -> str:
         f"frontend {FRONTEND}",
         f"    bind {settings.bind_host}:{settings.port}",
     ]
-    if app.forward_body:
-        # Wait for the body (up to the buffer) before the Lua action runs; a larger body is routed with what
-        # fits and forwarded in full to the replica afterwards.
-        lines.append("    option http-buffer-request")
     lines += [
         "    unique-id-format %[uuid()]",
         "    # A client can neither pin a replica nor forge a capacity token.",
@@ -370,6 +364,7 @@ def render_config(settings: HAProxySettings) -> str:
         f"    http-request set-var({VAR_REQUEST_ID}) req.fhdr({REQUEST_ID_HEADER})",
         f"    http-after-response set-header {REQUEST_ID_HEADER} %[var({VAR_REQUEST_ID})]"
         f" if {{ var({VAR_REQUEST_ID}) -m found }}",
+        *protection_lines(settings.protection, str(settings.keys_acl_path)),
         f"    # Any method but GET/HEAD asks the router pool ({app.name}); GET/HEAD rotate over the routable replicas.",
         f"    http-request lua.{LUA_ACTION}",
         "    # Backstop: a request with neither a replica nor a reason (Lua error) fails like an unreachable router.",
@@ -422,5 +417,6 @@ def render_config(settings: HAProxySettings) -> str:
         "    # Requests served past the router's primary, by why the primary was passed over.",
         f"    stick-table type string len 32 size {len(FALLBACK_REASONS) * 4} store http_req_cnt",
         "",
+        *client_table_lines(settings.protection),
     ]
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import NoReturn
 
+from infra.api_keys import render_acl
 from infra.haproxy_config import HAProxySettings, render_config
 from infra.haproxy_lua import render_lua
 from infra.runtime_api import RuntimeAPI, RuntimeAPIError
@@ -96,9 +97,12 @@ def find_haproxy_binary(explicit: Path | str | None = None) -> Path:
 
 
 def write_files(settings: HAProxySettings) -> None:
-    """Write the config and the Lua action into the workdir (the syncer adds the servers at run time)."""
+    """Write the config, the Lua action and the accepted API key digests into the workdir (the syncer adds the
+    servers at run time; the key watcher replaces the digests). A key list that cannot be used stops here."""
     settings.workdir.mkdir(parents=True, exist_ok=True)
     settings.lua_path.write_text(render_lua(settings))
+    keys = settings.protection.api_keys
+    settings.keys_acl_path.write_text(render_acl(keys.digests()) if keys is not None else "")
     settings.config_path.write_text(render_config(settings))
 
 

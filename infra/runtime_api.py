@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -116,6 +118,30 @@ class RuntimeAPI:
         reply = self.command(command)
         if "Server deleted" not in reply:
             raise RuntimeAPIError(command, reply)
+
+    # Pattern files.
+    def replace_acl(self, acl_file: Path | str, patterns: Iterable[str]) -> None:
+        """Replace every pattern of an ACL's file at once: a new version is filled, then committed atomically, so
+        no request sees a half-written list."""
+        _check_token(str(acl_file))
+        command = f"prepare acl {acl_file}"
+        reply = self.command(command)
+        match = re.search(r"New version created: (\d+)", reply)
+        if match is None:
+            raise RuntimeAPIError(command, reply)
+        version = match.group(1)
+        for pattern in patterns:
+            _check_token(pattern)
+            self.checked(f"add acl @{version} {acl_file} {pattern}")
+        self.checked(f"commit acl @{version} {acl_file}")
+
+    def show_acl(self, acl_file: Path | str) -> list[str]:
+        """The patterns an ACL's file holds now."""
+        _check_token(str(acl_file))
+        reply = self.command(f"show acl {acl_file}")
+        if reply.startswith("Unknown"):
+            raise RuntimeAPIError(f"show acl {acl_file}", reply)
+        return [line.split(" ", 1)[1] for line in reply.splitlines() if " " in line]
 
     # Stats.
     def show_stat(self) -> dict[tuple[str, str], ServerStat]:

@@ -22,6 +22,9 @@ FRONTEND_HEADER = "x-sluice-frontend"
 # Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection.
 RANKED_HEADER = "x-sluice-ranked"
 INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")
+# Checked by the frontend when a stack turns API keys on, then removed: a replica never sees it.
+AUTHORIZATION_HEADER = "authorization"
+RETRY_AFTER_HEADER = "retry-after"
 
 # Routing failure reasons (HAProxy -> client, `X-Serve-Reason`).
 REASON_ROUTER_UNREACHABLE = "router_unreachable"
@@ -35,6 +38,21 @@ REASON_REPLICA_TIMEOUT = "replica_timeout"  # 504: no response headers within th
 REASON_FRONTEND_ERROR = "frontend_error"  # 500: an internal error of the frontend itself
 # A 5xx the replica sent itself without a reason gets this one.
 REASON_REPLICA_ERROR = "replica_error"
+# The frontend's protection of the replicas: refused before any route call (`infra/frontend_protection.py`).
+REASON_INVALID_API_KEY = "invalid_api_key"  # 401: no, or no valid, `Authorization: Bearer` key
+REASON_REQUEST_TIMEOUT = "request_timeout"  # 408: the body did not arrive whole within the request timeout
+REASON_BODY_TOO_LARGE = "body_too_large"  # 413: a body over the stack's maximum
+REASON_URL_TOO_LONG = "url_too_long"  # 414: a request line over the maximum
+REASON_CLIENT_LIMIT = "client_limit"  # 429: the client is over its concurrency or rate limit
+REASON_HEADERS_TOO_LARGE = "headers_too_large"  # 431: headers over the maximum
+PROTECTION_REASONS = {
+    401: REASON_INVALID_API_KEY,
+    408: REASON_REQUEST_TIMEOUT,
+    413: REASON_BODY_TOO_LARGE,
+    414: REASON_URL_TOO_LONG,
+    429: REASON_CLIENT_LIMIT,
+    431: REASON_HEADERS_TOO_LARGE,
+}
 
 # Why the frontend passed over the router's primary (the fallback counter's `reason` label).
 FALLBACK_ABSENT = "absent"  # not (or no longer) in the frontend's server set
@@ -56,6 +74,11 @@ APP_HEADER = "x-sluice-app"
 HAPROXY_PORT_DEFAULT = 8000
 HAPROXY_PROMETHEUS_PORT_DEFAULT = 8404
 ROUTE_TIMEOUT_S_DEFAULT = 5.0
+# Frontend protection defaults: a chat request's body and headers fit with room to spare.
+REQUEST_TIMEOUT_S_DEFAULT = 10.0
+MAX_BODY_BYTES_DEFAULT = 8 * 1024 * 1024
+MAX_HEADER_BYTES_DEFAULT = 16 * 1024
+MAX_URL_BYTES_DEFAULT = 8 * 1024
 # Router reply when no replica can be chosen (policy reasons such as `capacity_timeout` pass through).
 REASON_NO_REPLICA = "no_replica"
 FAIL_CLOSED_REASONS = (
@@ -64,8 +87,11 @@ FAIL_CLOSED_REASONS = (
     REASON_UNPARSEABLE_REPLICA_ID,
     REASON_UNKNOWN_REPLICA_ID,
 )
-# Reason of each 5xx status HAProxy can generate itself.
+# Reason of each error status HAProxy can generate itself (400: a request HAProxy could not parse).
+REASON_BAD_REQUEST = "bad_request"
 HAPROXY_ERROR_REASONS = {
+    400: REASON_BAD_REQUEST,
+    408: REASON_REQUEST_TIMEOUT,
     500: REASON_FRONTEND_ERROR,
     502: REASON_REPLICA_FAILED,
     503: REASON_REPLICA_UNAVAILABLE,

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from infra import haproxy_config
+from infra import frontend_protection, haproxy_config
+from infra.api_keys import ApiKeySource, key_digest, key_hash_line
+from infra.frontend_protection import ClientLimits, FrontendProtection
 from infra.haproxy_config import (
     REPLICA_BACKEND,
     RETRY_SERVERS,
@@ -59,10 +61,36 @@ LUA_CONSTANTS = {
 }
 
 
+# Rendered only when the stack turns API keys and client limits on.
+PROTECTION_CONSTANTS = {
+    "AUTHORIZATION_HEADER": contracts.AUTHORIZATION_HEADER,
+    "RETRY_AFTER_HEADER": contracts.RETRY_AFTER_HEADER,
+    **{f"PROTECTION_REASONS[{code}]": reason for code, reason in contracts.PROTECTION_REASONS.items()},
+}
+
+
+def protected_settings(tmp_path: Path) -> HAProxySettings:
+    keys = tmp_path / "keys.txt"
+    keys.write_text(key_hash_line("sk-test", "team-a") + "\n")
+    protection = FrontendProtection(
+        api_keys=ApiKeySource(file=keys),
+        client_limits=ClientLimits(max_concurrent_requests=4, max_requests_per_window=50),
+    )
+    return HAProxySettings(
+        workdir=tmp_path / "w", app=AppRoute(name="llm"), port=18000, prometheus_port=18404, protection=protection
+    )
+
+
+def test_protection_constants_come_from_contracts(tmp_path: Path) -> None:
+    config = render_config(protected_settings(tmp_path))
+    for name, value in PROTECTION_CONSTANTS.items():
+        assert value in config, name
+
+
 def test_every_header_constant_is_rendered_or_stripped() -> None:
     header_names = {name: value for name, value in vars(contracts).items() if re.search(r"_HEADER(_DEFAULT)?$", name)}
     assert header_names, "contracts lost its header constants?"
-    covered = set(CONFIG_CONSTANTS) | set(LUA_CONSTANTS)
+    covered = set(CONFIG_CONSTANTS) | set(LUA_CONSTANTS) | set(PROTECTION_CONSTANTS)
     for name, value in header_names.items():
         if name not in covered:
             # Response-only headers of the replica (x-serve-replica): covered by the stripped prefixes.
@@ -91,7 +119,12 @@ def test_constants_come_from_contracts(tmp_path: Path, fail_open: bool) -> None:
 def test_nothing_of_the_contract_is_written_by_hand() -> None:
     """The Lua template and the config renderer carry no literal header/reason/path: only placeholders."""
     template = re.sub(r"\$\w+", "", LUA_TEMPLATE.template)  # placeholder names may spell a constant's name
-    sources = template + inspect.getsource(haproxy_config.render_config)
+    renderers = [
+        haproxy_config.render_config,
+        frontend_protection.protection_lines,
+        frontend_protection.client_table_lines,
+    ]
+    sources = template + "".join(inspect.getsource(renderer) for renderer in renderers)
     literals = [
         contracts.REQUEST_ID_HEADER,
         contracts.SESSION_HEADER_DEFAULT,
@@ -104,15 +137,23 @@ def test_nothing_of_the_contract_is_written_by_hand() -> None:
         contracts.RANKED_HEADER,
         contracts.APP_HEADER,
         contracts.HEALTH_PATH,
-        *contracts.FAIL_CLOSED_REASONS,
-        *contracts.HAPROXY_ERROR_REASONS.values(),
-        contracts.REASON_REPLICA_ERROR,
+        contracts.AUTHORIZATION_HEADER,
+        contracts.RETRY_AFTER_HEADER,
         # Plain words, so only as string literals.
         *(f'"{reason}"' for reason in contracts.FALLBACK_REASONS),
         *contracts.INTERNAL_HEADER_PREFIXES,
     ]
     for literal in literals:
         assert literal not in sources, literal
+    # Reasons as whole words (a reason may be part of a setting's name, e.g. `request_timeout_s`).
+    reasons = [
+        *contracts.FAIL_CLOSED_REASONS,
+        *contracts.HAPROXY_ERROR_REASONS.values(),
+        contracts.REASON_REPLICA_ERROR,
+        *contracts.PROTECTION_REASONS.values(),
+    ]
+    for reason in reasons:
+        assert not re.search(rf"\b{reason}\b", sources), reason
     assert "/internal/" not in LUA_TEMPLATE.template
 
 
@@ -154,7 +195,12 @@ def test_frontend_pieces(tmp_path: Path) -> None:
     line = next(li for li in config.splitlines() if "http-request return status 503" in li)
     assert "content-type application/json" in line and 'hdr x-serve-reason "%[var(txn.sluice_reason)]"' in line
     assert '"type": "service_unavailable", "code": 503' in line
-    assert "http-buffer-request" not in config and "tune.bufsize" not in config
+    # The whole body is waited for before the route action, and the buffer holds the largest one allowed.
+    assert config.index("http-request wait-for-body time 10000ms") < config.index("lua.sluice_route")
+    assert "timeout http-request 10s" in config
+    bufsize = int(re.search(r"tune\.bufsize (\d+)", config)[1])
+    maxrewrite = int(re.search(r"tune\.maxrewrite (\d+)", config)[1])
+    assert bufsize - maxrewrite > contracts.MAX_BODY_BYTES_DEFAULT + contracts.MAX_HEADER_BYTES_DEFAULT
 
 
 def test_fail_open_has_no_503_but_a_fallback_header(tmp_path: Path) -> None:
@@ -166,15 +212,16 @@ def test_fail_open_has_no_503_but_a_fallback_header(tmp_path: Path) -> None:
     assert "http-after-response set-header x-serve-fallback %[var(txn.sluice_reason)]" in config
 
 
-def test_body_forwarding_buffers_the_body(tmp_path: Path) -> None:
-    s = settings(tmp_path, forward_body=True, body_buffer_bytes=100_000)
-    config, lua = render_config(s), render_lua(s)
-    assert "option http-buffer-request" in config
-    bufsize = int(re.search(r"tune\.bufsize (\d+)", config)[1])
-    maxrewrite = int(re.search(r"tune\.maxrewrite (\d+)", config)[1])
-    assert bufsize - maxrewrite > 100_000
+def test_body_forwarding_sends_the_buffered_prefix(tmp_path: Path) -> None:
+    lua = render_lua(settings(tmp_path, forward_body=True, body_buffer_bytes=100_000))
     assert "local FORWARD_BODY = true" in lua and "local BODY_BUFFER_BYTES = 100000" in lua
     assert "local FORWARD_BODY = false" in render_lua(settings(tmp_path))
+    with pytest.raises(ValidationError, match="may not exceed protection.max_body_bytes"):
+        HAProxySettings(
+            workdir=tmp_path,
+            app=AppRoute(name="llm", forward_body=True, body_buffer_bytes=100_000),
+            protection=FrontendProtection(max_body_bytes=50_000),
+        )
 
 
 def test_custom_session_header_and_timeout(tmp_path: Path) -> None:
@@ -230,6 +277,13 @@ def test_haproxy_accepts_the_rendered_config(tmp_path: Path, app: AppRoute) -> N
     s = HAProxySettings(workdir=tmp_path, app=app, port=18000, prometheus_port=18404)
     write_files(s)
     assert "Configuration file is valid" in check_config(s)
+
+
+def test_haproxy_accepts_the_protected_config(tmp_path: Path) -> None:
+    s = protected_settings(tmp_path)
+    write_files(s)
+    assert "Configuration file is valid" in check_config(s)
+    assert s.keys_acl_path.read_text() == key_digest("sk-test") + "\n"
 
 
 def test_binary_search_names_what_it_tried(tmp_path: Path) -> None:
