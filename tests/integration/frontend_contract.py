@@ -1,5 +1,6 @@
 """Checks every response the integration suite receives through a sluice frontend against the error contract:
-a 5xx always carries `x-serve-reason` (HAProxy's own errors, routing failures and a replica's own 5xx alike).
+a 5xx always carries `x-serve-reason` (HAProxy's own errors, routing failures and a replica's own 5xx alike), and
+a refusal of the frontend's protection (401, 408, 413, 414, 429, 431 not sent by a replica) carries its reason.
 
 Frontends register their port when they start; `checking_frontend_responses()` wraps httpx's `send` so that every
 client, sync or async, streaming or not, is checked as soon as the response headers arrive.
@@ -7,13 +8,14 @@ client, sync or async, streaming or not, is checked as soon as the response head
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
-from sluice.contracts import SERVE_REASON_HEADER
+from sluice.contracts import PROTECTION_REASONS, REPLICA_HEADER, SERVE_REASON_HEADER
 
 _frontend_ports: set[int] = set()
 checked = {"responses": 0}
@@ -32,6 +34,25 @@ def check_frontend_response(response: httpx.Response) -> None:
             f"{response.status_code} from the frontend without {SERVE_REASON_HEADER}: "
             f"{response.request.method} {response.request.url} {dict(response.headers)}"
         )
+    if response.status_code in PROTECTION_REASONS and REPLICA_HEADER not in response.headers:
+        assert response.headers.get(SERVE_REASON_HEADER) == PROTECTION_REASONS[response.status_code], (
+            f"{response.status_code} from the frontend without its reason: {dict(response.headers)}"
+        )
+
+
+def assert_frontend_error(status: int, headers: Mapping[str, str], body: bytes, expected_status: int) -> None:
+    """A refusal the frontend answered itself: the status, its reason from the contract, no replica, and an
+    OpenAI-style JSON error body (`headers` with lower-case names)."""
+    assert status == expected_status, (status, dict(headers), body[:300])
+    assert headers.get(SERVE_REASON_HEADER) == PROTECTION_REASONS[expected_status], dict(headers)
+    assert REPLICA_HEADER not in headers
+    assert headers.get("content-type") == "application/json"
+    error = json.loads(body)["error"]
+    assert error["code"] == expected_status and error["type"] and error["message"].startswith("sluice")
+
+
+def assert_refused(response: httpx.Response, expected_status: int) -> None:
+    assert_frontend_error(response.status_code, response.headers, response.read(), expected_status)
 
 
 @contextmanager

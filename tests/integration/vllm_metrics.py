@@ -14,10 +14,12 @@ _REQUESTS = re.compile(
 )
 
 
-def engine_requests(app: str) -> float:
+def engine_requests(app: str, route_prefix: str = "") -> float:
     """Requests the vLLM engines of `app` have finished or hold, over every replica: unchanged across a
     call means no engine received it."""
     total = 0.0
     for endpoint in asyncio.run(list_replica_endpoints(app)):
-        total += sum(float(v) for v in _REQUESTS.findall(httpx.get(f"{endpoint.url}/metrics").text))
+        response = httpx.get(f"{endpoint.url}{route_prefix}/metrics")
+        response.raise_for_status()
+        total += sum(float(v) for v in _REQUESTS.findall(response.text))
     return total

@@ -13,9 +13,11 @@ from typing import Any
 
 import httpx
 
+from infra.frontend_protection import FrontendProtection
 from infra.haproxy_config import SLUICE_METRICS_PATH, AppRoute, HAProxySettings
 from infra.haproxy_process import HAProxyProcess, pid_alive
 from infra.runtime_api import RuntimeAPI
+from services.api_key_watcher import ApiKeyWatcher
 from services.haproxy_syncer import HAProxySyncer, ServerPool
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
@@ -42,6 +44,8 @@ class Plane:
     haproxy: HAProxyProcess
     syncer: HAProxySyncer
     sync_future: concurrent.futures.Future[Any] | None = None
+    key_watcher: ApiKeyWatcher | None = None
+    key_future: concurrent.futures.Future[Any] | None = None
     replicas: list[ReplicaEndpoint] = field(default_factory=list)
     routers: list[ReplicaEndpoint] = field(default_factory=list)
 
@@ -83,6 +87,7 @@ def start_plane(
     routers: list[ReplicaEndpoint],
     check_inter_s: float = 0.5,
     sync_timeout_s: float = 5.0,
+    protection: FrontendProtection | None = None,
 ) -> Plane:
     settings = HAProxySettings(
         workdir=workdir,
@@ -91,6 +96,7 @@ def start_plane(
         prometheus_port=free_port(),
         route_timeout_s=ROUTE_TIMEOUT_S,
         check_inter_s=check_inter_s,
+        protection=protection or FrontendProtection(),
     )
     register_frontend(settings.port)
     haproxy = HAProxyProcess(settings).start()
@@ -104,6 +110,10 @@ def start_plane(
 
     plane.syncer = HAProxySyncer(haproxy.runtime, settings, replica_source, router_source, drain_grace_s=10)
     plane.sync_future = loop.submit(plane.syncer.run(interval_s=0.1))
+    keys = settings.protection.api_keys
+    if keys is not None and keys.file is not None:
+        plane.key_watcher = ApiKeyWatcher(haproxy.runtime, settings, keys)
+        plane.key_future = loop.submit(plane.key_watcher.run(interval_s=0.2))
     try:
         plane.wait_synced(sync_timeout_s)
     except BaseException:
@@ -113,8 +123,9 @@ def start_plane(
 
 
 def stop_plane(plane: Plane) -> None:
-    if plane.sync_future is not None:
-        plane.sync_future.cancel()
+    for future in (plane.sync_future, plane.key_future):
+        if future is not None:
+            future.cancel()
     worker = plane.haproxy.worker_pid
     master = plane.haproxy.process
     plane.haproxy.stop(grace_s=2)
