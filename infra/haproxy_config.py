@@ -22,7 +22,7 @@ Shape of the rendered config:
   (`x-sluice-ranked`) — never to a replica the router did not rank.
 - backend `sluice_routers`: one server per router replica, health-checked; never proxied to, the Lua action
   reads the UP ones and calls them itself with `core.tcp`.
-- every error HAProxy produces itself (a stream's 400/408 and every 5xx) carries `x-serve-reason` and an
+- every error HAProxy produces itself once a request exists (408 and every 5xx) carries `x-serve-reason` and an
   OpenAI-style JSON body (`http-error`), and a replica's own 5xx without one gets `replica_error`.
 - frontend `sluice_prometheus` on 127.0.0.1:prometheus_port: HAProxy's exporter on `/metrics`, sluice's
   frontend counters (fallbacks by reason, from a stick table) on `/sluice/metrics`; the runtime API on a unix

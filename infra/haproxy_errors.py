@@ -4,7 +4,6 @@ from __future__ import annotations
 
 # OpenAI's error types by status; anything else is a server error.
 ERROR_TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
     408: "invalid_request_error",
     413: "invalid_request_error",

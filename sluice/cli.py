@@ -40,8 +40,16 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    from infra.api_keys import ApiKeySource
+    from infra.frontend_protection import ClientLimits, FrontendProtection
+
+    protection = FrontendProtection(
+        api_keys=ApiKeySource(file=Path(args.api_key_file).resolve()) if args.api_key_file else None,
+        client_limits=ClientLimits(max_concurrent_requests=args.max_client_concurrency),
+    )
     spec = DirectStreamSpec(
         app=EMBEDDED_APP_NAME,
+        protection=protection,
         model=str(model),
         replicas=args.replicas,
         routers=args.routers,
@@ -69,6 +77,26 @@ def _serve(args: argparse.Namespace) -> int:
         print("shutting down", flush=True)
         stack.stop(delete_apps=False)
         stop_local_cluster()
+    return 0
+
+
+def _api_key_new(args: argparse.Namespace) -> int:
+    from infra.api_keys import key_hash_line, new_api_key
+
+    key = new_api_key()
+    print(f"key (hand it to the caller; sluice stores only its hash): {key}")
+    print(f"line for the key file: {key_hash_line(key, args.label)}")
+    return 0
+
+
+def _api_key_hash(args: argparse.Namespace) -> int:
+    from infra.api_keys import key_hash_line
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("sluice api-key hash: give the key on standard input", file=sys.stderr)
+        return 2
+    print(key_hash_line(key, args.label))
     return 0
 
 
@@ -118,7 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="HAProxy's metrics port on 127.0.0.1",
     )
     serve.add_argument("--serve-proxy-port", type=int, default=DEFAULT_SERVE_PROXY_PORT)
+    serve.add_argument(
+        "--api-key-file", help="require `Authorization: Bearer <key>`: a file of key hashes (sluice api-key new)"
+    )
+    serve.add_argument(
+        "--max-client-concurrency", type=int, help="requests in flight per client (its key, else its address)"
+    )
     serve.set_defaults(func=_serve)
+
+    api_key = commands.add_parser("api-key", help="team API keys: the key file holds their hashes only")
+    api_key_commands = api_key.add_subparsers(dest="api_key_command", required=True)
+    new = api_key_commands.add_parser("new", help="a new random key and its key file line")
+    new.add_argument("--label", default="", help="who the key is for (kept next to the hash)")
+    new.set_defaults(func=_api_key_new)
+    hash_key = api_key_commands.add_parser("hash", help="the key file line of a key read from standard input")
+    hash_key.add_argument("--label", default="")
+    hash_key.set_defaults(func=_api_key_hash)
 
     bench = commands.add_parser("bench", help="benchmarks (not tests)")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

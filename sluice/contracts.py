@@ -87,10 +87,9 @@ FAIL_CLOSED_REASONS = (
     REASON_UNPARSEABLE_REPLICA_ID,
     REASON_UNKNOWN_REPLICA_ID,
 )
-# Reason of each error status HAProxy can generate itself (400: a request HAProxy could not parse).
-REASON_BAD_REQUEST = "bad_request"
+# Reason of each error status HAProxy can generate itself once a request exists (a request it cannot parse
+# at all gets its built-in 400 page from the connection layer, where no reason can be attached).
 HAPROXY_ERROR_REASONS = {
-    400: REASON_BAD_REQUEST,
     408: REASON_REQUEST_TIMEOUT,
     500: REASON_FRONTEND_ERROR,
     502: REASON_REPLICA_FAILED,

@@ -88,6 +88,7 @@ def test_a_dripped_body_gets_408_at_the_timeout_and_is_never_routed(keyed: Plane
         )
     )
     assert_frontend_error(response.status, response.headers, response.body, 408)
+    assert response.headers[REQUEST_ID_HEADER]
     assert REQUEST_TIMEOUT_S - 0.1 <= response.elapsed_s <= REQUEST_TIMEOUT_S + 1
     assert len(env.behavior.calls) == calls
 
@@ -177,3 +178,15 @@ def test_without_keys_each_source_address_has_its_own_limit(by_address: Plane) -
         other = pool.submit(_streams_from, by_address.url, "127.0.0.3", 2)
         assert sorted(busy.result()) == [200, 200, 429, 429]
         assert other.result() == [200, 200]
+
+
+def test_a_broken_chunked_body_gets_haproxys_400_and_is_never_routed(keyed: Plane, env: Env) -> None:
+    """The connection layer refuses it before any rule runs: HAProxy's built-in page, no reason (README)."""
+    calls = len(env.behavior.calls)
+    head = (
+        f"POST {CHAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY_A}\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    response = asyncio.run(partial_request(keyed.haproxy.settings.port, head, b"zz\r\nnot hex\r\n", 5))
+    assert response.status == 400 and response.elapsed_s < 1
+    assert len(env.behavior.calls) == calls
