@@ -127,26 +127,36 @@ class _FrontendThread:
 
     def __init__(self, tasks: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
         self._loop = asyncio.new_event_loop()
-        self._tasks: list[asyncio.Task] = []
+        self._main: asyncio.Task | None = None
         self._factories = tasks
         self._thread = threading.Thread(target=self._run, name="sluice-frontend", daemon=True)
 
+    async def _run_all(self) -> None:
+        tasks = [asyncio.create_task(factory()) for factory in self._factories]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._tasks = [self._loop.create_task(factory()) for factory in self._factories]
+        assert self._main is not None
         try:
-            self._loop.run_until_complete(asyncio.gather(*self._tasks))
+            self._loop.run_until_complete(self._main)
         except asyncio.CancelledError:
             pass
         finally:
             self._loop.close()
 
     def start(self) -> None:
+        self._main = self._loop.create_task(self._run_all())
         self._thread.start()
 
     def stop(self) -> None:
-        for task in self._tasks:
-            self._loop.call_soon_threadsafe(task.cancel)
+        if self._main is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._main.cancel)
         self._thread.join(timeout=10)
 
 
@@ -231,9 +241,11 @@ class DirectStreamStack:
             time.sleep(0.2)
 
     def stop(self, delete_apps: bool = True) -> None:
-        if self._frontend_thread is not None:
-            self._frontend_thread.stop()
-        if self.haproxy is not None:
-            self.haproxy.stop()
+        try:
+            if self._frontend_thread is not None:
+                self._frontend_thread.stop()
+        finally:
+            if self.haproxy is not None:
+                self.haproxy.stop()
         if delete_apps:
             serve.delete(self.spec.router_app)

@@ -30,6 +30,7 @@ from sluice.contracts import (
     MAX_BODY_BYTES_DEFAULT,
     MAX_HEADER_BYTES_DEFAULT,
     MAX_URL_BYTES_DEFAULT,
+    PROTECTION_REASONS,
     REASON_BODY_TOO_LARGE,
     REASON_CLIENT_LIMIT,
     REASON_HEADERS_TOO_LARGE,
@@ -41,6 +42,10 @@ from sluice.contracts import (
 )
 
 CLIENT_TABLE = "sluice_clients"
+# Refusals by reason, for `sluice_frontend_refusals_total` (a stick table: shared by HAProxy's threads).
+REFUSAL_TABLE = "sluice_refusals"
+# The rules' refusals; a body that is not whole in time gets HAProxy's own 408, after which no rule runs.
+COUNTED_REASONS = tuple(reason for status, reason in PROTECTION_REASONS.items() if status != 408)
 VAR_CLIENT = "txn.sluice_client"
 # Entries of clients that stopped sending are dropped after this long (at least one rate window).
 CLIENT_IDLE_EXPIRE_S = 60
@@ -91,13 +96,15 @@ def _ms(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
 
-def _refusal(status: int, reason: str, message: str, condition: str, *extra_headers: str) -> str:
+def _refusal(status: int, reason: str, message: str, condition: str, *extra_headers: str) -> list[str]:
+    """Count the refusal by its reason, then answer it (a stream tracks sc2 once: one refusal per request)."""
     headers = "".join(f" hdr {header}" for header in extra_headers)
     body = openai_error_body(f"sluice refused the request: {message}", status)
-    return (
+    return [
+        f"    http-request track-sc2 str({reason}) table {REFUSAL_TABLE} if {condition}",
         f"    http-request return status {status} content-type application/json"
-        f" hdr {SERVE_REASON_HEADER} {reason}{headers} string '{body}' if {condition}"
-    )
+        f" hdr {SERVE_REASON_HEADER} {reason}{headers} string '{body}' if {condition}",
+    ]
 
 
 def protection_lines(protection: FrontendProtection, keys_acl: str) -> list[str]:
@@ -105,19 +112,19 @@ def protection_lines(protection: FrontendProtection, keys_acl: str) -> list[str]
     limits = protection.client_limits
     lines = [
         "    # Protection of the replicas (infra/frontend_protection.py): refused here, never routed.",
-        _refusal(
+        *_refusal(
             414,
             REASON_URL_TOO_LONG,
             f"the request line is over {protection.max_url_bytes} bytes",
             f"{{ url,length gt {protection.max_url_bytes} }}",
         ),
-        _refusal(
+        *_refusal(
             431,
             REASON_HEADERS_TOO_LARGE,
             f"the headers are over {protection.max_header_bytes} bytes",
             f"{{ req.hdrs,length gt {protection.max_header_bytes} }}",
         ),
-        _refusal(
+        *_refusal(
             413,
             REASON_BODY_TOO_LARGE,
             f"the body is over {protection.max_body_bytes} bytes",
@@ -127,7 +134,7 @@ def protection_lines(protection: FrontendProtection, keys_acl: str) -> list[str]
     if protection.api_keys is not None:
         lines += [
             f"    http-request set-var({VAR_CLIENT}) http_auth_bearer,sha2(256),hex,lower",
-            _refusal(
+            *_refusal(
                 401,
                 REASON_INVALID_API_KEY,
                 "a valid API key is required (Authorization: Bearer <key>)",
@@ -140,28 +147,24 @@ def protection_lines(protection: FrontendProtection, keys_acl: str) -> list[str]
     if limits.enabled:
         lines.append(f"    http-request track-sc1 var({VAR_CLIENT}) table {CLIENT_TABLE}")
     if limits.max_concurrent_requests is not None:
-        lines.append(
-            _refusal(
-                429,
-                REASON_CLIENT_LIMIT,
-                f"over {limits.max_concurrent_requests} requests in flight for this client",
-                f"{{ sc1_conn_cur gt {limits.max_concurrent_requests} }}",
-                f"{RETRY_AFTER_HEADER} {CONCURRENCY_RETRY_AFTER_S}",
-            )
+        lines += _refusal(
+            429,
+            REASON_CLIENT_LIMIT,
+            f"over {limits.max_concurrent_requests} requests in flight for this client",
+            f"{{ sc1_conn_cur gt {limits.max_concurrent_requests} }}",
+            f"{RETRY_AFTER_HEADER} {CONCURRENCY_RETRY_AFTER_S}",
         )
     if limits.max_requests_per_window is not None:
-        lines.append(
-            _refusal(
-                429,
-                REASON_CLIENT_LIMIT,
-                f"over {limits.max_requests_per_window} requests per {limits.window_s} s for this client",
-                f"{{ sc1_http_req_rate gt {limits.max_requests_per_window} }}",
-                f"{RETRY_AFTER_HEADER} {limits.window_s}",
-            )
+        lines += _refusal(
+            429,
+            REASON_CLIENT_LIMIT,
+            f"over {limits.max_requests_per_window} requests per {limits.window_s} s for this client",
+            f"{{ sc1_http_req_rate gt {limits.max_requests_per_window} }}",
+            f"{RETRY_AFTER_HEADER} {limits.window_s}",
         )
     lines += [
         f"    http-request wait-for-body time {_ms(protection.request_timeout_s)}",
-        _refusal(
+        *_refusal(
             413,
             REASON_BODY_TOO_LARGE,
             f"the body is over {protection.max_body_bytes} bytes",
@@ -173,15 +176,21 @@ def protection_lines(protection: FrontendProtection, keys_acl: str) -> list[str]
     return lines
 
 
-def client_table_lines(protection: FrontendProtection) -> list[str]:
-    """The stick table of per-client counters (none when no limit is set)."""
-    limits = protection.client_limits
-    if not limits.enabled:
-        return []
-    return [
-        f"backend {CLIENT_TABLE}",
-        "    # Per-client counters: requests in flight (conn_cur of an http-request tracker) and the request rate.",
-        f"    stick-table type string len 64 size {limits.table_size} expire {CLIENT_IDLE_EXPIRE_S}s"
-        f" store conn_cur,http_req_rate({limits.window_s}s)",
+def protection_tables(protection: FrontendProtection) -> list[str]:
+    """The stick tables: refusals by reason, and per-client counters when a limit is set."""
+    lines = [
+        f"backend {REFUSAL_TABLE}",
+        "    # Requests refused by the protection rules, by reason.",
+        f"    stick-table type string len 32 size {len(COUNTED_REASONS) * 4} store http_req_cnt",
         "",
     ]
+    limits = protection.client_limits
+    if limits.enabled:
+        lines += [
+            f"backend {CLIENT_TABLE}",
+            "    # Per-client counters: requests in flight (conn_cur of an http-request tracker), request rate.",
+            f"    stick-table type string len 64 size {limits.table_size} expire {CLIENT_IDLE_EXPIRE_S}s"
+            f" store conn_cur,http_req_rate({limits.window_s}s)",
+            "",
+        ]
+    return lines

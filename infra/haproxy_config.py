@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from infra.frontend_protection import FrontendProtection, client_table_lines, protection_lines
+from infra.frontend_protection import FrontendProtection, protection_lines, protection_tables
 from infra.haproxy_errors import openai_error_body
 from sluice.contracts import (
     DEFAULT_BIND_HOST,
@@ -417,6 +417,6 @@ def render_config(settings: HAProxySettings) -> str:
         "    # Requests served past the router's primary, by why the primary was passed over.",
         f"    stick-table type string len 32 size {len(FALLBACK_REASONS) * 4} store http_req_cnt",
         "",
-        *client_table_lines(settings.protection),
+        *protection_tables(settings.protection),
     ]
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from string import Template
 
 from pydantic import BaseModel
 
+from infra.frontend_protection import COUNTED_REASONS, REFUSAL_TABLE
 from infra.haproxy_config import (
     FALLBACK_TABLE,
     INTERNAL_SERVER_PREFIX,
@@ -120,6 +121,8 @@ def render_lua(settings: HAProxySettings) -> str:
         fallback_down=_lua_str(FALLBACK_DOWN),
         fallback_refused=_lua_str(FALLBACK_REFUSED),
         fallback_reasons=_lua_list(list(FALLBACK_REASONS)),
+        refusal_table=_lua_str(REFUSAL_TABLE),
+        refusal_reasons=_lua_list(list(COUNTED_REASONS)),
         replica_id_pattern=_lua_str(LUA_REPLICA_ID_PATTERN),
         token_pattern=_lua_str(LUA_TOKEN_PATTERN),
         reason_pattern=_lua_str(LUA_REASON_PATTERN),

@@ -27,9 +27,18 @@ from infra.frontend_protection import ClientLimits, FrontendProtection
 from services.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints
 from sluice.cluster import wait_for_endpoints
-from sluice.contracts import AUTHORIZATION_HEADER, REPLICA_HEADER, RETRY_AFTER_HEADER, SERVE_REASON_HEADER
+from sluice.contracts import (
+    AUTHORIZATION_HEADER,
+    REASON_BODY_TOO_LARGE,
+    REASON_HEADERS_TOO_LARGE,
+    REASON_URL_TOO_LONG,
+    REPLICA_HEADER,
+    RETRY_AFTER_HEADER,
+    SERVE_REASON_HEADER,
+)
 from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.integration.frontend_contract import assert_frontend_error, assert_refused
+from tests.integration.frontend_metrics import refusal_counts, request_errors
 from tests.integration.raw_http import partial_request, request_head
 from tests.integration.sse import chunks
 from tests.integration.vllm_metrics import engine_requests
@@ -109,6 +118,7 @@ def _bearer(key: str) -> dict[str, str]:
 
 def test_200_partial_bodies_cannot_take_the_replica_down(guarded: DirectStreamStack, keyed_app) -> None:
     engine_before, routes_before = engine_requests(keyed_app.app, PREFIX), route_calls(guarded)
+    errors_before = request_errors(guarded.spec.prometheus_port)
     port = guarded.spec.haproxy_port
     head = request_head(PROTECTED_CHAT, 1000, f"Authorization: Bearer {REPLICA_KEY}")
     worker = psutil.Process(guarded.haproxy.worker_pid)
@@ -139,6 +149,7 @@ def test_200_partial_bodies_cannot_take_the_replica_down(guarded: DirectStreamSt
     # Only the well-formed request reached a router and the engine.
     assert route_calls(guarded) - routes_before == 1
     assert engine_requests(keyed_app.app, PREFIX) - engine_before == 1
+    assert request_errors(guarded.spec.prometheus_port) - errors_before == ATTACKERS
     print(f"HAProxy worker RSS {rss_before / 2**20:.0f} MiB -> {worker.memory_info().rss / 2**20:.0f} MiB")
 
 
@@ -154,6 +165,8 @@ def test_oversized_requests_reach_neither_router_nor_replica(guarded: DirectStre
         assert_refused(client.post(f"{url}?pad={'p' * MAX_URL_BYTES}", json=CHAT), 414)
         assert route_calls(guarded) == routes_before
         assert engine_requests(keyed_app.app, PREFIX) == engine_before
+        refused = refusal_counts(guarded.spec.prometheus_port)
+        assert [refused[r] for r in (REASON_BODY_TOO_LARGE, REASON_HEADERS_TOO_LARGE, REASON_URL_TOO_LONG)] == [2, 1, 1]
         # Inside the limits the same stack serves.
         ok = client.post(url, json=CHAT, headers={"x-padding": "p" * (MAX_HEADER_BYTES // 2)})
         assert ok.status_code == 200 and ok.headers[REPLICA_HEADER]
@@ -229,6 +242,7 @@ def test_rotating_the_key_file_revokes_a_key_without_a_reload(team: DirectStream
         while client.post("/v1/chat/completions", json=CHAT, headers=_bearer(KEY_B)).status_code != 401:
             assert time.monotonic() - rotated < 5, "the old key still works 5 s after the rotation"
             time.sleep(0.2)
+        assert_refused(client.post("/v1/chat/completions", json=CHAT, headers=_bearer(KEY_B)), 401)
         assert client.post("/v1/chat/completions", json=CHAT, headers=_bearer(KEY_C)).status_code == 200
         assert client.post("/v1/chat/completions", json=CHAT, headers=_bearer(KEY_A)).status_code == 200
     info = haproxy.runtime.show_info()

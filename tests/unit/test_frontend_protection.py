@@ -60,9 +60,15 @@ def test_refusals_come_before_the_body_wait_and_the_key_never_goes_on(tmp_path: 
         _index(rules, f"del-header {contracts.AUTHORIZATION_HEADER}"),
     ]
     assert order == sorted(order)
-    assert "retry-after 1 " in rules[_index(rules, "sc1_conn_cur")]
-    assert "retry-after 20 " in rules[_index(rules, "sc1_http_req_rate")]
+    assert "retry-after 1 " in rules[_index(rules, "return status 429")]
+    assert "retry-after 20 " in rules[_index(rules, "sc1_http_req_rate gt 100 }") + 1]
     assert f"-f {KEYS_ACL}" in rules[_index(rules, "status 401")]
+    # Every refusal is counted by its reason, under the same condition, just before it is answered.
+    for i, rule in enumerate(rules):
+        if rule.startswith("http-request return"):
+            reason = re.search(rf"hdr {contracts.SERVE_REASON_HEADER} (\w+) ", rule)[1]
+            condition = rule[rule.rindex(" if ") :]
+            assert rules[i - 1] == f"http-request track-sc2 str({reason}) table sluice_refusals{condition}"
     # The client key is the bearer token's digest, as `key_digest` computes it.
     assert "http_auth_bearer,sha2(256),hex,lower" in rules[_index(rules, "set-var(txn.sluice_client)")]
 
@@ -87,7 +93,7 @@ def test_without_keys_clients_are_source_addresses_and_without_limits_nothing_is
     assert "http-request set-var(txn.sluice_client) src" in by_address
     assert not any("401" in rule or contracts.AUTHORIZATION_HEADER in rule for rule in by_address)
     plain = _rules(FrontendProtection())
-    assert not any("track-sc" in rule or "sluice_client" in rule for rule in plain)
+    assert not any("track-sc1" in rule or "sluice_client" in rule for rule in plain)
     assert any(rule.startswith("wait-for-body") or "wait-for-body" in rule for rule in plain)
 
 

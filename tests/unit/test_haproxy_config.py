@@ -122,7 +122,8 @@ def test_nothing_of_the_contract_is_written_by_hand() -> None:
     renderers = [
         haproxy_config.render_config,
         frontend_protection.protection_lines,
-        frontend_protection.client_table_lines,
+        frontend_protection.protection_tables,
+        frontend_protection._refusal,
     ]
     sources = template + "".join(inspect.getsource(renderer) for renderer in renderers)
     literals = [

@@ -4,17 +4,14 @@ environment of stand-in replicas and routers the data-plane tests run against (s
 from __future__ import annotations
 
 import concurrent.futures
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from infra.frontend_protection import FrontendProtection
-from infra.haproxy_config import SLUICE_METRICS_PATH, AppRoute, HAProxySettings
+from infra.haproxy_config import AppRoute, HAProxySettings
 from infra.haproxy_process import HAProxyProcess, pid_alive
 from infra.runtime_api import RuntimeAPI
 from services.api_key_watcher import ApiKeyWatcher
@@ -35,6 +32,7 @@ from tests.integration.dataplane.standins import (
     wait_until,
 )
 from tests.integration.frontend_contract import register_frontend
+from tests.integration.frontend_metrics import frontend_counts
 
 
 @dataclass
@@ -175,8 +173,4 @@ def running_env(workdir: Path) -> Iterator[Env]:
 
 
 def fallback_counts(plane: Plane) -> dict[str, int]:
-    """The frontend's fallback counter by reason, from sluice's metrics endpoint."""
-    port = plane.haproxy.settings.prometheus_port
-    text = httpx.get(f"http://{LOOPBACK}:{port}{SLUICE_METRICS_PATH}", timeout=5).text
-    pattern = r'^sluice_frontend_fallbacks_total\{reason="(\w+)"\} (\d+)$'
-    return {m[1]: int(m[2]) for m in re.finditer(pattern, text, re.M)}
+    return frontend_counts(plane.haproxy.settings.prometheus_port, "sluice_frontend_fallbacks_total")

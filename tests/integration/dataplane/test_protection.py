@@ -17,10 +17,17 @@ import pytest
 from infra.api_keys import ApiKeySource, key_hash_line
 from infra.frontend_protection import ClientLimits, FrontendProtection
 from infra.haproxy_config import AppRoute
-from sluice.contracts import AUTHORIZATION_HEADER, REQUEST_ID_HEADER, RETRY_AFTER_HEADER
+from sluice.contracts import (
+    AUTHORIZATION_HEADER,
+    REASON_CLIENT_LIMIT,
+    REASON_INVALID_API_KEY,
+    REQUEST_ID_HEADER,
+    RETRY_AFTER_HEADER,
+)
 from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import APP, CHAT_PATH, first_event, wait_until
 from tests.integration.frontend_contract import assert_frontend_error, assert_refused
+from tests.integration.frontend_metrics import refusal_counts, request_errors
 from tests.integration.raw_http import partial_request, request_head
 
 pytestmark = pytest.mark.integration
@@ -79,7 +86,7 @@ def _chat(client: httpx.Client, key: str | None, **params: object) -> httpx.Resp
 
 
 def test_a_dripped_body_gets_408_at_the_timeout_and_is_never_routed(keyed: Plane, env: Env) -> None:
-    calls = len(env.behavior.calls)
+    calls, errors = len(env.behavior.calls), request_errors(keyed.haproxy.settings.prometheus_port)
     head = request_head(CHAT_PATH, 100, f"Authorization: Bearer {KEY_A}")
     # One byte every 0.2 s: the connection is never idle, yet the body is not whole in time.
     response = asyncio.run(
@@ -91,6 +98,7 @@ def test_a_dripped_body_gets_408_at_the_timeout_and_is_never_routed(keyed: Plane
     assert response.headers[REQUEST_ID_HEADER]
     assert REQUEST_TIMEOUT_S - 0.1 <= response.elapsed_s <= REQUEST_TIMEOUT_S + 1
     assert len(env.behavior.calls) == calls
+    assert request_errors(keyed.haproxy.settings.prometheus_port) == errors + 1
 
 
 def test_a_chunked_body_over_the_maximum_gets_413(keyed: Plane, env: Env) -> None:
@@ -108,7 +116,7 @@ def test_a_chunked_body_over_the_maximum_gets_413(keyed: Plane, env: Env) -> Non
 
 
 def test_keys_are_checked_before_routing_and_never_forwarded(keyed: Plane, env: Env) -> None:
-    calls = len(env.behavior.calls)
+    calls, refused = len(env.behavior.calls), refusal_counts(keyed.haproxy.settings.prometheus_port)
     with httpx.Client(base_url=keyed.url, timeout=10) as client:
         for headers in (
             {},
@@ -122,6 +130,11 @@ def test_keys_are_checked_before_routing_and_never_forwarded(keyed: Plane, env: 
             assert response.headers[REQUEST_ID_HEADER]
         assert_refused(client.get("/v1/models"), 401)
         assert len(env.behavior.calls) == calls
+        assert (
+            refusal_counts(keyed.haproxy.settings.prometheus_port)[REASON_INVALID_API_KEY]
+            - refused[REASON_INVALID_API_KEY]
+            == 5
+        )
         served = _chat(client, KEY_B)
         assert served.status_code == 200
         seen = dict(first_event(served)["headers"])
@@ -151,9 +164,11 @@ def test_over_the_request_rate_the_client_is_told_when_to_retry(keyed: Plane) ->
     with httpx.Client(base_url=keyed.url, timeout=10) as client:
         statuses = [client.get("/v1/models", headers=_bearer(KEY_RATE)).status_code for _ in range(RATE_LIMIT)]
         assert statuses == [200] * RATE_LIMIT
+        before = refusal_counts(keyed.haproxy.settings.prometheus_port)[REASON_CLIENT_LIMIT]
         refused = client.get("/v1/models", headers=_bearer(KEY_RATE))
         assert_refused(refused, 429)
         assert refused.headers[RETRY_AFTER_HEADER] == str(WINDOW_S)
+        assert refusal_counts(keyed.haproxy.settings.prometheus_port)[REASON_CLIENT_LIMIT] == before + 1
         # Another key of the same stack is not affected.
         assert client.get("/v1/models", headers=_bearer(KEY_A)).status_code == 200
 

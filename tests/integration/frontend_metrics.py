@@ -1,0 +1,27 @@
+"""What a sluice frontend counts, read from its metrics port: sluice's counters and HAProxy's own."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from infra.haproxy_config import FRONTEND, PROMETHEUS_PATH, SLUICE_METRICS_PATH
+from sluice.runtime import LOOPBACK
+
+
+def frontend_counts(prometheus_port: int, counter: str) -> dict[str, int]:
+    """One of sluice's frontend counters (`sluice_frontend_*_total`) by reason."""
+    text = httpx.get(f"http://{LOOPBACK}:{prometheus_port}{SLUICE_METRICS_PATH}", timeout=5).text
+    return {m[1]: int(m[2]) for m in re.finditer(rf'^{counter}\{{reason="(\w+)"\}} (\d+)$', text, re.M)}
+
+
+def refusal_counts(prometheus_port: int) -> dict[str, int]:
+    return frontend_counts(prometheus_port, "sluice_frontend_refusals_total")
+
+
+def request_errors(prometheus_port: int) -> int:
+    """HAProxy's count of the public frontend's request errors (a request timeout among them)."""
+    text = httpx.get(f"http://{LOOPBACK}:{prometheus_port}{PROMETHEUS_PATH}", timeout=5).text
+    pattern = rf'^haproxy_frontend_request_errors_total\{{proxy="{FRONTEND}"\}} (\d+)$'
+    return int(re.search(pattern, text, re.M)[1])
