@@ -7,10 +7,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sluice.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
 from sluice.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir
 from sluice.tiny_model import SERVED_MODEL_NAME
+
+if TYPE_CHECKING:
+    from builders.direct_stream import DirectStreamSpec
 
 EMBEDDED_APP_NAME = "llm"
 
@@ -32,14 +36,9 @@ def ensure_model(path: Path) -> Path:
     return path
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from builders.direct_stream import DirectStreamSpec, DirectStreamStack
-    from sluice.cluster import start_local_cluster, stop_local_cluster
-
-    model = ensure_model(Path(args.model))
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+def embedded_spec(args: argparse.Namespace, model: Path) -> DirectStreamSpec:
+    """The embedded default's spec, from `sluice serve`'s flags."""
+    from builders.direct_stream import DirectStreamSpec
     from infra.api_keys import ApiKeySource
     from infra.frontend_protection import ClientLimits, FrontendProtection
 
@@ -47,16 +46,27 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys=ApiKeySource(file=Path(args.api_key_file).resolve()) if args.api_key_file else None,
         client_limits=ClientLimits(max_concurrent_requests=args.max_client_concurrency),
     )
-    spec = DirectStreamSpec(
+    return DirectStreamSpec(
         app=EMBEDDED_APP_NAME,
-        protection=protection,
         model=str(model),
         replicas=args.replicas,
         routers=args.routers,
         policy=args.policy,
         haproxy_port=args.port,
         prometheus_port=args.prometheus_port,
+        protection=protection,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from builders.direct_stream import DirectStreamStack
+    from sluice.cluster import start_local_cluster, stop_local_cluster
+
+    model = ensure_model(Path(args.model))
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    spec = embedded_spec(args, model)
     start_local_cluster(serve_proxy_port=args.serve_proxy_port)
     stack = DirectStreamStack(spec)
     try:

@@ -26,7 +26,7 @@ from infra.frontend_protection import ClientLimits, FrontendProtection, protecti
 from infra.haproxy_config import AppRoute, HAProxySettings
 from services.api_key_watcher import ApiKeyWatcher
 from sluice import contracts
-from sluice.cli import main
+from sluice.cli import build_parser, embedded_spec, main
 
 KEYS_ACL = "/w/api_keys.acl"
 
@@ -195,3 +195,12 @@ def test_the_watcher_applies_changes_and_keeps_the_last_good_list(
     assert watcher.applied == {key_digest("b"), key_digest("c")}
     keys.write_text("# every key revoked\n")
     assert watcher.sync_once() and runtime.patterns == [] and watcher.applied == frozenset()
+
+
+def test_serve_flags_turn_keys_and_client_limits_on(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["serve", "--api-key-file", "keys.txt", "--max-client-concurrency", "3"])
+    protection = embedded_spec(args, tmp_path).protection
+    assert protection.api_keys == ApiKeySource(file=Path("keys.txt").resolve())
+    assert protection.client_limits.max_concurrent_requests == 3
+    plain = embedded_spec(build_parser().parse_args(["serve"]), tmp_path).protection
+    assert plain.api_keys is None and not plain.client_limits.enabled
