@@ -24,7 +24,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infra.api_keys import ApiKeySource
-from infra.haproxy_errors import openai_error_body
+from infra.haproxy_format import haproxy_time, openai_error_body
 from sluice.contracts import (
     AUTHORIZATION_HEADER,
     MAX_BODY_BYTES_DEFAULT,
@@ -90,10 +90,6 @@ class FrontendProtection(BaseModel):
     def request_bytes(self) -> int:
         """What one request may hold at most: request line, headers and body."""
         return self.max_url_bytes + self.max_header_bytes + self.max_body_bytes
-
-
-def _ms(seconds: float) -> str:
-    return f"{max(1, round(seconds * 1000))}ms"
 
 
 def _refusal(status: int, reason: str, message: str, condition: str, *extra_headers: str) -> list[str]:
@@ -163,7 +159,7 @@ def protection_lines(protection: FrontendProtection, keys_acl: str) -> list[str]
             f"{RETRY_AFTER_HEADER} {limits.window_s}",
         )
     lines += [
-        f"    http-request wait-for-body time {_ms(protection.request_timeout_s)}",
+        f"    http-request wait-for-body time {haproxy_time(protection.request_timeout_s)}",
         *_refusal(
             413,
             REASON_BODY_TOO_LARGE,

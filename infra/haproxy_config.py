@@ -37,7 +37,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infra.frontend_protection import FrontendProtection, protection_lines, protection_tables
-from infra.haproxy_errors import openai_error_body
+from infra.haproxy_format import haproxy_time, openai_error_body
 from sluice.contracts import (
     DEFAULT_BIND_HOST,
     FALLBACK_RANK_HEADER,
@@ -231,22 +231,16 @@ def is_internal_server(name: str) -> bool:
     return name.startswith(INTERNAL_SERVER_PREFIX)
 
 
-def _ms(seconds: float) -> str:
-    """An HAProxy time: whole seconds as `Ns`, anything finer in milliseconds."""
-    ms = max(1, round(seconds * 1000))
-    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
-
-
 def _check_options(settings: HAProxySettings) -> list[str]:
     # Dynamic servers do not inherit `default-server`: every check setting goes on the server itself.
     return [
         "check",
         "inter",
-        _ms(settings.check_inter_s),
+        haproxy_time(settings.check_inter_s),
         "fastinter",
-        _ms(settings.check_fastinter_s),
+        haproxy_time(settings.check_fastinter_s),
         "downinter",
-        _ms(settings.check_downinter_s),
+        haproxy_time(settings.check_downinter_s),
         "fall",
         str(settings.check_fall),
         "rise",
@@ -270,7 +264,7 @@ def replica_server_options(settings: HAProxySettings) -> list[str]:
         "on-error",
         "mark-down",
         "pool-purge-delay",
-        _ms(IDLE_PURGE_S),
+        haproxy_time(IDLE_PURGE_S),
     ]
 
 
@@ -314,7 +308,7 @@ def render_config(settings: HAProxySettings) -> str:
         "    master-worker",
         f"    stats socket {settings.socket_path} mode 600 level admin",
         "    stats timeout 30s",
-        f"    hard-stop-after {_ms(settings.hard_stop_after_s)}",
+        f"    hard-stop-after {haproxy_time(settings.hard_stop_after_s)}",
         f"    maxconn {settings.maxconn}",
         f"    lua-load-per-thread {settings.lua_path}",
         f"    tune.maxrewrite {settings.tune_maxrewrite}",
@@ -328,11 +322,11 @@ def render_config(settings: HAProxySettings) -> str:
         "    mode http",
         # SSE: send each event as soon as it arrives (without it the first event came ~205 ms late).
         "    option http-no-delay",
-        f"    timeout connect {_ms(settings.timeout_connect_s)}",
-        f"    timeout client {_ms(settings.timeout_client_s)}",
-        f"    timeout server {_ms(settings.timeout_server_s)}",
-        f"    timeout http-keep-alive {_ms(settings.timeout_http_keep_alive_s)}",
-        f"    timeout http-request {_ms(settings.protection.request_timeout_s)}",
+        f"    timeout connect {haproxy_time(settings.timeout_connect_s)}",
+        f"    timeout client {haproxy_time(settings.timeout_client_s)}",
+        f"    timeout server {haproxy_time(settings.timeout_server_s)}",
+        f"    timeout http-keep-alive {haproxy_time(settings.timeout_http_keep_alive_s)}",
+        f"    timeout http-request {haproxy_time(settings.protection.request_timeout_s)}",
         "    # HAProxy's own errors in the contract's shape: a reason header and an OpenAI-style JSON body.",
     ]
     for status, status_reason in HAPROXY_ERROR_REASONS.items():

@@ -55,7 +55,7 @@ def test_refusals_come_before_the_body_wait_and_the_key_never_goes_on(tmp_path: 
         _index(rules, "track-sc1"),
         _index(rules, "sc1_conn_cur gt 4"),
         _index(rules, "sc1_http_req_rate gt 100"),
-        _index(rules, "wait-for-body time 10000ms"),
+        _index(rules, "wait-for-body time 10s"),
         _index(rules, "req.body_len gt"),
         _index(rules, f"del-header {contracts.AUTHORIZATION_HEADER}"),
     ]

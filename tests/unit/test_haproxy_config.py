@@ -197,7 +197,7 @@ def test_frontend_pieces(tmp_path: Path) -> None:
     assert "content-type application/json" in line and 'hdr x-serve-reason "%[var(txn.sluice_reason)]"' in line
     assert '"type": "service_unavailable", "code": 503' in line
     # The whole body is waited for before the route action, and the buffer holds the largest one allowed.
-    assert config.index("http-request wait-for-body time 10000ms") < config.index("lua.sluice_route")
+    assert config.index("http-request wait-for-body time 10s") < config.index("lua.sluice_route")
     assert "timeout http-request 10s" in config
     bufsize = int(re.search(r"tune\.bufsize (\d+)", config)[1])
     maxrewrite = int(re.search(r"tune\.maxrewrite (\d+)", config)[1])

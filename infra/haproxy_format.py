@@ -1,4 +1,5 @@
-"""The body of every error the frontend answers itself: OpenAI's error shape, so a client's OpenAI SDK parses it."""
+"""How values are written in the rendered HAProxy config: times, and the body of every error the frontend answers
+itself (OpenAI's error shape, so a client's OpenAI SDK parses it)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def openai_error_body(message: str, status: int) -> str:
         raise ValueError(f"an error message may not hold quotes: {message!r}")
     kind = ERROR_TYPES.get(status, "server_error")
     return '{"error": {"message": "' + message + '", "type": "' + kind + '", "code": ' + str(status) + "}}"
+
+
+def haproxy_time(seconds: float) -> str:
+    """An HAProxy time: whole seconds as `Ns`, anything finer in milliseconds."""
+    ms = max(1, round(seconds * 1000))
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
