@@ -133,12 +133,18 @@ class AppRoute(BaseModel):
     @field_validator("session_header")
     @classmethod
     def _session_header(cls, value: str) -> str:
-        value = value.lower()
-        if not _HEADER_NAME.match(value):
-            raise ValueError(f"session header {value!r} is not a valid header name")
-        if value.startswith(INTERNAL_HEADER_PREFIXES):
-            raise ValueError(f"session header {value!r} uses an internal prefix: the frontend strips it")
-        return value
+        return session_header_name(value)
+
+
+def session_header_name(value: str) -> str:
+    """A session header as the frontend compares it (lower case); refuses what is no header name or what the
+    frontend strips."""
+    value = value.lower()
+    if not _HEADER_NAME.match(value):
+        raise ValueError(f"session header {value!r} is not a header name: use letters, digits and '-'")
+    if value.startswith(INTERNAL_HEADER_PREFIXES):
+        raise ValueError(f"session header {value!r} uses an internal prefix the frontend strips: pick another name")
+    return value
 
 
 class HAProxySettings(BaseModel):

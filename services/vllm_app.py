@@ -7,6 +7,8 @@ a vLLM upgrade that moves it touches this file alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import types
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,23 @@ def parse_engine_args(config: EngineConfig) -> argparse.Namespace:
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(config.cli_args())
     validate_parsed_serve_args(args)
     return args
+
+
+class EngineArgsError(ValueError):
+    """vLLM's parser refused the engine arguments (its message)."""
+
+
+def check_engine_args(config: EngineConfig) -> argparse.Namespace:
+    """`parse_engine_args`, with vLLM's complaint raised as EngineArgsError instead of printed before an exit."""
+    complaint = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(complaint):
+            return parse_engine_args(config)
+    except SystemExit:
+        lines = [line for line in complaint.getvalue().splitlines() if line.strip()]
+        raise EngineArgsError(lines[-1].split("error: ", 1)[-1] if lines else "refused") from None
+    except ValueError as error:
+        raise EngineArgsError(str(error)) from None
 
 
 def start_engine(args: argparse.Namespace) -> AsyncLLM:

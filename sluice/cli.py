@@ -110,6 +110,35 @@ def _api_key_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from topologies.problems import SpecError
+    from topologies.spec import engine_problems, load_spec
+
+    try:
+        spec = load_spec(args.file)
+    except SpecError as error:
+        print(error, file=sys.stderr)
+        return 1
+    problems = [] if args.no_engine else engine_problems(spec)
+    if problems:
+        print(f"{args.file}: {len(problems)} problem(s)", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    models = ", ".join(model.name for model in spec.models)
+    print(f"{args.file}: valid {spec.kind} stack {spec.team}/{spec.name} ({models})")
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    import json
+
+    from topologies.spec import topology_json_schema
+
+    print(json.dumps(topology_json_schema(), indent=2))
+    return 0
+
+
 def _bench_replica(args: argparse.Namespace) -> int:
     from sluice.bench import run_replica_bench
 
@@ -163,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-client-concurrency", type=int, help="requests in flight per client (its key, else its address)"
     )
     serve.set_defaults(func=_serve)
+
+    validate = commands.add_parser("validate", help="check a team topology spec (and its engine args with vLLM)")
+    validate.add_argument("file")
+    validate.add_argument("--no-engine", action="store_true", help="skip vLLM's check of the engine arguments")
+    validate.set_defaults(func=_validate)
+    schema = commands.add_parser("schema", help="print the JSON Schema of topology specs (for editors)")
+    schema.set_defaults(func=_schema)
 
     api_key = commands.add_parser("api-key", help="team API keys: the key file holds their hashes only")
     api_key_commands = api_key.add_subparsers(dest="api_key_command", required=True)

@@ -1,0 +1,59 @@
+"""What is wrong with a spec, each problem with its field path (`models[0].resources.gpus`) and what to change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+KINDS = ("openai", "data_parallel", "prefill_decode")
+
+# What to do about each kind of pydantic error, where pydantic's own message does not say.
+_FIXES = {
+    "extra_forbidden": "unknown key: remove it or fix its spelling (`sluice schema` lists every key)",
+    "missing": "required: add it",
+    "union_tag_not_found": f"required: the stack's kind, one of {', '.join(KINDS)}",
+    "union_tag_invalid": f"unknown kind: use one of {', '.join(KINDS)}",
+}
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    path: str  # "" for the file as a whole
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class SpecError(ValueError):
+    """Every problem of one spec."""
+
+    def __init__(self, where: str, problems: list[SpecProblem]) -> None:
+        self.where = where
+        self.problems = problems
+        super().__init__(f"{where}: {len(problems)} problem(s)\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """`("models", 0, "resources", "gpus")` -> `models[0].resources.gpus`."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def pydantic_problems(error: ValidationError) -> list[SpecProblem]:
+    problems = []
+    for item in error.errors():
+        loc = tuple(item["loc"])
+        if loc and loc[0] in KINDS:  # a discriminated union puts the tag first
+            loc = loc[1:]
+        kind = item["type"]
+        if kind in ("union_tag_not_found", "union_tag_invalid"):
+            loc = ("kind",)
+        message = _FIXES.get(kind) or item["msg"].removeprefix("Value error, ")
+        if kind == "too_short" and loc == ("models",):
+            message = "no model: list at least one under `models`"
+        problems.append(SpecProblem(field_path(loc), message))
+    return problems

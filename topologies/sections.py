@@ -1,0 +1,152 @@
+"""The sections a team topology spec is made of: how a model scales and what it runs on, how requests are
+routed, and the frontend. Every model forbids unknown keys; a validator's message says what to change."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from infra.frontend_protection import FrontendProtection
+from infra.haproxy_config import BODY_BUFFER_BYTES_DEFAULT, session_header_name
+from routers.config import PolicyConfigError, PolicyName, validate_settings
+from services.llm_config import EngineArgValue
+from sluice.contracts import (
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    HAPROXY_PORT_DEFAULT,
+    HAPROXY_PROMETHEUS_PORT_DEFAULT,
+    ROUTE_TIMEOUT_S_DEFAULT,
+    SESSION_HEADER_DEFAULT,
+)
+
+# Names that become Serve app names, HAProxy identifiers and metric labels.
+NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# A served model name as OpenAI clients send it (e.g. "meta-llama/Llama-3.1-8B-Instruct").
+SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}$")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Resources(Section):
+    """What one replica (or one rank, or one role replica) asks Ray for."""
+
+    cpus: float = Field(1.0, ge=0)
+    gpus: float = Field(0.0, ge=0)
+    # Ray's accelerator type (e.g. "H100", "A10G"); only meaningful with GPUs.
+    accelerator_type: str | None = None
+
+    @model_validator(mode="after")
+    def _accelerator_needs_gpus(self) -> Resources:
+        if self.accelerator_type is not None and self.gpus == 0:
+            raise ValueError("accelerator_type needs gpus > 0: set gpus, or remove accelerator_type")
+        return self
+
+
+class Autoscaling(Section):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(ge=1)
+    target_ongoing_requests: float = Field(DEFAULT_MAX_ONGOING_REQUESTS / 2, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas}): lower min_replicas "
+                "or raise max_replicas"
+            )
+        return self
+
+
+class Scaling(Section):
+    """How many replicas, fixed or autoscaled, and what each asks for."""
+
+    replicas: int | None = Field(None, ge=1)
+    autoscaling: Autoscaling | None = None
+    max_ongoing_requests: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
+    resources: Resources = Resources()
+
+    @model_validator(mode="after")
+    def _one_way_to_scale(self) -> Scaling:
+        if self.replicas is not None and self.autoscaling is not None:
+            raise ValueError("give either replicas (a fixed count) or autoscaling (min/max), not both")
+        if self.autoscaling and self.autoscaling.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(
+                "autoscaling.target_ongoing_requests is above max_ongoing_requests: the target could never be reached"
+            )
+        return self
+
+    @property
+    def fixed_replicas(self) -> int:
+        """The replica count when not autoscaled (1 when the spec says neither)."""
+        return self.replicas if self.replicas is not None else 1
+
+
+class RoutingOverride(Section):
+    """Per-model routing: any field left out keeps the stack's value."""
+
+    policy: PolicyName | None = None
+    policy_kwargs: dict[str, Any] | None = None
+    route_timeout_s: float | None = Field(None, gt=0, le=60)
+
+
+class Routing(Section):
+    """How the frontend routes a stack's requests (a stack default; models may override policy and timeout)."""
+
+    policy: PolicyName = "round_robin"
+    policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+    session_header: str = SESSION_HEADER_DEFAULT
+    # closed: a request the router could not place gets 503 with a reason; open: it is load-balanced instead.
+    fail_mode: Literal["closed", "open"] = "closed"
+    # Send the request body (up to body_buffer_bytes) to the router: body-aware policies and multi-model stacks.
+    forward_body: bool = False
+    body_buffer_bytes: int = Field(BODY_BUFFER_BYTES_DEFAULT, ge=1024, le=64 * 1024 * 1024)
+    route_timeout_s: float = Field(ROUTE_TIMEOUT_S_DEFAULT, gt=0, le=60)
+
+    @field_validator("session_header")
+    @classmethod
+    def _session_header(cls, value: str) -> str:
+        return session_header_name(value)
+
+    def overridden(self, override: RoutingOverride | None) -> Routing:
+        """This routing with a model's overrides applied (a new policy starts from empty kwargs)."""
+        if override is None:
+            return self
+        update: dict[str, Any] = {k: v for k, v in override.model_dump().items() if v is not None}
+        if override.policy is not None and override.policy_kwargs is None:
+            update["policy_kwargs"] = {}
+        return self.model_copy(update=update)
+
+
+def policy_problem(routing: Routing) -> tuple[str, str] | None:
+    """(field, message) of what is wrong with the policy's kwargs or their cross-field rules, or None."""
+    try:
+        settings = validate_settings(routing.policy, routing.policy_kwargs)
+    except PolicyConfigError as error:
+        return "policy_kwargs", f"{error}; the README's policy table lists each policy's kwargs"
+    if getattr(settings, "user_affinity", False) and not routing.forward_body:
+        return (
+            "policy_kwargs.user_affinity",
+            "user_affinity reads the body's `user`: set routing.forward_body: true, or drop user_affinity",
+        )
+    return None
+
+
+class Frontend(Section):
+    """The stack's HAProxy: where it listens, how many routers it asks, and how it protects the replicas."""
+
+    port: int = Field(HAPROXY_PORT_DEFAULT, ge=1, le=65535)
+    metrics_port: int = Field(HAPROXY_PROMETHEUS_PORT_DEFAULT, ge=1, le=65535)
+    routers: int = Field(1, ge=1)
+    protection: FrontendProtection = FrontendProtection()
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> Frontend:
+        if self.metrics_port == self.port:
+            raise ValueError(f"metrics_port equals port ({self.port}): give HAProxy's metrics another port")
+        return self
+
+
+EngineArgs = dict[str, EngineArgValue]

@@ -1,0 +1,224 @@
+"""A team's topology spec: one YAML file, a union of stack kinds discriminated by `kind`.
+
+- `openai`: each model is a set of vLLM replicas behind the shared frontend.
+- `data_parallel`: each model's replicas run vLLM data parallel, `in_engine` (one server, N engine ranks: dense
+  models) or `ranks` (one Serve replica per rank, gang-scheduled: MoE with expert parallelism, GPUs).
+- `prefill_decode`: each model has a prefill role and a decode role, joined by a KV connector.
+
+Loading a spec (`load_spec`) reports every problem at once, each with its field path and what to change: YAML
+errors, schema errors (unknown keys are rejected), cross-field rules (`_cross_field_problems`) and, on request,
+each model's engine arguments as vLLM's own `vllm serve` parser sees them (`engine_problems`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, TypeAdapter, ValidationError, field_validator
+
+from services.llm_config import EngineConfig
+from topologies.problems import SpecError, SpecProblem, pydantic_problems
+from topologies.sections import (
+    NAME_PATTERN,
+    SERVED_NAME_PATTERN,
+    EngineArgs,
+    Frontend,
+    Routing,
+    RoutingOverride,
+    Scaling,
+    Section,
+    policy_problem,
+)
+
+# `source: tiny` is sluice's locally generated tiny model (built on first use).
+TINY_SOURCE = "tiny"
+
+
+class ModelBase(Section):
+    name: str
+    source: str
+    engine: EngineArgs = Field(default_factory=dict)
+    routing: RoutingOverride | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _served_name(cls, value: str) -> str:
+        if not SERVED_NAME_PATTERN.match(value):
+            raise ValueError(f"{value!r} is not a served model name: letters, digits and . _ : / - only")
+        return value
+
+    def engine_config(self, model_path: str, overrides: EngineArgs | None = None) -> EngineConfig:
+        """The engine settings of this model; `model_path`: where its weights are (the source, resolved)."""
+        args = {**self.engine, **(overrides or {})}
+        named = {k: v for k, v in args.items() if k in EngineConfig.model_fields and k != "extra_args"}
+        extra = {k: v for k, v in args.items() if k not in named}
+        return EngineConfig(model=model_path, served_model_name=self.name, **named, extra_args=extra)
+
+
+class OpenAIModel(ModelBase, Scaling):
+    pass
+
+
+class DataParallel(Section):
+    mode: Literal["in_engine", "ranks"]
+    size: int = Field(ge=2, le=64)
+
+
+class DataParallelModel(OpenAIModel):
+    data_parallel: DataParallel
+
+
+class Role(Scaling):
+    """One side of a prefill/decode pair: its replicas, resources, engine overrides and policy."""
+
+    engine: EngineArgs = Field(default_factory=dict)
+    routing: RoutingOverride | None = None
+
+
+class KVTransfer(Section):
+    connector: Literal["NixlConnector", "ExampleConnector"] = "NixlConnector"
+    buffer_device: Literal["cpu", "cuda"] = "cpu"
+    # How long prefill keeps transferred blocks for decode to read (vLLM's default of 30 s ran out under load).
+    lease_s: float = Field(120.0, gt=0)
+    extra_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class PrefillDecodeModel(ModelBase):
+    prefill: Role
+    decode: Role
+    kv_transfer: KVTransfer = KVTransfer()
+    # When prefill fails: a clear error (default), or prefill on the decode replica (marked in a header).
+    local_prefill_fallback: bool = False
+
+
+class StackBase(Section):
+    team: str
+    name: str
+    routing: Routing = Routing()
+    frontend: Frontend = Frontend()
+
+    @field_validator("team", "name")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError(f"{value!r}: use lower-case letters, digits and '-' (at most 63, starting alphanumeric)")
+        return value
+
+
+class OpenAIStack(StackBase):
+    kind: Literal["openai"]
+    models: list[OpenAIModel] = Field(min_length=1)
+
+
+class DataParallelStack(StackBase):
+    kind: Literal["data_parallel"]
+    models: list[DataParallelModel] = Field(min_length=1)
+
+
+class PrefillDecodeStack(StackBase):
+    kind: Literal["prefill_decode"]
+    models: list[PrefillDecodeModel] = Field(min_length=1)
+
+
+TopologySpec = Annotated[OpenAIStack | DataParallelStack | PrefillDecodeStack, Field(discriminator="kind")]
+_ADAPTER: TypeAdapter[OpenAIStack | DataParallelStack | PrefillDecodeStack] = TypeAdapter(TopologySpec)
+
+
+def topology_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a spec file, for editors (`sluice schema`)."""
+    schema = _ADAPTER.json_schema()
+    schema["title"] = "sluice topology spec"
+    return schema
+
+
+def _routings(spec: StackBase) -> Iterator[tuple[str, Routing]]:
+    """(path, effective routing) of the stack and of every model or role that overrides it."""
+    yield "routing", spec.routing
+    for i, model in enumerate(spec.models):  # type: ignore[attr-defined]
+        if model.routing is not None:
+            yield f"models[{i}].routing", spec.routing.overridden(model.routing)
+        for role in ("prefill", "decode"):
+            section = getattr(model, role, None)
+            if section is not None and section.routing is not None:
+                yield f"models[{i}].{role}.routing", spec.routing.overridden(section.routing)
+
+
+def _cross_field_problems(spec: StackBase) -> list[SpecProblem]:
+    problems = []
+    seen: dict[str, int] = {}
+    for i, model in enumerate(spec.models):  # type: ignore[attr-defined]
+        if model.name in seen:
+            problems.append(
+                SpecProblem(f"models[{i}].name", f"{model.name!r} is already models[{seen[model.name]}]: rename one")
+            )
+        seen.setdefault(model.name, i)
+        if isinstance(model, DataParallelModel) and model.data_parallel.mode == "ranks" and model.autoscaling:
+            problems.append(
+                SpecProblem(
+                    f"models[{i}].autoscaling",
+                    "data_parallel mode `ranks` is a gang of fixed size: give replicas (gangs), not autoscaling",
+                )
+            )
+    for path, routing in _routings(spec):
+        problem = policy_problem(routing)
+        if problem is not None:
+            problems.append(SpecProblem(f"{path}.{problem[0]}", problem[1]))
+    max_body = spec.frontend.protection.max_body_bytes
+    if spec.routing.forward_body and spec.routing.body_buffer_bytes > max_body:
+        problems.append(
+            SpecProblem(
+                "routing.body_buffer_bytes",
+                f"{spec.routing.body_buffer_bytes} is above frontend.protection.max_body_bytes ({max_body}): "
+                "lower the buffer or raise the maximum",
+            )
+        )
+    return problems
+
+
+def parse_spec(data: Any, where: str = "spec") -> OpenAIStack | DataParallelStack | PrefillDecodeStack:
+    """A spec from parsed YAML; raises SpecError with every problem."""
+    try:
+        spec = _ADAPTER.validate_python(data)
+    except ValidationError as error:
+        raise SpecError(where, pydantic_problems(error)) from None
+    problems = _cross_field_problems(spec)
+    if problems:
+        raise SpecError(where, problems)
+    return spec
+
+
+def load_spec(path: Path | str) -> OpenAIStack | DataParallelStack | PrefillDecodeStack:
+    """A spec file; raises SpecError naming the file and every problem."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise SpecError(str(path), [SpecProblem("", f"cannot read the file: {error.strerror}")]) from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = SpecProblem("", f"{where}not valid YAML ({getattr(error, 'problem', error)})")
+        raise SpecError(str(path), [problem]) from None
+    return parse_spec(data, str(path))
+
+
+def engine_problems(spec: StackBase) -> list[SpecProblem]:
+    """Each model's (and role's) engine arguments through vLLM's own `vllm serve` parser."""
+    from services.vllm_app import EngineArgsError, check_engine_args
+
+    problems = []
+    for i, model in enumerate(spec.models):  # type: ignore[attr-defined]
+        roles = [(f"models[{i}].engine", model.engine_config(model.source))]
+        for role in ("prefill", "decode"):
+            section = getattr(model, role, None)
+            if section is not None:
+                roles.append((f"models[{i}].{role}.engine", model.engine_config(model.source, section.engine)))
+        for path, config in roles:
+            try:
+                check_engine_args(config)
+            except EngineArgsError as error:
+                problems.append(SpecProblem(path, f"vLLM refuses it: {error}"))
+    return problems
