@@ -25,6 +25,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) -m sluice.layers
 	$(PY) -m pytest -v -x --durations=15 tests/unit tests/integration
 
 test-unit: $(STAMP)
@@ -39,6 +40,7 @@ bench-routers: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) -m sluice.layers
 
 clean:
 	rm -rf $(VENV) .cache

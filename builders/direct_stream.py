@@ -20,6 +20,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from base.contracts import (
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    HAPROXY_PORT_DEFAULT,
+    HAPROXY_PROMETHEUS_PORT_DEFAULT,
+    ROUTE_TIMEOUT_S_DEFAULT,
+    SESSION_HEADER_DEFAULT,
+)
+from base.runtime import cache_dir
 from infra.frontend_protection import FrontendProtection
 from infra.haproxy_config import (
     BODY_BUFFER_BYTES_DEFAULT,
@@ -37,16 +45,7 @@ from services.haproxy_syncer import HAProxySyncer
 from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.llm_replica import llm_application
 from services.router_service import RouterSettings, router_application
-from services.serve_internals import list_replica_endpoints
-from sluice.cluster import wait_for_endpoints
-from sluice.contracts import (
-    DEFAULT_MAX_ONGOING_REQUESTS,
-    HAPROXY_PORT_DEFAULT,
-    HAPROXY_PROMETHEUS_PORT_DEFAULT,
-    ROUTE_TIMEOUT_S_DEFAULT,
-    SESSION_HEADER_DEFAULT,
-)
-from sluice.runtime import cache_dir
+from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 
 # How often the syncer compares HAProxy's servers with Serve's endpoints.
 SYNC_INTERVAL_S = 0.25

@@ -16,16 +16,14 @@ Rules, in the order HAProxy applies them to every request on the public frontend
    refused: a chunked body that overflows the maximum gets 413. Memory is committed only for bytes received.
 6. With keys on, the `Authorization` header is removed: a replica never sees a key.
 
-Every refusal carries `x-serve-reason` (`sluice.contracts.PROTECTION_REASONS`) and an OpenAI-style JSON body.
+Every refusal carries `x-serve-reason` (`base.contracts.PROTECTION_REASONS`) and an OpenAI-style JSON body.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from infra.api_keys import ApiKeySource
-from infra.haproxy_format import haproxy_time, openai_error_body
-from sluice.contracts import (
+from base.contracts import (
     AUTHORIZATION_HEADER,
     MAX_BODY_BYTES_DEFAULT,
     MAX_HEADER_BYTES_DEFAULT,
@@ -40,6 +38,8 @@ from sluice.contracts import (
     RETRY_AFTER_HEADER,
     SERVE_REASON_HEADER,
 )
+from infra.api_keys import ApiKeySource
+from infra.haproxy_format import haproxy_time, openai_error_body
 
 CLIENT_TABLE = "sluice_clients"
 # Refusals by reason, for `sluice_frontend_refusals_total` (a stick table: shared by HAProxy's threads).

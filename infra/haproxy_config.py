@@ -1,6 +1,6 @@
 """HAProxy data plane of the direct-streaming path: the config and the Lua route action, rendered from settings.
 
-Every header name, reason string and default comes from `sluice.contracts` or from the settings; the Lua file
+Every header name, reason string and default comes from `base.contracts` or from the settings; the Lua file
 is a template rendered here, so nothing of the wire contract is written twice by hand.
 
 Shape of the rendered config:
@@ -36,9 +36,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from infra.frontend_protection import FrontendProtection, protection_lines, protection_tables
-from infra.haproxy_format import haproxy_time, openai_error_body
-from sluice.contracts import (
+from base.contracts import (
     DEFAULT_BIND_HOST,
     FALLBACK_RANK_HEADER,
     FALLBACK_REASONS,
@@ -55,7 +53,9 @@ from sluice.contracts import (
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
 )
-from sluice.runtime import LOOPBACK
+from base.runtime import LOOPBACK
+from infra.frontend_protection import FrontendProtection, protection_lines, protection_tables
+from infra.haproxy_format import haproxy_time, openai_error_body
 
 # Names inside the rendered config (HAProxy-internal, not part of the wire contract).
 FRONTEND = "sluice_http"
@@ -309,7 +309,7 @@ def render_config(settings: HAProxySettings) -> str:
     reason = f"%[var({VAR_REASON})]"
     retry_addr = f"unix@{settings.retry_socket_path}"
     lines = [
-        "# Rendered by infra/haproxy_config.py from sluice/contracts.py: do not edit by hand.",
+        "# Rendered by infra/haproxy_config.py from base/contracts.py: do not edit by hand.",
         "global",
         "    master-worker",
         f"    stats socket {settings.socket_path} mode 600 level admin",

@@ -1,4 +1,4 @@
-"""The Lua route action of the HAProxy data plane, rendered from `sluice.contracts` and the settings.
+"""The Lua route action of the HAProxy data plane, rendered from `base.contracts` and the settings.
 
 The action asks a router for its ranked replicas (`core.tcp` to the UP router servers), then pins the request to
 the first one the frontend can route to, or fails closed with a reason; a second action pins the next ranked
@@ -12,6 +12,25 @@ from string import Template
 
 from pydantic import BaseModel
 
+from base.contracts import (
+    APP_HEADER,
+    BODY_TRUNCATED_HEADER,
+    CAPACITY_TOKEN_HEADER,
+    FALLBACK_ABSENT,
+    FALLBACK_DOWN,
+    FALLBACK_REASONS,
+    FALLBACK_REFUSED,
+    FRONTEND_HEADER,
+    RANKED_HEADER,
+    REASON_REPLICA_UNAVAILABLE,
+    REASON_ROUTER_NON_200,
+    REASON_ROUTER_UNREACHABLE,
+    REASON_UNKNOWN_REPLICA_ID,
+    REASON_UNPARSEABLE_REPLICA_ID,
+    REQUEST_ID_HEADER,
+    ROUTE_PATH,
+)
+from base.route_wire import RouteRefusal, RouteReply
 from infra.frontend_protection import COUNTED_REASONS, REFUSAL_TABLE
 from infra.haproxy_config import (
     FALLBACK_TABLE,
@@ -32,25 +51,6 @@ from infra.haproxy_config import (
     HAProxySettings,
 )
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS
-from sluice.contracts import (
-    APP_HEADER,
-    BODY_TRUNCATED_HEADER,
-    CAPACITY_TOKEN_HEADER,
-    FALLBACK_ABSENT,
-    FALLBACK_DOWN,
-    FALLBACK_REASONS,
-    FALLBACK_REFUSED,
-    FRONTEND_HEADER,
-    RANKED_HEADER,
-    REASON_REPLICA_UNAVAILABLE,
-    REASON_ROUTER_NON_200,
-    REASON_ROUTER_UNREACHABLE,
-    REASON_UNKNOWN_REPLICA_ID,
-    REASON_UNPARSEABLE_REPLICA_ID,
-    REQUEST_ID_HEADER,
-    ROUTE_PATH,
-)
-from sluice.route_wire import RouteRefusal, RouteReply
 
 
 def _lua_str(value: str) -> str:

@@ -48,6 +48,7 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+from base.contracts import REASON_NO_REPLICA
 from routers.capacity_ledger import CapacityLedger, UnknownReplicas
 from routers.core import (
     DEFAULT_NUM_FALLBACK_REPLICAS,
@@ -58,7 +59,6 @@ from routers.core import (
     RouteRequest,
     RoutingPolicy,
 )
-from sluice.contracts import REASON_NO_REPLICA
 
 WAIT_SLICE_S = 2.0
 DEFAULT_MAX_WAIT_S = 30.0

@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from base.contracts import REASON_NO_REPLICA
 from routers.metrics import DecisionCounts
-from sluice.contracts import REASON_NO_REPLICA
 
 # Single-replica fallback tiers after the primary, for the policies that rank beyond two: enough to
 # ride out a rejecting replica without ranking the whole set on every decision.

@@ -20,10 +20,10 @@ from typing import Any, ClassVar
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from base.contracts import SESSION_HEADER_DEFAULT
 from routers.background import run_in_background
 from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
 from routers.core import CapacityToken, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
-from sluice.contracts import SESSION_HEADER_DEFAULT
 
 
 def _session_from(pending: PendingRequest) -> str | None:
@@ -115,7 +115,7 @@ class CapacityQueueRequestRouter(SluiceRequestRouter):
 
     def _build_policy(self, kwargs: dict[str, Any]) -> RoutingPolicy:
         # The ledger actor is a process of its own (services/); only this adapter needs it.
-        from services.capacity_ledger_actor import capacity_queue_policy
+        from routers.ledger_actor import capacity_queue_policy
 
         settings = validate_settings(self.policy_name, kwargs)
         assert isinstance(settings, CapacityQueueSettings)

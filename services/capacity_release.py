@@ -26,10 +26,10 @@ from typing import Protocol
 import ray
 from prometheus_client import Counter
 
+from base.contracts import CAPACITY_TOKEN_HEADER
 from routers.background import run_in_background
-from services.capacity_ledger_actor import LEDGER_NAMESPACE, ActorLedgerClient
+from routers.ledger_actor import LEDGER_NAMESPACE, ActorLedgerClient
 from services.replica_headers import ASGIApp, Message, Receive, Scope, Send
-from sluice.contracts import CAPACITY_TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from base.route_wire import Membership
 from routers.core import ReplicaView
-from sluice.route_wire import Membership
 
 
 class FrontendMembership:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from base.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
+from base.route_wire import Membership
 from infra.haproxy_config import (
     REPLICA_BACKEND,
     ROUTER_BACKEND,
@@ -37,8 +39,6 @@ from infra.haproxy_config import (
 )
 from infra.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
 from services.serve_internals import ReplicaEndpoint
-from sluice.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
-from sluice.route_wire import Membership
 
 logger = logging.getLogger(__name__)
 

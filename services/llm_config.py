@@ -6,11 +6,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from base.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS
+from base.rollout import config_version
+from base.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+from base.tiny_model import SERVED_MODEL_NAME
 from services.serve_internals import SERVE_SHUTDOWN_BUFFER_S
-from sluice.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS
-from sluice.rollout import config_version
-from sluice.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
-from sluice.tiny_model import SERVED_MODEL_NAME
 
 EngineArgValue = str | int | float | bool
 # The LLM deployment's default name. Routers find the deployment's capacity ledger by this name

@@ -17,8 +17,8 @@ from typing import Any
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
+from routers.ledger_actor import ledger_actor_name
 from services.asgi_call import ResponseStart, stream_asgi
-from services.capacity_ledger_actor import ledger_actor_name
 from services.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
 from services.llm_config import LLMAppConfig
 from services.replica_headers import ReplicaHeadersMiddleware

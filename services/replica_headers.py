@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from sluice.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
+from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

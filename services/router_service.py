@@ -63,14 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray import serve
 from ray.serve.deployment import Application
 
-from routers.capacity_queue import LedgerClient
-from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
-from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
-from services.capacity_ledger_actor import capacity_queue_policy
-from services.frontend_membership import FrontendMembership
-from services.llm_config import LLM_DEPLOYMENT_NAME
-from services.serve_internals import ReplicaEndpoint, list_replica_endpoints, with_rollout_version
-from sluice.contracts import (
+from base.contracts import (
     BODY_TRUNCATED_HEADER,
     DEFAULT_MAX_ONGOING_REQUESTS,
     FRONTEND_HEADER,
@@ -79,8 +72,15 @@ from sluice.contracts import (
     ROUTE_PATH,
     SESSION_HEADER_DEFAULT,
 )
-from sluice.rollout import config_version
-from sluice.route_wire import Membership, RouteRefusal, RouteReply
+from base.rollout import config_version
+from base.route_wire import Membership, RouteRefusal, RouteReply
+from routers.capacity_queue import LedgerClient
+from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
+from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
+from routers.ledger_actor import capacity_queue_policy
+from services.frontend_membership import FrontendMembership
+from services.llm_config import LLM_DEPLOYMENT_NAME
+from services.serve_internals import ReplicaEndpoint, list_replica_endpoints, with_rollout_version
 
 logger = logging.getLogger(__name__)
 

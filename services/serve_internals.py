@@ -10,6 +10,9 @@ replica disappears at once and a replaced replica shows up with its new port.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import ray
 from pydantic import BaseModel, ConfigDict
 from ray._private import ray_constants
@@ -82,3 +85,15 @@ async def list_replica_endpoints(app_name: str) -> list[ReplicaEndpoint]:
                 )
             )
     return sorted(endpoints, key=lambda e: e.replica_id)
+
+
+def wait_for_endpoints(app_name: str, count: int, timeout_s: float = 180.0) -> list:
+    """Block until `app_name` has exactly `count` live replica endpoints; return them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        endpoints = asyncio.run(list_replica_endpoints(app_name))
+        if len(endpoints) == count:
+            return endpoints
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{app_name}: {len(endpoints)} endpoints after {timeout_s}s, wanted {count}")
+        time.sleep(0.5)

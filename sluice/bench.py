@@ -8,8 +8,8 @@ from pathlib import Path
 
 import psutil
 
+from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.stream_probe import probe
-from sluice.tiny_model import SERVED_MODEL_NAME
 
 BENCH_APP = "bench"
 
@@ -29,7 +29,8 @@ def replica_memory_mib(app: str) -> list[tuple[float, float]]:
 
 def run_replica_bench(model: Path, replicas: int = 2) -> None:
     from builders.direct_stream import DirectStreamSpec, deploy_llm
-    from sluice.cluster import start_local_cluster, stop_local_cluster, wait_for_endpoints
+    from services.serve_internals import wait_for_endpoints
+    from sluice.cluster import start_local_cluster, stop_local_cluster
 
     started = time.monotonic()
     start_local_cluster()
@@ -86,10 +87,10 @@ def _percentiles(values: list[float]) -> str:
 
 def run_direct_bench(model: Path, samples: int = 200) -> None:
     """TTFT through HAProxy + router versus the replica's own port, and the route call alone."""
+    from base.contracts import ROUTE_PATH
     from builders.direct_stream import DirectStreamSpec, DirectStreamStack
     from services.serve_internals import list_replica_endpoints
     from sluice.cluster import start_local_cluster, stop_local_cluster
-    from sluice.contracts import ROUTE_PATH
 
     start_local_cluster()
     spec = DirectStreamSpec(

@@ -111,7 +111,7 @@ def run_router_bench(with_actor: bool = True) -> None:
 
 
 def _actor_round_trip_us() -> float:
-    from services.capacity_ledger_actor import ActorLedgerClient, get_or_create_ledger
+    from routers.ledger_actor import ActorLedgerClient, get_or_create_ledger
     from sluice.cluster import start_local_cluster, stop_local_cluster
 
     start_local_cluster()

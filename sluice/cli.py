@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sluice.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
-from sluice.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir
-from sluice.tiny_model import SERVED_MODEL_NAME
+from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
+from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir
+from base.tiny_model import SERVED_MODEL_NAME
 
 if TYPE_CHECKING:
     from builders.direct_stream import DirectStreamSpec
@@ -20,7 +20,7 @@ EMBEDDED_APP_NAME = "llm"
 
 
 def _model_build(args: argparse.Namespace) -> int:
-    from sluice.tiny_model import build_tiny_model
+    from base.tiny_model import build_tiny_model
 
     out = build_tiny_model(Path(args.out))
     print(f"tiny model written to {out}")
@@ -28,7 +28,7 @@ def _model_build(args: argparse.Namespace) -> int:
 
 
 def ensure_model(path: Path) -> Path:
-    from sluice.tiny_model import build_tiny_model, is_built
+    from base.tiny_model import build_tiny_model, is_built
 
     if not is_built(path):
         print(f"building the tiny model into {path}", flush=True)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
-from sluice.runtime import DEFAULT_SERVE_PROXY_PORT, LOOPBACK, apply_process_env, ray_temp_dir
+from base.runtime import DEFAULT_SERVE_PROXY_PORT, LOOPBACK, apply_process_env, ray_temp_dir
 
 
 def start_local_cluster(serve_proxy_port: int = DEFAULT_SERVE_PROXY_PORT, num_cpus: int | None = None) -> None:
@@ -18,7 +15,7 @@ def start_local_cluster(serve_proxy_port: int = DEFAULT_SERVE_PROXY_PORT, num_cp
 
     if not ray_resolves_node_ip_to_loopback():
         raise RuntimeError(
-            "Ray was imported before sluice.runtime.apply_process_env(); it would bind the machine's "
+            "Ray was imported before base.runtime.apply_process_env(); it would bind the machine's "
             "address instead of 127.0.0.1. Call apply_process_env() before importing ray."
         )
 
@@ -42,17 +39,3 @@ def stop_local_cluster() -> None:
     if ray.is_initialized():
         serve.shutdown()
         ray.shutdown()
-
-
-def wait_for_endpoints(app_name: str, count: int, timeout_s: float = 180.0) -> list:
-    """Block until `app_name` has exactly `count` live replica endpoints; return them."""
-    from services.serve_internals import list_replica_endpoints
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        endpoints = asyncio.run(list_replica_endpoints(app_name))
-        if len(endpoints) == count:
-            return endpoints
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{app_name}: {len(endpoints)} endpoints after {timeout_s}s, wanted {count}")
-        time.sleep(0.5)

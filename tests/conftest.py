@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.runtime import apply_process_env
+from base.runtime import apply_process_env
 
 # Before anything imports ray: Ray reads its loopback switch once, at import.
 apply_process_env()
@@ -11,8 +11,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from base.runtime import default_model_dir  # noqa: E402
 from sluice.cli import ensure_model  # noqa: E402
-from sluice.runtime import default_model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -8,17 +8,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from infra.frontend_protection import FrontendProtection
-from infra.haproxy_config import BODY_BUFFER_BYTES_DEFAULT, session_header_name
-from routers.config import PolicyConfigError, PolicyName, validate_settings
-from services.llm_config import EngineArgValue
-from sluice.contracts import (
+from base.contracts import (
     DEFAULT_MAX_ONGOING_REQUESTS,
     HAPROXY_PORT_DEFAULT,
     HAPROXY_PROMETHEUS_PORT_DEFAULT,
     ROUTE_TIMEOUT_S_DEFAULT,
     SESSION_HEADER_DEFAULT,
 )
+from infra.frontend_protection import FrontendProtection
+from infra.haproxy_config import BODY_BUFFER_BYTES_DEFAULT, session_header_name
+from routers.config import PolicyConfigError, PolicyName, validate_settings
+from services.llm_config import EngineArgValue
 
 # Names that become Serve app names, HAProxy identifiers and metric labels.
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")

@@ -16,8 +16,8 @@ import pytest
 
 from builders.direct_stream import DirectStreamSpec, DirectStreamStack
 from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
-from services.serve_internals import ReplicaEndpoint
-from sluice.cluster import start_local_cluster, stop_local_cluster, wait_for_endpoints
+from services.serve_internals import ReplicaEndpoint, wait_for_endpoints
+from sluice.cluster import start_local_cluster, stop_local_cluster
 from tests.integration.frontend_contract import checking_frontend_responses, register_frontend
 
 LLM_APP = "llm"

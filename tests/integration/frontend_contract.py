@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from sluice.contracts import PROTECTION_REASONS, REPLICA_HEADER, SERVE_REASON_HEADER
+from base.contracts import PROTECTION_REASONS, REPLICA_HEADER, SERVE_REASON_HEADER
 
 _frontend_ports: set[int] = set()
 checked = {"responses": 0}

@@ -13,16 +13,15 @@ import httpx
 import psutil
 import pytest
 
-from builders.direct_stream import DirectStreamStack
-from services.serve_internals import list_replica_endpoints
-from sluice.cluster import wait_for_endpoints
-from sluice.contracts import (
+from base.contracts import (
     REASON_ROUTER_UNREACHABLE,
     REPLICA_HEADER,
     REQUEST_ID_HEADER,
     ROUTE_PATH,
     SERVE_REASON_HEADER,
 )
+from builders.direct_stream import DirectStreamStack
+from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.sse import chunks, data_lines
 from tests.integration.vllm_metrics import engine_requests

@@ -9,9 +9,9 @@ import re
 import httpx
 import pytest
 
+from base.contracts import REPLICA_HEADER, SERVE_FALLBACK_HEADER, SERVE_REASON_HEADER
 from builders.direct_stream import DirectStreamStack
 from services.serve_internals import list_replica_endpoints
-from sluice.contracts import REPLICA_HEADER, SERVE_FALLBACK_HEADER, SERVE_REASON_HEADER
 from tests.integration.conftest import LLMCluster, direct_stack
 
 pytestmark = pytest.mark.integration

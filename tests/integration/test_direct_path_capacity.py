@@ -9,9 +9,9 @@ import httpx
 import pytest
 import ray
 
+from base.contracts import CAPACITY_TOKEN_HEADER, REPLICA_HEADER
 from builders.direct_stream import DirectStreamStack
-from services.capacity_ledger_actor import ledger_actor_name
-from sluice.contracts import CAPACITY_TOKEN_HEADER, REPLICA_HEADER
+from routers.ledger_actor import ledger_actor_name
 from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.sse import chunks, data_lines
 

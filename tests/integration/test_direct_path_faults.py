@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from infra.haproxy_config import AppRoute
-from services.serve_internals import list_replica_endpoints
-from sluice.contracts import (
+from base.contracts import (
     REASON_NO_REPLICA,
     REASON_ROUTER_NON_200,
     REASON_ROUTER_UNREACHABLE,
@@ -28,6 +26,8 @@ from sluice.contracts import (
     SERVE_FALLBACK_HEADER,
     SERVE_REASON_HEADER,
 )
+from infra.haproxy_config import AppRoute
+from services.serve_internals import list_replica_endpoints
 from tests.integration.conftest import LLMCluster
 from tests.integration.dataplane.plane import Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import (

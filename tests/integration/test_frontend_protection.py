@@ -21,13 +21,7 @@ import psutil
 import pytest
 from ray import serve
 
-from builders.direct_stream import DirectStreamStack
-from infra.api_keys import ApiKeySource, key_hash_line
-from infra.frontend_protection import ClientLimits, FrontendProtection
-from services.llm_config import ReplicaDeploymentConfig
-from services.serve_internals import list_replica_endpoints
-from sluice.cluster import wait_for_endpoints
-from sluice.contracts import (
+from base.contracts import (
     AUTHORIZATION_HEADER,
     REASON_BODY_TOO_LARGE,
     REASON_HEADERS_TOO_LARGE,
@@ -36,6 +30,11 @@ from sluice.contracts import (
     RETRY_AFTER_HEADER,
     SERVE_REASON_HEADER,
 )
+from builders.direct_stream import DirectStreamStack
+from infra.api_keys import ApiKeySource, key_hash_line
+from infra.frontend_protection import ClientLimits, FrontendProtection
+from services.llm_config import ReplicaDeploymentConfig
+from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.integration.frontend_contract import assert_frontend_error, assert_refused
 from tests.integration.frontend_metrics import refusal_counts, request_errors

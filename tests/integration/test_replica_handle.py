@@ -8,8 +8,8 @@ import httpx
 import pytest
 from ray import serve
 
+from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
 from services.asgi_call import ResponseStart
-from sluice.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
 from tests.integration.conftest import LLMCluster
 from tests.integration.sse import chunks
 

@@ -12,8 +12,7 @@ import ray
 from ray import serve
 
 from services.llm_config import MIN_DRAIN_GRACE_S, ReplicaDeploymentConfig
-from services.serve_internals import list_replica_endpoints
-from sluice.cluster import wait_for_endpoints
+from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.integration.conftest import LLMCluster, deploy_llm_app
 from tests.integration.sse import chunks
 

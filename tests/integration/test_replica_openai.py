@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from sluice.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
+from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
 from tests.integration.conftest import LLMCluster
 from tests.integration.sse import chunks, data_lines
 

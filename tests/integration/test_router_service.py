@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from services.serve_internals import ReplicaEndpoint
-from sluice.contracts import (
+from base.contracts import (
     CAPACITY_TOKEN_HEADER,
     REPLICA_HEADER,
     REQUEST_ID_HEADER,
     ROUTE_PATH,
     SESSION_HEADER_DEFAULT,
 )
-from sluice.route_wire import RouteReply
+from base.route_wire import RouteReply
+from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import LLMCluster
 from tests.integration.sse import DONE
 
@@ -56,7 +56,7 @@ def _deploy(name: str, prefix: str, num_replicas: int, **settings) -> RouterApp:
     from ray import serve
 
     from services.router_service import RouterSettings, router_application
-    from sluice.cluster import wait_for_endpoints
+    from services.serve_internals import wait_for_endpoints
 
     app = router_application(RouterSettings(**settings), num_replicas)
     serve.run(app, name=name, route_prefix=prefix, blocking=False)
@@ -68,7 +68,7 @@ def routers(llm_cluster: LLMCluster) -> Iterator[dict[str, RouterApp]]:
     import ray
     from ray import serve
 
-    from services.capacity_ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
+    from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
 
     target = {"target_app": llm_cluster.app, "target_capacity": llm_cluster.config.deployment.max_ongoing_requests}
     try:
@@ -130,7 +130,7 @@ def test_the_chosen_replica_serves_under_its_id(routers: dict[str, RouterApp], l
 def _ledger_snapshot(llm_cluster: LLMCluster) -> dict:
     import ray
 
-    from services.capacity_ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
+    from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
 
     name = ledger_actor_name(llm_cluster.app, llm_cluster.config.deployment.name)
     return ray.get(ray.get_actor(name, namespace=LEDGER_NAMESPACE).snapshot.remote(), timeout=10)

@@ -9,8 +9,8 @@ import pytest
 import ray
 from ray import serve
 
+from routers.ledger_actor import ledger_actor_name
 from routers.serve_adapters import request_router_config
-from services.capacity_ledger_actor import ledger_actor_name
 
 pytestmark = pytest.mark.integration
 

@@ -8,13 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 import httpx
 from prometheus_client import REGISTRY
 
-from routers.core import ReplicaView
-from services.router_service import (
-    RouterSettings,
-    build_policy,
-    build_router_app,
-)
-from sluice.contracts import (
+from base.contracts import (
     APP_HEADER,
     FRONTEND_HEADER,
     MEMBERSHIP_PATH,
@@ -22,7 +16,13 @@ from sluice.contracts import (
     ROUTE_PATH,
     SESSION_HEADER_DEFAULT,
 )
-from sluice.route_wire import RouteReply
+from base.route_wire import RouteReply
+from routers.core import ReplicaView
+from services.router_service import (
+    RouterSettings,
+    build_policy,
+    build_router_app,
+)
 
 REPLICA_IDS = ["r1a2b3c4", "r5d6e7f8", "r9g0h1i2", "rj3k4l5m"]
 

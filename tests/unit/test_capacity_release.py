@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
+from base.contracts import CAPACITY_TOKEN_HEADER
 from services.capacity_release import CapacityReleaseMiddleware
 from services.replica_headers import Message
-from sluice.contracts import CAPACITY_TOKEN_HEADER
 
 TOKEN = "tok-1"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from base import contracts
 from infra.api_keys import (
     ApiKeyError,
     ApiKeySource,
@@ -25,7 +26,6 @@ from infra.api_keys import (
 from infra.frontend_protection import ClientLimits, FrontendProtection, protection_lines
 from infra.haproxy_config import AppRoute, HAProxySettings
 from services.api_key_watcher import ApiKeyWatcher
-from sluice import contracts
 from sluice.cli import build_parser, embedded_spec, main
 
 KEYS_ACL = "/w/api_keys.acl"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from base import contracts
 from infra import frontend_protection, haproxy_config
 from infra.api_keys import ApiKeySource, key_digest, key_hash_line
 from infra.frontend_protection import ClientLimits, FrontendProtection
@@ -28,7 +29,6 @@ from infra.haproxy_process import HAProxyNotFoundError, check_config, find_hapro
 from infra.runtime_api import RuntimeAPIError, ServerStat
 from services.haproxy_syncer import HAProxySyncer
 from services.serve_internals import ReplicaEndpoint
-from sluice import contracts
 
 
 def settings(tmp_path: Path, **app: object) -> HAProxySettings:

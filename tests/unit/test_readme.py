@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sluice import contracts
+from base import contracts
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+from base.contracts import (
+    MEMBERSHIP_PATH,
+)
+from base.route_wire import Membership, RouteRefusal
 from routers.consistent_hash import ConsistentHash
 from services.frontend_membership import FrontendMembership
 from services.router_service import (
     RouterSettings,
 )
-from sluice.contracts import (
-    MEMBERSHIP_PATH,
-)
-from sluice.route_wire import Membership, RouteRefusal
 from tests.unit.router_service_client import REPLICA_IDS, named_ids, publish, route, router, sample, unique_app, views
 
 

@@ -8,6 +8,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from base.contracts import (
+    BODY_TRUNCATED_HEADER,
+    REQUEST_ID_HEADER,
+)
+from base.route_wire import RouteRefusal, RouteReply
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import LocalLedgerClient
 from routers.core import ReplicaView, RouteRequest
@@ -20,11 +25,6 @@ from services.router_service import (
     route_request_from,
 )
 from services.serve_internals import ReplicaEndpoint
-from sluice.contracts import (
-    BODY_TRUNCATED_HEADER,
-    REQUEST_ID_HEADER,
-)
-from sluice.route_wire import RouteRefusal, RouteReply
 from tests.unit.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
 
 

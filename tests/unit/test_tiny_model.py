@@ -2,7 +2,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sluice.tiny_model import EOS_TOKEN, HIDDEN_SIZE, NUM_LAYERS, VOCAB_SIZE
+from base.tiny_model import EOS_TOKEN, HIDDEN_SIZE, NUM_LAYERS, VOCAB_SIZE
 
 
 def _build(out: Path) -> None:

@@ -18,8 +18,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from services.serve_internals import ReplicaEndpoint
-from sluice.contracts import (
+from base.contracts import (
     HEALTH_PATH,
     MEMBERSHIP_PATH,
     REASON_NO_REPLICA,
@@ -28,7 +27,8 @@ from sluice.contracts import (
     ROUTE_PATH,
     SERVE_REASON_HEADER,
 )
-from sluice.route_wire import Membership, RouteRefusal, RouteReply
+from base.route_wire import Membership, RouteRefusal, RouteReply
+from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
 
 APP = "llm"

@@ -14,8 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.haproxy_config import REPLICA_BACKEND, AppRoute
-from sluice.contracts import (
+from base.contracts import (
     FALLBACK_ABSENT,
     FALLBACK_DOWN,
     FALLBACK_RANK_HEADER,
@@ -27,6 +26,7 @@ from sluice.contracts import (
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
+from infra.haproxy_config import REPLICA_BACKEND, AppRoute
 from tests.integration.dataplane.plane import Env, Plane, fallback_counts, start_plane, stop_plane
 from tests.integration.dataplane.standins import (
     CHAT_PATH,

@@ -14,13 +14,13 @@ from collections import Counter
 import httpx
 import pytest
 
-from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND
-from sluice.contracts import (
+from base.contracts import (
     REASON_REPLICA_UNAVAILABLE,
     REASON_ROUTER_UNREACHABLE,
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
+from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND
 from tests.integration.dataplane.plane import Env
 from tests.integration.dataplane.standins import (
     CHAT_PATH,

@@ -14,16 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.api_keys import ApiKeySource, key_hash_line
-from infra.frontend_protection import ClientLimits, FrontendProtection
-from infra.haproxy_config import AppRoute
-from sluice.contracts import (
+from base.contracts import (
     AUTHORIZATION_HEADER,
     REASON_CLIENT_LIMIT,
     REASON_INVALID_API_KEY,
     REQUEST_ID_HEADER,
     RETRY_AFTER_HEADER,
 )
+from infra.api_keys import ApiKeySource, key_hash_line
+from infra.frontend_protection import ClientLimits, FrontendProtection
+from infra.haproxy_config import AppRoute
 from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import APP, CHAT_PATH, first_event, wait_until
 from tests.integration.frontend_contract import assert_frontend_error, assert_refused

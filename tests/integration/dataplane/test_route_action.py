@@ -18,8 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from infra.haproxy_config import AppRoute
-from sluice.contracts import (
+from base.contracts import (
     APP_HEADER,
     BODY_TRUNCATED_HEADER,
     CAPACITY_TOKEN_HEADER,
@@ -37,6 +36,7 @@ from sluice.contracts import (
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
 )
+from infra.haproxy_config import AppRoute
 from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import (
     APP,

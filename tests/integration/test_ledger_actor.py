@@ -27,7 +27,7 @@ def ledger_name(ray_cluster: None) -> Iterator[str]:
     """A fresh ledger actor's name; the actor is killed for good afterwards."""
     import ray
 
-    from services.capacity_ledger_actor import get_or_create_ledger
+    from routers.ledger_actor import get_or_create_ledger
 
     name = f"test-ledger-{uuid.uuid4().hex[:8]}"
     handle = get_or_create_ledger(name, token_ttl_s=600.0)
@@ -37,7 +37,7 @@ def ledger_name(ray_cluster: None) -> Iterator[str]:
 
 
 def handle_of(name: str):
-    from services.capacity_ledger_actor import get_or_create_ledger
+    from routers.ledger_actor import get_or_create_ledger
 
     return get_or_create_ledger(name)
 
@@ -66,7 +66,7 @@ async def bounded(call: Awaitable, limit_s: float) -> object:
 
 
 def test_actor_grants_waits_and_releases(ledger_name: str) -> None:
-    from services.capacity_ledger_actor import ActorLedgerClient
+    from routers.ledger_actor import ActorLedgerClient
 
     async def run() -> str:
         client = ActorLedgerClient(handle_of(ledger_name), call_timeout_s=CALL_TIMEOUT_S)
@@ -102,7 +102,7 @@ def test_actor_grants_waits_and_releases(ledger_name: str) -> None:
 def test_killed_actor_restarts_empty_and_calls_to_it_do_not_hang(ledger_name: str) -> None:
     import ray
 
-    from services.capacity_ledger_actor import ActorLedgerClient
+    from routers.ledger_actor import ActorLedgerClient
 
     handle = handle_of(ledger_name)
     client = ActorLedgerClient(handle, call_timeout_s=CALL_TIMEOUT_S)
@@ -152,7 +152,7 @@ def test_killed_actor_restarts_empty_and_calls_to_it_do_not_hang(ledger_name: st
 def test_policy_does_not_hang_while_the_ledger_restarts(ledger_name: str) -> None:
     import ray
 
-    from services.capacity_ledger_actor import ActorLedgerClient
+    from routers.ledger_actor import ActorLedgerClient
 
     handle = handle_of(ledger_name)
 
