@@ -8,11 +8,8 @@ caller does; every change goes through HAProxy's runtime API, never a reload.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,6 +38,7 @@ from infra.haproxy_config import (
 from infra.haproxy_process import HAProxyProcess
 from infra.runtime_api import RuntimeAPI
 from services.api_key_watcher import ApiKeyWatcher
+from services.background_loop import BackgroundLoop
 from services.haproxy_syncer import HAProxySyncer
 from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.llm_replica import llm_application
@@ -121,44 +119,6 @@ def deploy_llm(spec: DirectStreamSpec) -> LLMAppConfig:
     return config
 
 
-class _FrontendThread:
-    """The frontend's background tasks (the syncer, the API key watcher) on an event loop of their own."""
-
-    def __init__(self, tasks: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._main: asyncio.Task | None = None
-        self._factories = tasks
-        self._thread = threading.Thread(target=self._run, name="sluice-frontend", daemon=True)
-
-    async def _run_all(self) -> None:
-        tasks = [asyncio.create_task(factory()) for factory in self._factories]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        assert self._main is not None
-        try:
-            self._loop.run_until_complete(self._main)
-        except asyncio.CancelledError:
-            pass
-        finally:
-            self._loop.close()
-
-    def start(self) -> None:
-        self._main = self._loop.create_task(self._run_all())
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._main is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._main.cancel)
-        self._thread.join(timeout=10)
-
-
 class DirectStreamStack:
     """Router app + HAProxy + syncer in front of an LLM app (deployed here or already running)."""
 
@@ -168,7 +128,7 @@ class DirectStreamStack:
         self.runtime: RuntimeAPI | None = None
         self.syncer: HAProxySyncer | None = None
         self.key_watcher: ApiKeyWatcher | None = None
-        self._frontend_thread: _FrontendThread | None = None
+        self._frontend_thread: BackgroundLoop | None = None
 
     @property
     def url(self) -> str:
@@ -209,7 +169,7 @@ class DirectStreamStack:
         if keys is not None and keys.file is not None:
             self.key_watcher = ApiKeyWatcher(self.runtime, settings, keys)
             tasks.append(self.key_watcher.run)
-        self._frontend_thread = _FrontendThread(tasks)
+        self._frontend_thread = BackgroundLoop(tasks)
         self._frontend_thread.start()
         self.wait_until_serving(spec.replicas, spec.routers, timeout_s=60)
         return self

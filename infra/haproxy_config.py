@@ -114,13 +114,15 @@ class AppRoute(BaseModel):
     session_header: str = SESSION_HEADER_DEFAULT
     # Route prefix of the router deployment: the route call goes to `<prefix>/internal/route` ("" = at the root).
     router_route_prefix: str = ""
+    # Route prefix of the LLM app: a replica serves vLLM's paths under it, so the frontend prepends it.
+    replica_route_prefix: str = ""
 
-    @field_validator("router_route_prefix")
+    @field_validator("router_route_prefix", "replica_route_prefix")
     @classmethod
     def _route_prefix(cls, value: str) -> str:
         value = value.rstrip("/")
         if value and not re.match(r"^(/[A-Za-z0-9._~-]+)+$", value):
-            raise ValueError(f"router route prefix {value!r} must look like /name[/name...]")
+            raise ValueError(f"route prefix {value!r} must look like /name[/name...]")
         return value
 
     @field_validator("name")
@@ -365,6 +367,14 @@ def render_config(settings: HAProxySettings) -> str:
         f"    http-after-response set-header {REQUEST_ID_HEADER} %[var({VAR_REQUEST_ID})]"
         f" if {{ var({VAR_REQUEST_ID}) -m found }}",
         *protection_lines(settings.protection, str(settings.keys_acl_path)),
+        *(
+            [
+                "    # Replicas serve vLLM's paths under their app's route prefix.",
+                f"    http-request set-path {app.replica_route_prefix}%[path]",
+            ]
+            if app.replica_route_prefix
+            else []
+        ),
         f"    # Any method but GET/HEAD asks the router pool ({app.name}); GET/HEAD rotate over the routable replicas.",
         f"    http-request lua.{LUA_ACTION}",
         "    # Backstop: a request with neither a replica nor a reason (Lua error) fails like an unreachable router.",

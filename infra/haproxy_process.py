@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -120,9 +121,12 @@ def check_config(settings: HAProxySettings, binary: Path | None = None) -> str:
 class HAProxyProcess:
     """One HAProxy in master-worker mode, in the foreground, stopped by PID."""
 
-    def __init__(self, settings: HAProxySettings, binary: Path | None = None) -> None:
+    def __init__(self, settings: HAProxySettings, binary: Path | None = None, die_with_parent: bool = False) -> None:
         self.settings = settings
         self.binary = binary
+        # The master gets SIGKILL when the thread that started it ends (Linux PR_SET_PDEATHSIG): start it from a
+        # thread that lives as long as its owner. The worker exits with its master.
+        self.die_with_parent = die_with_parent
         self.runtime = RuntimeAPI(settings.socket_path)
         self.process: subprocess.Popen[bytes] | None = None
         self.worker_pid: int | None = None
@@ -147,6 +151,7 @@ class HAProxyProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.settings.workdir,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -207,6 +212,12 @@ class HAProxyProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the forked child: ask Linux for SIGKILL when the parent thread ends."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def pid_alive(pid: int) -> bool:

@@ -93,20 +93,32 @@ class ReplicaDeploymentConfig(BaseModel):
     # How often a draining replica re-counts its in-flight requests (Ray's default is 2 s).
     drain_poll_s: float = Field(0.25, gt=0)
     num_cpus: float = Field(0.25, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    accelerator_type: str | None = None
+    # Serve's autoscaling (min_replicas, max_replicas, target_ongoing_requests); replaces num_replicas when set.
+    autoscaling: dict[str, float] | None = None
     health_check_period_s: float = Field(5.0, gt=0)
     # Routers of this deployment take capacity tokens (capacity_queue): the replica releases each
     # request's token when the request ends (services.capacity_release). Not a Serve option.
     capacity_ledger: bool = False
 
     def serve_options(self) -> dict[str, Any]:
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            actor["num_gpus"] = self.num_gpus
+        if self.accelerator_type is not None:
+            actor["accelerator_type"] = self.accelerator_type
+        scaling: dict[str, Any] = (
+            {"autoscaling_config": dict(self.autoscaling)} if self.autoscaling else {"num_replicas": self.num_replicas}
+        )
         return {
             "name": self.name,
-            "num_replicas": self.num_replicas,
+            **scaling,
             "max_ongoing_requests": self.max_ongoing_requests,
             "graceful_shutdown_timeout_s": self.drain_grace_s,
             "graceful_shutdown_wait_loop_s": self.drain_poll_s,
             "health_check_period_s": self.health_check_period_s,
-            "ray_actor_options": {"num_cpus": self.num_cpus},
+            "ray_actor_options": actor,
         }
 
 

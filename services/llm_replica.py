@@ -70,3 +70,9 @@ def llm_deployment(config: LLMAppConfig) -> Deployment:
 
 def llm_application(config: LLMAppConfig) -> Application:
     return llm_deployment(config).bind(config.model_dump())
+
+
+def build_llm_application(args: dict[str, Any]) -> Application:
+    """Serve's application builder (`import_path: services.llm_replica:build_llm_application`): `args` is an
+    LLMAppConfig."""
+    return llm_application(LLMAppConfig.model_validate(args))

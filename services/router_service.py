@@ -338,3 +338,18 @@ def router_application(settings: RouterSettings, num_replicas: int = 1) -> Appli
     )
     version = config_version([settings.model_dump(mode="json"), ROUTER_DEPLOYMENT_NAME, ROUTER_MAX_ONGOING_REQUESTS])
     return with_rollout_version(deployment, version).bind(settings.model_dump())
+
+
+class RouterAppArgs(BaseModel):
+    """What `build_router_app` takes from a Serve config's `args`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    settings: RouterSettings
+    num_replicas: int = Field(1, ge=1)
+
+
+def build_router_application(args: dict[str, Any]) -> Application:
+    """Serve's application builder (`import_path: services.router_service:build_router_application`)."""
+    parsed = RouterAppArgs.model_validate(args)
+    return router_application(parsed.settings, parsed.num_replicas)

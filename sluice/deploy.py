@@ -1,0 +1,134 @@
+"""`sluice deploy | status | down | render`: a team's stack on a running Ray cluster, from its spec file.
+
+`deploy` applies the spec's plan (`builders.plan`) app by app, shows each app's state until the frontend has
+every replica UP, prints the URL and returns: the stack (its frontend included) lives in the cluster, not in
+this process. Ray's and Serve's own logs stay in the cluster's log folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from base.runtime import apply_process_env
+from base.tiny_model import SERVED_MODEL_NAME
+from builders.plan import StackPlan, build_plan, model_path, serve_config
+from topologies.spec import TINY_SOURCE, load_spec
+
+READY_TIMEOUT_S = 600.0
+
+
+def plan_of(path: str) -> tuple[Any, StackPlan]:
+    spec = load_spec(path)
+    return spec, build_plan(spec)
+
+
+def render(path: str) -> str:
+    _, plan = plan_of(path)
+    header = f"# Rendered by `sluice render {path}`: deploy with `serve deploy`, or as KubeRay's serveConfigV2.\n"
+    return header + yaml.safe_dump(serve_config(plan), sort_keys=False)
+
+
+def _connect(address: str) -> None:
+    apply_process_env()
+    import ray
+
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+
+
+def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
+    from ray import serve
+
+    try:
+        return serve.get_app_handle(plan.frontend_app).status.remote().result(timeout_s=10)
+    except Exception:  # not deployed, or not running yet
+        return None
+
+
+def deploy(path: str, address: str) -> int:
+    spec, plan = plan_of(path)
+    for model in spec.models:
+        if model.source == TINY_SOURCE:
+            from base.tiny_model import build_tiny_model, is_built
+
+            if not is_built(Path(model_path(TINY_SOURCE))):
+                print("building the tiny model", flush=True)
+                build_tiny_model(Path(model_path(TINY_SOURCE)))
+    _connect(address)
+    from ray import serve
+
+    started = time.monotonic()
+    for app in plan.apps:
+        module, name = app.import_path.split(":")
+        builder = getattr(importlib.import_module(module), name)
+        print(f"[{time.monotonic() - started:5.1f} s] {app.name}: deploying", flush=True)
+        serve.run(builder(app.args), name=app.name, route_prefix=app.route_prefix, blocking=False)
+        print(f"[{time.monotonic() - started:5.1f} s] {app.name}: {serve.status().applications[app.name].status}")
+    replicas = spec.models[0].fixed_replicas
+    while time.monotonic() - started < READY_TIMEOUT_S:
+        status = _frontend_status(plan)
+        if status and status["published"] >= replicas:
+            print(f"[{time.monotonic() - started:5.1f} s] frontend: {replicas} replica(s) UP and published")
+            print(f"\n{spec.team}/{spec.name} is serving at {plan.url}:")
+            print(f"  curl -N {plan.url}/v1/chat/completions -H 'content-type: application/json' \\")
+            served = spec.models[0].name if spec.models[0].source != TINY_SOURCE else SERVED_MODEL_NAME
+            print(
+                f'    -d \'{{"model": "{served}", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}\''
+            )
+            return 0
+        time.sleep(0.5)
+    print(f"the frontend did not have every replica UP within {READY_TIMEOUT_S:.0f} s", file=sys.stderr)
+    return 1
+
+
+def status(path: str, address: str, as_json: bool = False) -> int:
+    spec, plan = plan_of(path)
+    _connect(address)
+    from ray import serve
+
+    from services.serve_internals import list_replica_endpoints
+
+    applications = serve.status().applications
+    report: dict[str, Any] = {"stack": f"{spec.team}/{spec.name}", "apps": {}}
+    for app in plan.apps:
+        state = applications.get(app.name)
+        endpoints = asyncio.run(list_replica_endpoints(app.name)) if state is not None else []
+        report["apps"][app.name] = {
+            "status": str(state.status) if state is not None else "NOT_DEPLOYED",
+            "replicas": [f"{e.replica_id} {e.host}:{e.port}" for e in endpoints],
+        }
+    report["frontend"] = _frontend_status(plan)
+    ready = report["frontend"] is not None and report["frontend"].get("running", False)
+    report["state"] = "ready" if ready else "degraded: the frontend is not running"
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return 0 if ready else 1
+    print(f"{report['stack']}: {report['state']}")
+    for name, app_report in report["apps"].items():
+        print(f"  app {name}: {app_report['status']}")
+        for replica in app_report["replicas"]:
+            print(f"    replica {replica}")
+    frontend = report["frontend"] or {}
+    if frontend.get("running"):
+        print(f"  HAProxy {frontend['url']} (master {frontend['master_pid']}, restarts {frontend['restarts']}):")
+        for server in frontend["servers"]:
+            print(f"    {server['backend']}/{server['server']} {server['addr']} {server['status']}")
+    return 0 if ready else 1
+
+
+def down(path: str, address: str) -> int:
+    _, plan = plan_of(path)
+    _connect(address)
+    from ray import serve
+
+    for app in reversed(plan.apps):  # the frontend first: nothing is routed to an app that is going away
+        serve.delete(app.name)
+        print(f"deleted {app.name}")
+    return 0

@@ -1,0 +1,131 @@
+"""`sluice deploy` end to end: the local-cpu team file (own name and ports) deployed by the CLI as a subprocess onto
+the session's Ray cluster; the stack keeps serving after the CLI exits, `sluice status` shows it, a SIGKILLed
+HAProxy is replaced without touching an LLM replica, and `sluice down` removes it all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+import yaml
+from ray import serve
+
+from base.contracts import REPLICA_HEADER
+from infra.haproxy_process import pid_alive
+from services.serve_internals import list_replica_endpoints
+from tests.integration.conftest import free_port
+from tests.integration.frontend_contract import register_frontend
+from tests.integration.sse import chunks, data_lines
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SLUICE = [sys.executable, "-m", "sluice.cli"]
+STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 8, "ignore_eos": True, "stream": True}
+
+
+@dataclass
+class Deployed:
+    spec: Path
+    address: str
+    url: str
+    llm_app: str
+    apps: list[str]
+
+
+def _sluice(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SLUICE, *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+
+
+def _status(stack: Deployed) -> dict:
+    result = _sluice("status", str(stack.spec), "--address", stack.address, "--json")
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    spec = yaml.safe_load((ROOT / "topologies" / "teams" / "local-cpu.yaml").read_text())
+    port = free_port()
+    spec["name"] = "deploy-test"
+    spec["frontend"].update(port=port, metrics_port=free_port())
+    path = tmp_path_factory.mktemp("deploy") / "stack.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    register_frontend(port)
+    address = ray.get_runtime_context().gcs_address
+    deployed = _sluice("deploy", str(path), "--address", address, timeout_s=600)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    assert f"http://127.0.0.1:{port}" in deployed.stdout
+    name = "platform-deploy-test"
+    apps = [f"{name}-{app}" for app in ("llm", "router", "frontend")]
+    yield Deployed(path, address, f"http://127.0.0.1:{port}", apps[0], apps)
+    for app in reversed(apps):  # whatever a failed test left behind
+        if app in serve.status().applications:
+            serve.delete(app)
+
+
+def _stream(client: httpx.Client, url: str) -> str:
+    with client.stream("POST", f"{url}/v1/completions", json=STREAM) as response:
+        assert response.status_code == 200, response.read()
+        assert chunks(data_lines(response))[-1]["choices"][0]["finish_reason"] == "length"
+        return response.headers[REPLICA_HEADER]
+
+
+def test_the_stack_serves_after_the_cli_exited(stack: Deployed) -> None:
+    replicas = {e.replica_id for e in asyncio.run(list_replica_endpoints(stack.llm_app))}
+    with httpx.Client(timeout=60) as client:
+        served = [_stream(client, stack.url) for _ in range(50)]
+    assert set(served) == replicas and len(replicas) == 2
+
+
+def test_status_shows_replicas_routers_and_the_server_map(stack: Deployed) -> None:
+    report = _status(stack)
+    assert report["state"] == "ready"
+    llm, router, frontend = (report["apps"][app] for app in stack.apps)
+    assert len(llm["replicas"]) == 2 and len(router["replicas"]) == 1 and frontend["status"].endswith("RUNNING")
+    servers = report["frontend"]["servers"]
+    replica_ids = {replica.split()[0] for replica in llm["replicas"]}
+    assert {s["server"] for s in servers if s["backend"] == "sluice_replicas" and s["status"] == "UP"} == replica_ids
+    assert len([s for s in servers if s["backend"] == "sluice_routers" and s["status"] == "UP"]) == 1
+
+
+def test_a_killed_haproxy_is_replaced_without_touching_a_replica(stack: Deployed) -> None:
+    before = _status(stack)
+    replicas = before["apps"][stack.llm_app]["replicas"]
+    os.kill(before["frontend"]["master_pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    with httpx.Client(timeout=10) as client:
+        while True:
+            try:
+                _stream(client, stack.url)
+                break
+            except (httpx.TransportError, AssertionError):
+                assert time.monotonic() - killed < 10, "not serving again within 10 s"
+                time.sleep(0.2)
+    print(f"serving again {time.monotonic() - killed:.1f} s after HAProxy was killed")
+    after = _status(stack)
+    assert after["frontend"]["restarts"] == before["frontend"]["restarts"] + 1
+    assert after["frontend"]["master_pid"] != before["frontend"]["master_pid"]
+    assert after["apps"][stack.llm_app]["replicas"] == replicas
+
+
+def test_down_removes_every_app_and_haproxy(stack: Deployed) -> None:
+    haproxy = _status(stack)["frontend"]
+    result = _sluice("down", str(stack.spec), "--address", stack.address)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not set(stack.apps) & set(serve.status().applications)
+    deadline = time.monotonic() + 10
+    while pid_alive(haproxy["master_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not pid_alive(haproxy["master_pid"]) and not pid_alive(haproxy["worker_pid"])
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{stack.url}/v1/models", timeout=2)

@@ -1,0 +1,68 @@
+"""A spec's plan: the Serve apps it renders to pass Ray's own ServeDeploySchema, and each app's args are what its
+builder accepts; what has no builder yet is refused with the reason."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from builders.plan import build_plan, serve_config
+from infra.haproxy_config import AppRoute, HAProxySettings, render_config
+from services.frontend_app import FrontendArgs
+from services.llm_config import LLMAppConfig
+from services.router_service import RouterAppArgs
+from sluice.deploy import render
+from topologies.problems import SpecError
+from topologies.spec import load_spec
+
+TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "gpu-chat-8b.yaml"])
+def test_a_one_model_stack_renders_to_a_valid_serve_config(name: str) -> None:
+    rendered = yaml.safe_load(render(str(TEAMS / name)))
+    ServeDeploySchema.model_validate(rendered)
+    llm, router, frontend = rendered["applications"]
+    for app in (llm, router, frontend):
+        module, builder = app["import_path"].split(":")
+        assert callable(getattr(importlib.import_module(module), builder))
+    engine = LLMAppConfig.model_validate(llm["args"])
+    assert RouterAppArgs.model_validate(router["args"]).settings.target_app == llm["name"]
+    args = FrontendArgs.model_validate(frontend["args"])
+    assert (args.llm_app, args.router_app, frontend["route_prefix"]) == (llm["name"], router["name"], None)
+    route = AppRoute.model_validate(args.haproxy["app"])
+    assert route.replica_route_prefix == llm["route_prefix"] and route.router_route_prefix == router["route_prefix"]
+    # The frontend prepends the LLM app's route prefix: its replicas serve vLLM's paths under it.
+    config = render_config(HAProxySettings(workdir=Path("/tmp/x"), **args.haproxy))
+    assert f"http-request set-path {llm['route_prefix']}%[path]" in config
+    spec = load_spec(TEAMS / name)
+    assert engine.engine.served_model_name == spec.models[0].name
+    assert engine.deployment.max_ongoing_requests == spec.models[0].max_ongoing_requests
+
+
+def test_autoscaling_and_gpus_reach_the_serve_options() -> None:
+    plan = build_plan(load_spec(TEAMS / "gpu-chat-8b.yaml"))
+    options = LLMAppConfig.model_validate(plan.apps[0].args).deployment.serve_options()
+    assert options["autoscaling_config"] == {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 48}
+    assert "num_replicas" not in options
+    assert options["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 1, "accelerator_type": "H100"}
+    assert serve_config(plan)["applications"][0]["name"] == "assistants-chat-8b-llm"
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "message"),
+    [
+        ("two-models-cpu.yaml", "models", "several models behind one frontend"),
+        ("gpu-data-parallel.yaml", "kind", "data_parallel stacks have no builder yet"),
+        ("gpu-prefill-decode.yaml", "kind", "prefill_decode stacks have no builder yet"),
+    ],
+)
+def test_what_has_no_builder_yet_is_refused_with_the_reason(name: str, path: str, message: str) -> None:
+    with pytest.raises(SpecError) as refused:
+        build_plan(load_spec(TEAMS / name))
+    (problem,) = refused.value.problems
+    assert problem.path == path and message in problem.message
