@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any
 
@@ -117,6 +118,7 @@ class FrontendReplica:
         ]
         return {
             "running": True,
+            "replica_pid": os.getpid(),
             "master_pid": self._haproxy.pid,
             "worker_pid": self._haproxy.worker_pid,
             "restarts": self.restarts,

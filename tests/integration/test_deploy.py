@@ -102,20 +102,34 @@ def test_a_killed_haproxy_is_replaced_without_touching_a_replica(stack: Deployed
     before = _status(stack)
     replicas = before["apps"][stack.llm_app]["replicas"]
     os.kill(before["frontend"]["master_pid"], signal.SIGKILL)
-    killed = time.monotonic()
-    with httpx.Client(timeout=10) as client:
-        while True:
-            try:
-                _stream(client, stack.url)
-                break
-            except (httpx.TransportError, AssertionError):
-                assert time.monotonic() - killed < 10, "not serving again within 10 s"
-                time.sleep(0.2)
-    print(f"serving again {time.monotonic() - killed:.1f} s after HAProxy was killed")
+    print(f"serving again {_serving_again(stack.url, time.monotonic(), 10):.1f} s after HAProxy was killed")
     after = _status(stack)
     assert after["frontend"]["restarts"] == before["frontend"]["restarts"] + 1
     assert after["frontend"]["master_pid"] != before["frontend"]["master_pid"]
     assert after["apps"][stack.llm_app]["replicas"] == replicas
+
+
+def _serving_again(url: str, since: float, within_s: float) -> float:
+    with httpx.Client(timeout=10) as client:
+        while True:
+            try:
+                _stream(client, url)
+                return time.monotonic() - since
+            except (httpx.TransportError, AssertionError):
+                assert time.monotonic() - since < within_s, f"not serving again within {within_s} s"
+                time.sleep(0.2)
+
+
+def test_haproxy_dies_with_its_replica_and_comes_back_with_the_next(stack: Deployed) -> None:
+    before = _status(stack)
+    os.kill(before["frontend"]["replica_pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    deadline = killed + 5
+    while pid_alive(before["frontend"]["master_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(before["frontend"]["master_pid"]), "HAProxy outlived its frontend replica"
+    print(f"Serve's new frontend replica serving after {_serving_again(stack.url, killed, 90):.1f} s")
+    assert _status(stack)["apps"][stack.llm_app]["replicas"] == before["apps"][stack.llm_app]["replicas"]
 
 
 def test_down_removes_every_app_and_haproxy(stack: Deployed) -> None:
