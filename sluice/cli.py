@@ -7,16 +7,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
 from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir
-from base.tiny_model import SERVED_MODEL_NAME
 
-if TYPE_CHECKING:
-    from builders.direct_stream import DirectStreamSpec
-
-EMBEDDED_APP_NAME = "llm"
+EMBEDDED_SPEC = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "local-cpu.yaml"
 
 
 def _model_build(args: argparse.Namespace) -> int:
@@ -36,56 +32,65 @@ def ensure_model(path: Path) -> Path:
     return path
 
 
-def embedded_spec(args: argparse.Namespace, model: Path) -> DirectStreamSpec:
-    """The embedded default's spec, from `sluice serve`'s flags."""
-    from builders.direct_stream import DirectStreamSpec
-    from infra.api_keys import ApiKeySource
-    from infra.frontend_protection import ClientLimits, FrontendProtection
+def serve_spec(args: argparse.Namespace) -> Any:
+    """The spec `sluice serve` runs: the file (the embedded default unless given) with the flags applied over it."""
+    import yaml
 
-    protection = FrontendProtection(
-        api_keys=ApiKeySource(file=Path(args.api_key_file).resolve()) if args.api_key_file else None,
-        client_limits=ClientLimits(max_concurrent_requests=args.max_client_concurrency),
-    )
-    return DirectStreamSpec(
-        app=EMBEDDED_APP_NAME,
-        model=str(model),
-        replicas=args.replicas,
-        routers=args.routers,
-        policy=args.policy,
-        haproxy_port=args.port,
-        prometheus_port=args.prometheus_port,
-        protection=protection,
-    )
+    from topologies.spec import parse_spec
+
+    data = yaml.safe_load(Path(args.file).read_text())
+    frontend = data.setdefault("frontend", {})
+    for flag, key in (("port", "port"), ("prometheus_port", "metrics_port"), ("routers", "routers")):
+        if getattr(args, flag) is not None:
+            frontend[key] = getattr(args, flag)
+    protection = frontend.setdefault("protection", {})
+    if args.api_key_file:
+        protection["api_keys"] = {"file": str(Path(args.api_key_file).resolve())}
+    if args.max_client_concurrency is not None:
+        protection.setdefault("client_limits", {})["max_concurrent_requests"] = args.max_client_concurrency
+    if args.policy is not None:
+        data["routing"] = {**data.get("routing", {}), "policy": args.policy, "policy_kwargs": {}}
+    if args.replicas is not None:
+        for model in data.get("models", []):
+            model.pop("autoscaling", None)
+            model["replicas"] = args.replicas
+    return parse_spec(data, args.file)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from builders.direct_stream import DirectStreamStack
-    from sluice.cluster import start_local_cluster, stop_local_cluster
+    import logging
 
-    model = ensure_model(Path(args.model))
+    from base.runtime import ray_temp_dir
+    from builders.plan import build_plan
+    from sluice.cluster import start_local_cluster, stop_local_cluster
+    from sluice.deploy import apply_plan, ensure_models, serving_lines
+    from topologies.problems import SpecError
+
+    try:
+        spec = serve_spec(args)
+        plan = build_plan(spec)
+    except SpecError as error:
+        print(error, file=sys.stderr)
+        return 1
+    ensure_models(spec)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    spec = embedded_spec(args, model)
-    start_local_cluster(serve_proxy_port=args.serve_proxy_port)
-    stack = DirectStreamStack(spec)
+    if not args.verbose:
+        logging.getLogger("ray").setLevel(logging.WARNING)
+    print(f"starting Ray on 127.0.0.1; Ray's and vLLM's logs: {ray_temp_dir()}/session_latest/logs", flush=True)
+    start_local_cluster(serve_proxy_port=args.serve_proxy_port, log_to_driver=args.verbose)
+    if not args.verbose:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     try:
-        stack.start()
-        print(
-            f"\nsluice is serving the tiny model at {stack.url} (HAProxy -> {spec.routers} router(s), "
-            f"policy {spec.policy} -> {spec.replicas} vLLM replicas):"
-        )
-        print(f"  curl -N {stack.url}/v1/chat/completions -H 'content-type: application/json' \\")
-        print(
-            f'    -d \'{{"model": "{SERVED_MODEL_NAME}", "messages": [{{"role": "user", "content": "hi"}}], '
-            '"max_tokens": 32, "stream": true}\''
-        )
-        print(f"  HAProxy metrics: http://127.0.0.1:{spec.prometheus_port}/metrics")
+        if not apply_plan(spec, plan):
+            return 1
+        print("\n".join(serving_lines(spec, plan)))
         print("Ctrl-C stops everything.", flush=True)
         stop.wait()
     finally:
+        # Serve's shutdown deletes every app; HAProxy dies with its frontend replica.
         print("shutting down", flush=True)
-        stack.stop(delete_apps=False)
         stop_local_cluster()
     return 0
 
@@ -197,18 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", default=str(default_model_dir()), help="output folder")
     build.set_defaults(func=_model_build)
 
-    serve = commands.add_parser("serve", help="run the embedded default topology on 127.0.0.1")
-    serve.add_argument("--model", default=str(default_model_dir()))
-    serve.add_argument("--replicas", type=int, default=2)
-    serve.add_argument("--routers", type=int, default=1)
-    serve.add_argument("--policy", default="round_robin", choices=sorted(SETTINGS))
-    serve.add_argument("--port", type=int, default=HAPROXY_PORT_DEFAULT, help="HAProxy's port on 127.0.0.1")
+    serve = commands.add_parser("serve", help="run a team topology (the embedded default) on 127.0.0.1")
+    serve.add_argument("file", nargs="?", default=str(EMBEDDED_SPEC), help="a spec file (default: local-cpu)")
+    serve.add_argument("--replicas", type=int, help="replicas of every model")
+    serve.add_argument("--routers", type=int)
+    serve.add_argument("--policy", choices=sorted(SETTINGS))
+    serve.add_argument("--port", type=int, help=f"HAProxy's port on 127.0.0.1 (spec; {HAPROXY_PORT_DEFAULT})")
     serve.add_argument(
-        "--prometheus-port",
-        type=int,
-        default=HAPROXY_PROMETHEUS_PORT_DEFAULT,
-        help="HAProxy's metrics port on 127.0.0.1",
+        "--prometheus-port", type=int, help=f"HAProxy's metrics port (spec; {HAPROXY_PROMETHEUS_PORT_DEFAULT})"
     )
+    serve.add_argument("--verbose", action="store_true", help="stream Ray's and vLLM's logs here too")
     serve.add_argument("--serve-proxy-port", type=int, default=DEFAULT_SERVE_PROXY_PORT)
     serve.add_argument(
         "--api-key-file", help="require `Authorization: Bearer <key>`: a file of key hashes (sluice api-key new)"

@@ -5,8 +5,11 @@ from __future__ import annotations
 from base.runtime import DEFAULT_SERVE_PROXY_PORT, LOOPBACK, apply_process_env, ray_temp_dir
 
 
-def start_local_cluster(serve_proxy_port: int = DEFAULT_SERVE_PROXY_PORT, num_cpus: int | None = None) -> None:
-    """A fresh local Ray (127.0.0.1, no dashboard) with Serve; replicas bind `LOOPBACK`."""
+def start_local_cluster(
+    serve_proxy_port: int = DEFAULT_SERVE_PROXY_PORT, num_cpus: int | None = None, log_to_driver: bool = True
+) -> None:
+    """A fresh local Ray (127.0.0.1, no dashboard) with Serve; replicas bind `LOOPBACK`. Without `log_to_driver`
+    the workers' logs (vLLM's among them) stay in Ray's log folder."""
     env = apply_process_env()
     import ray
     from ray import serve
@@ -27,7 +30,7 @@ def start_local_cluster(serve_proxy_port: int = DEFAULT_SERVE_PROXY_PORT, num_cp
         _temp_dir=str(ray_temp_dir()),
         num_cpus=num_cpus,
         runtime_env={"env_vars": env},
-        log_to_driver=True,
+        log_to_driver=log_to_driver,
     )
     serve.start(http_options={"host": LOOPBACK, "port": serve_proxy_port})
 

@@ -52,40 +52,72 @@ def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
         return None
 
 
-def deploy(path: str, address: str) -> int:
-    spec, plan = plan_of(path)
-    for model in spec.models:
-        if model.source == TINY_SOURCE:
-            from base.tiny_model import build_tiny_model, is_built
+def ensure_models(spec: Any) -> None:
+    """Build the tiny model if a model of the spec is `tiny` and it is not built yet."""
+    from base.tiny_model import build_tiny_model, is_built
 
-            if not is_built(Path(model_path(TINY_SOURCE))):
-                print("building the tiny model", flush=True)
-                build_tiny_model(Path(model_path(TINY_SOURCE)))
-    _connect(address)
+    if any(model.source == TINY_SOURCE for model in spec.models) and not is_built(Path(model_path(TINY_SOURCE))):
+        print("building the tiny model", flush=True)
+        build_tiny_model(Path(model_path(TINY_SOURCE)))
+
+
+def apply_plan(spec: Any, plan: StackPlan) -> bool:
+    """Deploy the plan's apps in order, showing each one's state, until the frontend has every replica UP."""
     from ray import serve
 
     started = time.monotonic()
+
+    def say(line: str) -> None:
+        print(f"[{time.monotonic() - started:5.1f} s] {line}", flush=True)
+
     for app in plan.apps:
         module, name = app.import_path.split(":")
         builder = getattr(importlib.import_module(module), name)
-        print(f"[{time.monotonic() - started:5.1f} s] {app.name}: deploying", flush=True)
+        say(f"{app.name}: deploying")
         serve.run(builder(app.args), name=app.name, route_prefix=app.route_prefix, blocking=False)
-        print(f"[{time.monotonic() - started:5.1f} s] {app.name}: {serve.status().applications[app.name].status}")
+        say(f"{app.name}: {serve.status().applications[app.name].status.value}")
     replicas = spec.models[0].fixed_replicas
     while time.monotonic() - started < READY_TIMEOUT_S:
         status = _frontend_status(plan)
         if status and status["published"] >= replicas:
-            print(f"[{time.monotonic() - started:5.1f} s] frontend: {replicas} replica(s) UP and published")
-            print(f"\n{spec.team}/{spec.name} is serving at {plan.url}:")
-            print(f"  curl -N {plan.url}/v1/chat/completions -H 'content-type: application/json' \\")
-            served = spec.models[0].name if spec.models[0].source != TINY_SOURCE else SERVED_MODEL_NAME
-            print(
-                f'    -d \'{{"model": "{served}", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}\''
-            )
-            return 0
+            say(f"frontend: {replicas} replica(s) UP in HAProxy and published to the routers")
+            return True
         time.sleep(0.5)
     print(f"the frontend did not have every replica UP within {READY_TIMEOUT_S:.0f} s", file=sys.stderr)
-    return 1
+    return False
+
+
+def serving_lines(spec: Any, plan: StackPlan) -> list[str]:
+    model = spec.models[0]
+    what = "the tiny model" if model.source == TINY_SOURCE else model.name
+    served = SERVED_MODEL_NAME if model.source == TINY_SOURCE else model.name
+    routing = spec.routing.overridden(model.routing)
+    return [
+        f"\nsluice is serving {what} at {plan.url} (HAProxy -> {spec.frontend.routers} router(s), "
+        f"policy {routing.policy} -> {model.fixed_replicas} vLLM replicas):",
+        f"  curl -N {plan.url}/v1/chat/completions -H 'content-type: application/json' \\",
+        f'    -d \'{{"model": "{served}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 32, '
+        '"stream": true}\'',
+        f"  HAProxy metrics: http://127.0.0.1:{spec.frontend.metrics_port}/metrics",
+    ]
+
+
+def delete_plan(plan: StackPlan) -> None:
+    from ray import serve
+
+    for app in reversed(plan.apps):  # the frontend first: nothing is routed to an app that is going away
+        serve.delete(app.name)
+        print(f"deleted {app.name}", flush=True)
+
+
+def deploy(path: str, address: str) -> int:
+    spec, plan = plan_of(path)
+    ensure_models(spec)
+    _connect(address)
+    if not apply_plan(spec, plan):
+        return 1
+    print("\n".join(serving_lines(spec, plan)))
+    return 0
 
 
 def status(path: str, address: str, as_json: bool = False) -> int:
@@ -126,9 +158,5 @@ def status(path: str, address: str, as_json: bool = False) -> int:
 def down(path: str, address: str) -> int:
     _, plan = plan_of(path)
     _connect(address)
-    from ray import serve
-
-    for app in reversed(plan.apps):  # the frontend first: nothing is routed to an app that is going away
-        serve.delete(app.name)
-        print(f"deleted {app.name}")
+    delete_plan(plan)
     return 0

@@ -26,7 +26,7 @@ from infra.api_keys import (
 from infra.frontend_protection import ClientLimits, FrontendProtection, protection_lines
 from infra.haproxy_config import AppRoute, HAProxySettings
 from services.api_key_watcher import ApiKeyWatcher
-from sluice.cli import build_parser, embedded_spec, main
+from sluice.cli import build_parser, main, serve_spec
 
 KEYS_ACL = "/w/api_keys.acl"
 
@@ -197,10 +197,13 @@ def test_the_watcher_applies_changes_and_keeps_the_last_good_list(
     assert watcher.sync_once() and runtime.patterns == [] and watcher.applied == frozenset()
 
 
-def test_serve_flags_turn_keys_and_client_limits_on(tmp_path: Path) -> None:
-    args = build_parser().parse_args(["serve", "--api-key-file", "keys.txt", "--max-client-concurrency", "3"])
-    protection = embedded_spec(args, tmp_path).protection
+def test_serve_flags_apply_over_the_embedded_spec() -> None:
+    argv = ["serve", "--api-key-file", "keys.txt", "--max-client-concurrency", "3", "--port", "9100"]
+    spec = serve_spec(build_parser().parse_args([*argv, "--replicas", "3", "--policy", "power_of_two"]))
+    protection = spec.frontend.protection
     assert protection.api_keys == ApiKeySource(file=Path("keys.txt").resolve())
     assert protection.client_limits.max_concurrent_requests == 3
-    plain = embedded_spec(build_parser().parse_args(["serve"]), tmp_path).protection
-    assert plain.api_keys is None and not plain.client_limits.enabled
+    assert (spec.frontend.port, spec.models[0].replicas, spec.routing.policy) == (9100, 3, "power_of_two")
+    plain = serve_spec(build_parser().parse_args(["serve"]))
+    assert (plain.team, plain.name, plain.models[0].replicas, plain.frontend.port) == ("platform", "local-cpu", 2, 8000)
+    assert plain.frontend.protection.api_keys is None and not plain.frontend.protection.client_limits.enabled
