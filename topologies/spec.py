@@ -202,7 +202,15 @@ def load_spec(path: Path | str) -> OpenAIStack | DataParallelStack | PrefillDeco
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = SpecProblem("", f"{where}not valid YAML ({getattr(error, 'problem', error)})")
         raise SpecError(str(path), [problem]) from None
-    return parse_spec(data, str(path))
+    return parse_spec(_relative_to(data, path.parent), str(path))
+
+
+def _relative_to(data: Any, folder: Path) -> Any:
+    """A key file named by a relative path is relative to the spec file's folder, wherever sluice runs."""
+    keys = data.get("frontend", {}).get("protection", {}).get("api_keys") if isinstance(data, dict) else None
+    if isinstance(keys, dict) and isinstance(keys.get("file"), str) and not Path(keys["file"]).is_absolute():
+        keys["file"] = str((folder / keys["file"]).resolve())
+    return data
 
 
 def engine_problems(spec: StackBase) -> list[SpecProblem]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,31 @@ def test_the_cli_validates_and_prints_the_schema(tmp_path: Path, capsys: pytest.
     schema = json.loads(capsys.readouterr().out)
     jsonschema.Draft202012Validator.check_schema(schema)
     assert set(schema["discriminator"]["mapping"]) == {"openai", "data_parallel", "prefill_decode"}
+
+
+def test_a_relative_key_file_is_relative_to_the_spec(tmp_path: Path) -> None:
+    data = _with("frontend", {"protection": {"api_keys": {"file": "keys/team.txt"}}})
+    (tmp_path / "specs").mkdir()
+    path = tmp_path / "specs" / "stack.yaml"
+    path.write_text(yaml.safe_dump(data))
+    keys = load_spec(path).frontend.protection.api_keys
+    assert keys is not None and keys.file == (tmp_path / "specs" / "keys" / "team.txt").resolve()
+
+
+def _schema_keys(node: Any) -> set[str]:
+    keys: set[str] = set()
+    if isinstance(node, dict):
+        keys |= set(node.get("properties", {}))
+        for value in node.values():
+            keys |= _schema_keys(value)
+    elif isinstance(node, list):
+        for value in node:
+            keys |= _schema_keys(value)
+    return keys
+
+
+def test_the_readme_spec_reference_lists_every_key() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Spec reference") : readme.index("### Ray's direct streaming")]
+    documented = {word for token in re.findall(r"`([^`]+)`", section) for word in re.split(r"[.\[\] ]+", token)}
+    assert _schema_keys(topology_json_schema()) - documented == set()
