@@ -151,22 +151,18 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _deploy(args: argparse.Namespace) -> int:
-    from sluice.deploy import deploy
+def _on_cluster(args: argparse.Namespace) -> int:
+    """`sluice deploy | status | down`: a spec's stack on a running Ray cluster."""
+    from sluice import deploy
+    from topologies.problems import SpecError
 
-    return deploy(args.file, args.address)
-
-
-def _status(args: argparse.Namespace) -> int:
-    from sluice.deploy import status
-
-    return status(args.file, args.address, as_json=args.json)
-
-
-def _down(args: argparse.Namespace) -> int:
-    from sluice.deploy import down
-
-    return down(args.file, args.address)
+    try:
+        if args.command == "status":
+            return deploy.status(args.file, args.address, as_json=args.json)
+        return getattr(deploy, args.command)(args.file, args.address)
+    except (SpecError, deploy.NoClusterError) as error:
+        print(error, file=sys.stderr)
+        return 1
 
 
 def _bench_replica(args: argparse.Namespace) -> int:
@@ -231,17 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     render = commands.add_parser("render", help="a spec's plan as a Serve config (serve deploy, KubeRay)")
     render.add_argument("file")
     render.set_defaults(func=_render)
-    for name, func, help_text in (
-        ("deploy", _deploy, "deploy a spec to a running Ray cluster and return once it serves"),
-        ("status", _status, "a deployed spec's apps, replicas, routers and HAProxy server map"),
-        ("down", _down, "delete a deployed spec's apps (HAProxy goes with the frontend app)"),
+    for name, help_text in (
+        ("deploy", "deploy a spec to a running Ray cluster and return once it serves"),
+        ("status", "a deployed spec's apps, replicas, routers and HAProxy server map, ready or degraded and why"),
+        ("down", "delete a deployed spec's apps (HAProxy goes with the frontend app)"),
     ):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("file")
         command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS or local)")
         if name == "status":
             command.add_argument("--json", action="store_true")
-        command.set_defaults(func=func)
+        command.set_defaults(func=_on_cluster)
 
     api_key = commands.add_parser("api-key", help="team API keys: the key file holds their hashes only")
     api_key_commands = api_key.add_subparsers(dest="api_key_command", required=True)

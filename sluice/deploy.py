@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -20,9 +21,11 @@ import yaml
 from base.runtime import apply_process_env
 from base.tiny_model import SERVED_MODEL_NAME
 from builders.plan import StackPlan, build_plan, model_path, serve_config
+from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND
 from topologies.spec import TINY_SOURCE, load_spec
 
 READY_TIMEOUT_S = 600.0
+GCS_PROBE_TIMEOUT_S = 3.0
 
 
 def plan_of(path: str) -> tuple[Any, StackPlan]:
@@ -36,11 +39,25 @@ def render(path: str) -> str:
     return header + yaml.safe_dump(serve_config(plan), sort_keys=False)
 
 
+class NoClusterError(RuntimeError):
+    pass
+
+
 def _connect(address: str) -> None:
     apply_process_env()
     import ray
 
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        if address != "auto":
+            host, _, port = address.removeprefix("ray://").rpartition(":")
+            # Ray retries an unreachable GCS for a minute; one TCP connect says at once.
+            socket.create_connection((host, int(port)), timeout=GCS_PROBE_TIMEOUT_S).close()
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, OSError, ValueError) as error:
+        raise NoClusterError(
+            f"no Ray cluster at {address!r} ({error}): start one (`ray start --head --node-ip-address 127.0.0.1`) "
+            "and give its address, or run the stack on a local Ray of its own with `sluice serve FILE`"
+        ) from None
 
 
 def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
@@ -120,6 +137,30 @@ def deploy(path: str, address: str) -> int:
     return 0
 
 
+def degraded_reasons(spec: Any, plan: StackPlan, report: dict[str, Any]) -> list[str]:
+    """Why a deployed stack is not ready (none: it is)."""
+    reasons = []
+    for app in plan.apps:
+        state = report["apps"][app.name]["status"]
+        if state != "RUNNING":
+            reasons.append(f"app {app.name} is {state}")
+    llm, router = (report["apps"][app.name]["replicas"] for app in plan.apps[:2])
+    model = spec.models[0]
+    if model.autoscaling is None and len(llm) < model.fixed_replicas:
+        reasons.append(f"{len(llm)} of {model.fixed_replicas} LLM replicas running")
+    frontend = report.get("frontend") or {}
+    if not frontend.get("running"):
+        return [*reasons, "HAProxy is not running"]
+    up = {s["backend"]: 0 for s in frontend["servers"]}
+    for server in frontend["servers"]:
+        up[server["backend"]] = up.get(server["backend"], 0) + (server["status"] == "UP")
+    if up.get(REPLICA_BACKEND, 0) < len(llm):
+        reasons.append(f"HAProxy has {up.get(REPLICA_BACKEND, 0)} of {len(llm)} LLM replicas UP")
+    if up.get(ROUTER_BACKEND, 0) < max(1, len(router)):
+        reasons.append(f"HAProxy has {up.get(ROUTER_BACKEND, 0)} of {max(1, len(router))} routers UP")
+    return reasons
+
+
 def status(path: str, address: str, as_json: bool = False) -> int:
     spec, plan = plan_of(path)
     _connect(address)
@@ -133,12 +174,13 @@ def status(path: str, address: str, as_json: bool = False) -> int:
         state = applications.get(app.name)
         endpoints = asyncio.run(list_replica_endpoints(app.name)) if state is not None else []
         report["apps"][app.name] = {
-            "status": str(state.status) if state is not None else "NOT_DEPLOYED",
+            "status": state.status.value if state is not None else "NOT_DEPLOYED",
             "replicas": [f"{e.replica_id} {e.host}:{e.port}" for e in endpoints],
         }
     report["frontend"] = _frontend_status(plan)
-    ready = report["frontend"] is not None and report["frontend"].get("running", False)
-    report["state"] = "ready" if ready else "degraded: the frontend is not running"
+    reasons = degraded_reasons(spec, plan, report)
+    ready = not reasons
+    report["state"] = "ready" if ready else "degraded: " + "; ".join(reasons)
     if as_json:
         print(json.dumps(report, indent=2))
         return 0 if ready else 1

@@ -15,7 +15,8 @@ from infra.haproxy_config import AppRoute, HAProxySettings, render_config
 from services.frontend_app import FrontendArgs
 from services.llm_config import LLMAppConfig
 from services.router_service import RouterAppArgs
-from sluice.deploy import render
+from sluice.cli import main
+from sluice.deploy import degraded_reasons, render
 from topologies.problems import SpecError
 from topologies.spec import load_spec
 
@@ -66,3 +67,48 @@ def test_what_has_no_builder_yet_is_refused_with_the_reason(name: str, path: str
         build_plan(load_spec(TEAMS / name))
     (problem,) = refused.value.problems
     assert problem.path == path and message in problem.message
+
+
+def _report(plan, llm: int, routers: int, replica_up: int, router_up: int, running: bool = True) -> dict:
+    llm_app, router_app, frontend_app = (app.name for app in plan.apps)
+    servers = [
+        {"backend": "sluice_replicas", "server": f"r{i}", "status": "UP" if i < replica_up else "DOWN"}
+        for i in range(llm)
+    ]
+    servers += [
+        {"backend": "sluice_routers", "server": f"q{i}", "status": "UP" if i < router_up else "DOWN"}
+        for i in range(routers)
+    ]
+    return {
+        "apps": {
+            llm_app: {"status": "RUNNING", "replicas": [f"r{i}" for i in range(llm)]},
+            router_app: {"status": "RUNNING", "replicas": [f"q{i}" for i in range(routers)]},
+            frontend_app: {"status": "RUNNING" if running else "DEPLOY_FAILED", "replicas": []},
+        },
+        "frontend": {"running": running, "servers": servers},
+    }
+
+
+def test_status_says_why_a_stack_is_degraded() -> None:
+    spec = load_spec(TEAMS / "local-cpu.yaml")
+    plan = build_plan(spec)
+    assert degraded_reasons(spec, plan, _report(plan, llm=2, routers=1, replica_up=2, router_up=1)) == []
+    assert degraded_reasons(spec, plan, _report(plan, llm=1, routers=1, replica_up=1, router_up=1)) == [
+        "1 of 2 LLM replicas running"
+    ]
+    assert degraded_reasons(spec, plan, _report(plan, llm=2, routers=1, replica_up=1, router_up=0)) == [
+        "HAProxy has 1 of 2 LLM replicas UP",
+        "HAProxy has 0 of 1 routers UP",
+    ]
+    assert degraded_reasons(spec, plan, _report(plan, 2, 1, 2, 1, running=False)) == [
+        "app platform-local-cpu-frontend is DEPLOY_FAILED",
+        "HAProxy is not running",
+    ]
+
+
+def test_without_a_cluster_the_cli_says_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    # Port 1 on loopback: nothing listens there.
+    assert main(["status", str(TEAMS / "local-cpu.yaml"), "--address", "127.0.0.1:1"]) == 1
+    assert "no Ray cluster at '127.0.0.1:1'" in capsys.readouterr().err
+    assert main(["deploy", str(TEAMS / "two-models-cpu.yaml"), "--address", "127.0.0.1:1"]) == 1
+    assert "models: several models behind one frontend" in capsys.readouterr().err
