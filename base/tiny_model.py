@@ -151,3 +151,11 @@ def build_tiny_model(out: Path) -> Path:
 
 def is_built(path: Path) -> bool:
     return all((path / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def ensure_built(path: Path) -> Path:
+    """The tiny model at `path`, built there first if it is not."""
+    if not is_built(path):
+        print(f"building the tiny model into {path}", flush=True)
+        build_tiny_model(path)
+    return path

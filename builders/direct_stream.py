@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +43,6 @@ from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentCon
 from services.llm_replica import llm_application
 from services.router_service import RouterSettings, router_application
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
-
-# How often the syncer compares HAProxy's servers with Serve's endpoints.
-SYNC_INTERVAL_S = 0.25
 
 
 class DirectStreamSpec(BaseModel):
@@ -164,10 +160,9 @@ class DirectStreamStack:
             router_source=lambda: list_replica_endpoints(spec.router_app),
         )
         self.syncer = syncer
-        tasks = [partial(syncer.run, SYNC_INTERVAL_S)]
-        keys = settings.protection.api_keys
-        if keys is not None and keys.file is not None:
-            self.key_watcher = ApiKeyWatcher(self.runtime, settings, keys)
+        tasks = [syncer.run]
+        self.key_watcher = ApiKeyWatcher.for_settings(self.runtime, settings)
+        if self.key_watcher is not None:
             tasks.append(self.key_watcher.run)
         self._frontend_thread = BackgroundLoop(tasks)
         self._frontend_thread.start()

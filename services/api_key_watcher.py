@@ -52,6 +52,12 @@ class ApiKeyWatcher:
         self._applied = digests
         return True
 
+    @classmethod
+    def for_settings(cls, runtime: RuntimeAPI, settings: HAProxySettings) -> ApiKeyWatcher | None:
+        """The watcher of a frontend whose keys come from a file (an environment variable is read once, at start)."""
+        keys = settings.protection.api_keys
+        return cls(runtime, settings, keys) if keys is not None and keys.file is not None else None
+
     async def run(self, interval_s: float = KEY_FILE_INTERVAL_S) -> None:
         while True:
             try:

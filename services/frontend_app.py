@@ -30,7 +30,6 @@ from services.serve_internals import list_replica_endpoints
 logger = logging.getLogger(__name__)
 
 FRONTEND_DEPLOYMENT_NAME = "Frontend"
-SYNC_INTERVAL_S = 0.25
 # How often the supervisor looks at HAProxy's master process.
 SUPERVISE_INTERVAL_S = 0.2
 FIRST_START_TIMEOUT_S = 30.0
@@ -78,10 +77,10 @@ class FrontendReplica:
                 replica_source=lambda: list_replica_endpoints(self._llm_app),
                 router_source=lambda: list_replica_endpoints(self._router_app),
             )
-            tasks = [asyncio.create_task(self._syncer.run(SYNC_INTERVAL_S))]
-            keys = self._settings.protection.api_keys
-            if keys is not None and keys.file is not None:
-                tasks.append(asyncio.create_task(ApiKeyWatcher(runtime, self._settings, keys).run()))
+            tasks = [asyncio.create_task(self._syncer.run())]
+            watcher = ApiKeyWatcher.for_settings(runtime, self._settings)
+            if watcher is not None:
+                tasks.append(asyncio.create_task(watcher.run()))
             try:
                 while self._running():
                     await asyncio.sleep(SUPERVISE_INTERVAL_S)

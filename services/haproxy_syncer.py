@@ -41,6 +41,8 @@ from infra.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
 from services.serve_internals import ReplicaEndpoint
 
 logger = logging.getLogger(__name__)
+# How often HAProxy's servers are compared with the endpoint sources (and memberships published).
+SYNC_INTERVAL_S = 0.25
 
 EndpointSource = Callable[[], Awaitable[list[ReplicaEndpoint]]]
 # A router that missed a publication (or restarted and lost it) has the set again within this.
@@ -125,7 +127,7 @@ class HAProxySyncer:
         await self._publish(tuple(report.routable))
         return report
 
-    async def run(self, interval_s: float = 0.25) -> None:
+    async def run(self, interval_s: float = SYNC_INTERVAL_S) -> None:
         """Reconcile every `interval_s` until cancelled; a failed pass is logged and retried."""
         while True:
             try:

@@ -23,15 +23,6 @@ def _model_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def ensure_model(path: Path) -> Path:
-    from base.tiny_model import build_tiny_model, is_built
-
-    if not is_built(path):
-        print(f"building the tiny model into {path}", flush=True)
-        build_tiny_model(path)
-    return path
-
-
 def serve_spec(args: argparse.Namespace) -> Any:
     """The spec `sluice serve` runs: the file (the embedded default unless given) with the flags applied over it."""
     import yaml
@@ -166,16 +157,18 @@ def _on_cluster(args: argparse.Namespace) -> int:
 
 
 def _bench_replica(args: argparse.Namespace) -> int:
+    from base.tiny_model import ensure_built
     from sluice.bench import run_replica_bench
 
-    run_replica_bench(ensure_model(Path(args.model)), replicas=args.replicas)
+    run_replica_bench(ensure_built(Path(args.model)), replicas=args.replicas)
     return 0
 
 
 def _bench_direct(args: argparse.Namespace) -> int:
+    from base.tiny_model import ensure_built
     from sluice.bench import run_direct_bench
 
-    run_direct_bench(ensure_model(Path(args.model)))
+    run_direct_bench(ensure_built(Path(args.model)))
     return 0
 
 

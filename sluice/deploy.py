@@ -71,11 +71,10 @@ def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
 
 def ensure_models(spec: Any) -> None:
     """Build the tiny model if a model of the spec is `tiny` and it is not built yet."""
-    from base.tiny_model import build_tiny_model, is_built
+    from base.tiny_model import ensure_built
 
-    if any(model.source == TINY_SOURCE for model in spec.models) and not is_built(Path(model_path(TINY_SOURCE))):
-        print("building the tiny model", flush=True)
-        build_tiny_model(Path(model_path(TINY_SOURCE)))
+    if any(model.source == TINY_SOURCE for model in spec.models):
+        ensure_built(Path(model_path(TINY_SOURCE)))
 
 
 def apply_plan(spec: Any, plan: StackPlan) -> bool:

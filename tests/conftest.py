@@ -12,9 +12,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from base.runtime import default_model_dir  # noqa: E402
-from sluice.cli import ensure_model  # noqa: E402
+from base.tiny_model import ensure_built  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    return ensure_model(default_model_dir())
+    return ensure_built(default_model_dir())

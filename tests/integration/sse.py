@@ -15,6 +15,11 @@ def data_lines(response: httpx.Response) -> list[str]:
     return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
 
 
+def data_payloads(text: str) -> list[str]:
+    """The `data:` payloads of a whole SSE body."""
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+
+
 def chunks(payloads: list[str]) -> list[dict[str, Any]]:
     """Parse every payload but the final `[DONE]`, which must be last and only last."""
     assert payloads and payloads[-1] == DONE, payloads[-3:]

@@ -39,7 +39,7 @@ from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.integration.frontend_contract import assert_frontend_error, assert_refused
 from tests.integration.frontend_metrics import refusal_counts, request_errors
 from tests.integration.raw_http import partial_request, request_head
-from tests.integration.sse import chunks
+from tests.integration.sse import chunks, data_payloads
 from tests.integration.vllm_metrics import engine_requests
 
 pytestmark = pytest.mark.integration
@@ -179,7 +179,7 @@ def test_a_client_over_its_concurrency_limit_does_not_slow_the_others(team: Dire
             body = await response.aread()
             finish = None
             if response.status_code == 200:
-                finish = chunks(data_lines_of(body))[-1]["choices"][0]["finish_reason"]
+                finish = chunks(data_payloads(body.decode()))[-1]["choices"][0]["finish_reason"]
             else:
                 assert_frontend_error(response.status_code, response.headers, body, 429)
             return response.status_code, dict(response.headers), finish
@@ -199,10 +199,6 @@ def test_a_client_over_its_concurrency_limit_does_not_slow_the_others(team: Dire
         else:
             assert finish == "length"
     assert [(status, finish) for status, _, finish in b] == [(200, "length")] * 4
-
-
-def data_lines_of(body: bytes) -> list[str]:
-    return [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
 
 
 def test_without_a_valid_key_nothing_is_routed(team: DirectStreamStack) -> None:

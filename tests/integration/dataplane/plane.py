@@ -108,9 +108,8 @@ def start_plane(
 
     plane.syncer = HAProxySyncer(haproxy.runtime, settings, replica_source, router_source, drain_grace_s=10)
     plane.sync_future = loop.submit(plane.syncer.run(interval_s=0.1))
-    keys = settings.protection.api_keys
-    if keys is not None and keys.file is not None:
-        plane.key_watcher = ApiKeyWatcher(haproxy.runtime, settings, keys)
+    plane.key_watcher = ApiKeyWatcher.for_settings(haproxy.runtime, settings)
+    if plane.key_watcher is not None:
         plane.key_future = loop.submit(plane.key_watcher.run(interval_s=0.2))
     try:
         plane.wait_synced(sync_timeout_s)

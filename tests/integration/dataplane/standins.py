@@ -30,6 +30,7 @@ from base.contracts import (
 from base.route_wire import Membership, RouteRefusal, RouteReply
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
+from tests.integration.sse import data_payloads
 
 APP = "llm"
 LOOPBACK = "127.0.0.1"
@@ -319,10 +320,6 @@ class RouterStandIn(StandIn):
         if mode == "bad_reason":
             return await respond(send, 503, b'{"reason": "Not A Reason!"}', json_type)
         raise AssertionError(f"unknown router mode {mode}")
-
-
-def data_payloads(text: str) -> list[str]:
-    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
 def first_event(response: httpx.Response) -> dict[str, Any]:

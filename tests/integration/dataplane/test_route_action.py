@@ -48,10 +48,10 @@ from tests.integration.dataplane.standins import (
     Recorded,
     assert_fail_closed,
     assert_pinned,
-    data_payloads,
     first_event,
     percentile,
 )
+from tests.integration.sse import data_payloads
 
 pytestmark = pytest.mark.integration
 
