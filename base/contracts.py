@@ -22,6 +22,10 @@ FRONTEND_HEADER = "x-sluice-frontend"
 # Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection.
 RANKED_HEADER = "x-sluice-ranked"
 INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")
+# Names the model of a request on a frontend with several models (read before the internal headers are stripped);
+# without it the frontend reads the body's `model`.
+MODEL_HEADER = "x-sluice-model"
+MODELS_PATH = "/v1/models"
 # Checked by the frontend when a stack turns API keys on, then removed: a replica never sees it.
 AUTHORIZATION_HEADER = "authorization"
 RETRY_AFTER_HEADER = "retry-after"
@@ -53,6 +57,11 @@ PROTECTION_REASONS = {
     429: REASON_CLIENT_LIMIT,
     431: REASON_HEADERS_TOO_LARGE,
 }
+# A frontend with several models refuses a request whose model it cannot tell (before any route call).
+REASON_MODEL_NOT_FOUND = "model_not_found"  # 404: a model this frontend does not serve
+REASON_MODEL_MISSING = "model_missing"  # 400: neither the header nor the body names a model
+REASON_MODEL_BEYOND_BUFFER = "model_beyond_buffer"  # 400: no `model` within the body bytes the frontend reads
+MODEL_REASONS = {REASON_MODEL_NOT_FOUND: 404, REASON_MODEL_MISSING: 400, REASON_MODEL_BEYOND_BUFFER: 400}
 
 # Why the frontend passed over the router's primary (the fallback counter's `reason` label).
 FALLBACK_ABSENT = "absent"  # not (or no longer) in the frontend's server set

@@ -38,7 +38,7 @@ from infra.haproxy_process import HAProxyProcess
 from infra.runtime_api import RuntimeAPI
 from services.api_key_watcher import ApiKeyWatcher
 from services.background_loop import BackgroundLoop
-from services.haproxy_syncer import HAProxySyncer
+from services.haproxy_syncer import AppSources, HAProxySyncer
 from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.llm_replica import llm_application
 from services.router_service import RouterSettings, router_application
@@ -88,14 +88,16 @@ class DirectStreamSpec(BaseModel):
             route_timeout_s=self.route_timeout_s,
             check_inter_s=self.check_inter_s,
             protection=self.protection,
-            app=AppRoute(
-                name=self.app,
-                fail_open=self.fail_open,
-                forward_body=self.forward_body,
-                body_buffer_bytes=self.body_buffer_bytes,
-                session_header=self.session_header,
-                router_route_prefix=self.router_route_prefix,
-            ),
+            apps=[
+                AppRoute(
+                    name=self.app,
+                    fail_open=self.fail_open,
+                    forward_body=self.forward_body,
+                    body_buffer_bytes=self.body_buffer_bytes,
+                    session_header=self.session_header,
+                    router_route_prefix=self.router_route_prefix,
+                )
+            ],
         )
 
 
@@ -153,12 +155,10 @@ class DirectStreamStack:
         settings.workdir.mkdir(parents=True, exist_ok=True)
         self.haproxy = HAProxyProcess(settings).start()
         self.runtime = self.haproxy.runtime
-        syncer = HAProxySyncer(
-            self.runtime,
-            settings,
-            replica_source=lambda: list_replica_endpoints(spec.app),
-            router_source=lambda: list_replica_endpoints(spec.router_app),
+        sources = AppSources(
+            replicas=lambda: list_replica_endpoints(spec.app), routers=lambda: list_replica_endpoints(spec.router_app)
         )
+        syncer = HAProxySyncer(self.runtime, settings, [sources])
         self.syncer = syncer
         tasks = [syncer.run]
         self.key_watcher = ApiKeyWatcher.for_settings(self.runtime, settings)

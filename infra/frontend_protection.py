@@ -28,6 +28,7 @@ from base.contracts import (
     MAX_BODY_BYTES_DEFAULT,
     MAX_HEADER_BYTES_DEFAULT,
     MAX_URL_BYTES_DEFAULT,
+    MODEL_REASONS,
     PROTECTION_REASONS,
     REASON_BODY_TOO_LARGE,
     REASON_CLIENT_LIMIT,
@@ -44,8 +45,12 @@ from infra.haproxy_format import haproxy_time, openai_error_body
 CLIENT_TABLE = "sluice_clients"
 # Refusals by reason, for `sluice_frontend_refusals_total` (a stick table: shared by HAProxy's threads).
 REFUSAL_TABLE = "sluice_refusals"
-# The rules' refusals; a body that is not whole in time gets HAProxy's own 408, after which no rule runs.
-COUNTED_REASONS = tuple(reason for status, reason in PROTECTION_REASONS.items() if status != 408)
+# The rules' refusals (a body that is not whole in time gets HAProxy's own 408, after which no rule runs), and
+# a multi-model frontend's refusals of a request whose model it cannot tell (`infra.haproxy_models`).
+COUNTED_REASONS = (
+    *(reason for status, reason in PROTECTION_REASONS.items() if status != 408),
+    *MODEL_REASONS,
+)
 VAR_CLIENT = "txn.sluice_client"
 # Entries of clients that stopped sending are dropped after this long (at least one rate window).
 CLIENT_IDLE_EXPIRE_S = 60

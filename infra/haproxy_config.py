@@ -54,8 +54,14 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.runtime import LOOPBACK
-from infra.frontend_protection import FrontendProtection, protection_lines, protection_tables
+from infra.frontend_protection import REFUSAL_TABLE, FrontendProtection, protection_lines, protection_tables
 from infra.haproxy_format import haproxy_time, openai_error_body
+from infra.haproxy_models import (
+    MODEL_NAME_PATTERN,
+    capture_model_header_line,
+    model_refusal_lines,
+    models_list_line,
+)
 
 # Names inside the rendered config (HAProxy-internal, not part of the wire contract).
 FRONTEND = "sluice_http"
@@ -72,6 +78,9 @@ VAR_REASON = "txn.sluice_reason"
 VAR_REQUEST_ID = "txn.sluice_request_id"
 VAR_RANK = "txn.sluice_rank"
 VAR_FALLBACK = "txn.sluice_fallback"
+# The pinned replica's app: its replica backend, and the route prefix its replicas serve under.
+VAR_BACKEND = "txn.sluice_backend"
+VAR_PREFIX = "txn.sluice_prefix"
 # Servers of sluice's own (the retry loop) start with "_"; replica and router ids may not.
 RETRY_SERVERS = ("_retry1", "_retry2")
 INTERNAL_SERVER_PREFIX = "_"
@@ -100,11 +109,13 @@ _APP_NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
 
 class AppRoute(BaseModel):
-    """How the frontend routes one app's requests through the router pool."""
+    """How the frontend routes one app's requests through its router pool."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
+    # The served model name that selects this app on a frontend with several apps (`infra.haproxy_models`).
+    model: str | None = None
     # Fail-open: a request the router could not place is load-balanced normally and the response carries
     # `x-serve-fallback: <reason>`. Off by default: fail closed with a 503.
     fail_open: bool = False
@@ -123,6 +134,13 @@ class AppRoute(BaseModel):
         value = value.rstrip("/")
         if value and not re.match(r"^(/[A-Za-z0-9._~-]+)+$", value):
             raise ValueError(f"route prefix {value!r} must look like /name[/name...]")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_name(cls, value: str | None) -> str | None:
+        if value is not None and not MODEL_NAME_PATTERN.match(value):
+            raise ValueError(f"model {value!r} is not a served model name: letters, digits and . _ : / - only")
         return value
 
     @field_validator("name")
@@ -155,7 +173,11 @@ class HAProxySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     workdir: Path
-    app: AppRoute
+    # One app per model; the first also takes GET/HEAD requests that name no model. With several apps, each names
+    # its model and a request's model picks its app.
+    apps: list[AppRoute] = Field(min_length=1)
+    # How much of a body a multi-model frontend searches for the request's `model`.
+    model_lookup_bytes: int = Field(BODY_BUFFER_BYTES_DEFAULT, ge=1024, le=64 * 1024 * 1024)
     bind_host: str = DEFAULT_BIND_HOST
     port: int = Field(HAPROXY_PORT_DEFAULT, ge=1, le=65535)
     prometheus_port: int = Field(HAPROXY_PROMETHEUS_PORT_DEFAULT, ge=1, le=65535)
@@ -194,9 +216,29 @@ class HAProxySettings(BaseModel):
                 raise ValueError(f"unix socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         if self.prometheus_port == self.port:
             raise ValueError("prometheus_port must differ from port")
-        if self.app.forward_body and self.app.body_buffer_bytes > self.protection.max_body_bytes:
-            raise ValueError("body_buffer_bytes (forwarded to the router) may not exceed protection.max_body_bytes")
+        for app in self.apps:
+            if app.forward_body and app.body_buffer_bytes > self.protection.max_body_bytes:
+                raise ValueError(
+                    f"{app.name}: body_buffer_bytes (forwarded to the router) may not exceed protection.max_body_bytes"
+                )
+        names = [app.name for app in self.apps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"app names must be distinct: {names}")
+        if self.multi_model:
+            models = [app.model for app in self.apps]
+            if None in models or len(set(models)) != len(models):
+                raise ValueError(f"with several apps each names a distinct model: {models}")
         return self
+
+    @property
+    def multi_model(self) -> bool:
+        """Whether a request's model picks its app (more than one app)."""
+        return len(self.apps) > 1
+
+    @property
+    def app(self) -> AppRoute:
+        """The first app: the only one of a single-model frontend."""
+        return self.apps[0]
 
     @property
     def config_path(self) -> Path:
@@ -233,6 +275,15 @@ class HAProxySettings(BaseModel):
     def tune_bufsize(self) -> int:
         """Request buffer size: a whole request up to the protection's maxima, plus HAProxy's rewrite reserve."""
         return self.protection.request_bytes() + self.tune_maxrewrite + HEADER_HEADROOM_BYTES
+
+
+def replica_backend(index: int) -> str:
+    """The replica backend of app `index` (the first app's keeps the plain name)."""
+    return REPLICA_BACKEND if index == 0 else f"{REPLICA_BACKEND}_{index}"
+
+
+def router_backend(index: int) -> str:
+    return ROUTER_BACKEND if index == 0 else f"{ROUTER_BACKEND}_{index}"
 
 
 def is_internal_server(name: str) -> bool:
@@ -288,7 +339,7 @@ def _fail_closed_line(reason: str) -> str:
     body = openai_error_body(f"sluice could not route the request: {reason}", 503)
     return (
         f"    http-request return status 503 content-type application/json lf-string '{body}'"
-        f' hdr {SERVE_REASON_HEADER} "{reason}" if {{ var({VAR_REASON}) -m found }}'
+        f' hdr {SERVE_REASON_HEADER} "{reason}" if {{ var({VAR_REASON}) -m found }} !{{ var({VAR_SERVER}) -m found }}'
     )
 
 
@@ -305,10 +356,35 @@ def _rank_header_line() -> str:
     )
 
 
+def _replica_backend_lines(name: str, retry_addr: str) -> list[str]:
+    return [
+        f"backend {name}",
+        "    # Replica servers have weight 0: only a pin reaches them. Load balancing (a redispatch after a refused",
+        "    # connection) can only pick a retry server, which hands the request to the next ranked replica.",
+        "    balance roundrobin",
+        "    retries 1",
+        "    option redispatch 1",
+        *_health_check_lines(),
+        f"    use-server %[var({VAR_SERVER})] if {{ var({VAR_SERVER}) -m found }}",
+        f"    http-response set-header {SERVE_REASON_HEADER} {REASON_REPLICA_ERROR}"
+        f" if {{ status ge 500 }} !{{ res.hdr({SERVE_REASON_HEADER}) -m found }}",
+        *(f"    server {server} {retry_addr}" for server in RETRY_SERVERS),
+        "",
+    ]
+
+
+def _pinned_backend_lines() -> list[str]:
+    """The pinned replica's app backend (the action names it), else the first app's."""
+    return [
+        f"    use_backend %[var({VAR_BACKEND})] if {{ var({VAR_BACKEND}) -m found }}",
+        f"    default_backend {replica_backend(0)}",
+    ]
+
+
 def render_config(settings: HAProxySettings) -> str:
-    """The whole haproxy.cfg for one app."""
-    app = settings.app
+    """The whole haproxy.cfg for the frontend's apps."""
     reason = f"%[var({VAR_REASON})]"
+    served = f"{{ var({VAR_SERVER}) -m found }}"
     retry_addr = f"unix@{settings.retry_socket_path}"
     lines = [
         "# Rendered by infra/haproxy_config.py from base/contracts.py: do not edit by hand.",
@@ -354,11 +430,14 @@ def render_config(settings: HAProxySettings) -> str:
         "",
         f"frontend {FRONTEND}",
         f"    bind {settings.bind_host}:{settings.port}",
-    ]
-    lines += [
         "    unique-id-format %[uuid()]",
-        "    # A client can neither pin a replica nor forge a capacity token.",
     ]
+    if settings.multi_model:
+        lines += [
+            "    # Several models: the client's model header is kept before internal headers go.",
+            capture_model_header_line(),
+        ]
+    lines.append("    # A client can neither pin a replica nor forge a capacity token.")
     lines += [f"    http-request del-header {prefix} -m beg" for prefix in INTERNAL_HEADER_PREFIXES]
     lines += [
         f"    http-request set-header {REQUEST_ID_HEADER} %[unique-id]"
@@ -367,34 +446,26 @@ def render_config(settings: HAProxySettings) -> str:
         f"    http-after-response set-header {REQUEST_ID_HEADER} %[var({VAR_REQUEST_ID})]"
         f" if {{ var({VAR_REQUEST_ID}) -m found }}",
         *protection_lines(settings.protection, str(settings.keys_acl_path)),
-        *(
-            [
-                "    # Replicas serve vLLM's paths under their app's route prefix.",
-                f"    http-request set-path {app.replica_route_prefix}%[path]",
-            ]
-            if app.replica_route_prefix
-            else []
-        ),
-        f"    # Any method but GET/HEAD asks the router pool ({app.name}); GET/HEAD rotate over the routable replicas.",
+    ]
+    if settings.multi_model:
+        lines += ["    # Every model of this frontend.", models_list_line([app.model or "" for app in settings.apps])]
+    lines += [
+        "    # Any method but GET/HEAD asks its app's router pool; GET/HEAD rotate over the app's routable replicas.",
         f"    http-request lua.{LUA_ACTION}",
+        *(model_refusal_lines(VAR_REASON, REFUSAL_TABLE) if settings.multi_model else []),
         "    # Backstop: a request with neither a replica nor a reason (Lua error) fails like an unreachable router.",
         f"    http-request set-var({VAR_REASON}) str({REASON_ROUTER_UNREACHABLE})"
-        f" unless {{ var({VAR_SERVER}) -m found }} || {{ var({VAR_REASON}) -m found }}",
+        f" unless {served} || {{ var({VAR_REASON}) -m found }}",
         _count_fallback_line(),
-    ]
-    if app.fail_open:
-        lines += [
-            "    # Fail open (per-app opt-in): the action rotated over the routable replicas instead; say so.",
-            f"    http-after-response set-header {SERVE_FALLBACK_HEADER} {reason} if {{ var({VAR_REASON}) -m found }}",
-        ]
-    else:
-        lines += [
-            "    # Fail closed: never send a routed request to a replica the router did not rank.",
-            _fail_closed_line(reason),
-        ]
-    lines += [
+        "    # Fail closed: never send a routed request to a replica the router did not rank. An app that fails open",
+        "    # had the action rotate over its routable replicas instead, and the response says why.",
+        _fail_closed_line(reason),
+        f"    http-after-response set-header {SERVE_FALLBACK_HEADER} {reason}"
+        f" if {{ var({VAR_REASON}) -m found }} {served}",
+        "    # Replicas serve vLLM's paths under their app's route prefix.",
+        f"    http-request set-path %[var({VAR_PREFIX})]%[path] if {{ var({VAR_PREFIX}) -m found }}",
         _rank_header_line(),
-        f"    default_backend {REPLICA_BACKEND}",
+        *_pinned_backend_lines(),
         "",
         f"frontend {RETRY_FRONTEND}",
         "    # A request whose pinned replica refused the connection: the next usable replica of its ranked list.",
@@ -403,26 +474,18 @@ def render_config(settings: HAProxySettings) -> str:
         _count_fallback_line(),
         _fail_closed_line(reason),
         _rank_header_line(),
-        f"    default_backend {REPLICA_BACKEND}",
+        *_pinned_backend_lines(),
         "",
-        f"backend {REPLICA_BACKEND}",
-        "    # Replica servers have weight 0: only a pin reaches them. Load balancing (a redispatch after a refused",
-        "    # connection) can only pick a retry server, which hands the request to the next ranked replica.",
-        "    balance roundrobin",
-        "    retries 1",
-        "    option redispatch 1",
-        *_health_check_lines(),
-        f"    use-server %[var({VAR_SERVER})] if {{ var({VAR_SERVER}) -m found }}",
-        f"    http-response set-header {SERVE_REASON_HEADER} {REASON_REPLICA_ERROR}"
-        f" if {{ status ge 500 }} !{{ res.hdr({SERVE_REASON_HEADER}) -m found }}",
     ]
-    lines += [f"    server {name} {retry_addr}" for name in RETRY_SERVERS]
+    for index in range(len(settings.apps)):
+        lines += _replica_backend_lines(replica_backend(index), retry_addr)
+        lines += [
+            f"backend {router_backend(index)}",
+            "    # Health-checked router pool; the Lua action calls the UP ones itself (never proxied to).",
+            *_health_check_lines(),
+            "",
+        ]
     lines += [
-        "",
-        f"backend {ROUTER_BACKEND}",
-        "    # Health-checked router pool; the Lua action calls the UP ones itself (never proxied to).",
-        *_health_check_lines(),
-        "",
         f"backend {FALLBACK_TABLE}",
         "    # Requests served past the router's primary, by why the primary was passed over.",
         f"    stick-table type string len 32 size {len(FALLBACK_REASONS) * 4} store http_req_cnt",

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 # OpenAI's error types by status; anything else is a server error.
 ERROR_TYPES = {
+    400: "invalid_request_error",
     401: "authentication_error",
     408: "invalid_request_error",
+    404: "invalid_request_error",
     413: "invalid_request_error",
     414: "invalid_request_error",
     429: "rate_limit_error",

@@ -1,7 +1,8 @@
 """The Lua route action of the HAProxy data plane, rendered from `base.contracts` and the settings.
 
-The action asks a router for its ranked replicas (`core.tcp` to the UP router servers), then pins the request to
-the first one the frontend can route to, or fails closed with a reason; a second action pins the next ranked
+The action finds the request's app (on a frontend with several models, by the model it names), asks one of that
+app's routers for its ranked replicas (`core.tcp` to the UP router servers), then pins the request to the first one
+the frontend can route to, or fails closed with a reason; a second action pins the next ranked
 replica when the pinned one refused the connection. See `infra.haproxy_config` for the config around them.
 """
 
@@ -21,7 +22,11 @@ from base.contracts import (
     FALLBACK_REASONS,
     FALLBACK_REFUSED,
     FRONTEND_HEADER,
+    MODEL_HEADER,
     RANKED_HEADER,
+    REASON_MODEL_BEYOND_BUFFER,
+    REASON_MODEL_MISSING,
+    REASON_MODEL_NOT_FOUND,
     REASON_REPLICA_UNAVAILABLE,
     REASON_ROUTER_NON_200,
     REASON_ROUTER_UNREACHABLE,
@@ -42,14 +47,17 @@ from infra.haproxy_config import (
     LUA_RETRY_ACTION,
     LUA_TOKEN_PATTERN,
     MAX_ID_LENGTH,
-    REPLICA_BACKEND,
-    ROUTER_BACKEND,
+    VAR_BACKEND,
     VAR_FALLBACK,
+    VAR_PREFIX,
     VAR_RANK,
     VAR_REASON,
     VAR_SERVER,
     HAProxySettings,
+    replica_backend,
+    router_backend,
 )
+from infra.haproxy_models import MODEL_JSON_PATH, VAR_ERROR, VAR_MODEL
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS
 
 
@@ -75,16 +83,47 @@ def _wire_field(model: type[BaseModel], name: str) -> str:
     return _lua_str(name)
 
 
+def _lua_apps(settings: HAProxySettings) -> str:
+    """The frontend's apps as a Lua array of tables (what the action needs to route each app's requests)."""
+    entries = []
+    for index, app in enumerate(settings.apps):
+        fields = {
+            "name": _lua_str(app.name),
+            "replica_backend": _lua_str(replica_backend(index)),
+            "router_backend": _lua_str(router_backend(index)),
+            "route_path": _lua_str(app.router_route_prefix + ROUTE_PATH),
+            "prefix": _lua_str(app.replica_route_prefix),
+            "session_header": _lua_str(app.session_header),
+            "forward_body": _lua_bool(app.forward_body),
+            "fail_open": _lua_bool(app.fail_open),
+            "body_buffer_bytes": str(app.body_buffer_bytes),
+        }
+        if app.model is not None:
+            fields["model"] = _lua_str(app.model)
+        entries.append("    {" + ", ".join(f"{key} = {value}" for key, value in fields.items()) + "},")
+    return "{\n" + "\n".join(entries) + "\n}"
+
+
 # The Lua source with `$placeholders` for every constant (string.Template; `$$` is a literal `$`).
 LUA_TEMPLATE = Template((Path(__file__).with_name("sluice_route.lua.tmpl")).read_text())
 
 
 def render_lua(settings: HAProxySettings) -> str:
     """The Lua route action, with every constant rendered in from the contracts and the settings."""
-    app = settings.app
     return LUA_TEMPLATE.substitute(
         route_path=ROUTE_PATH,
-        route_path_lua=_lua_str(app.router_route_prefix + ROUTE_PATH),
+        apps=_lua_apps(settings),
+        model_lookup_bytes=str(settings.model_lookup_bytes),
+        model_json_path=_lua_str(MODEL_JSON_PATH),
+        served_models=_lua_str(", ".join(app.model or app.name for app in settings.apps)),
+        model_header=_lua_str(MODEL_HEADER),
+        var_model=_lua_str(VAR_MODEL),
+        var_error=_lua_str(VAR_ERROR),
+        var_backend=_lua_str(VAR_BACKEND),
+        var_prefix=_lua_str(VAR_PREFIX),
+        reason_model_not_found=_lua_str(REASON_MODEL_NOT_FOUND),
+        reason_model_missing=_lua_str(REASON_MODEL_MISSING),
+        reason_model_beyond_buffer=_lua_str(REASON_MODEL_BEYOND_BUFFER),
         var_server=VAR_SERVER,
         var_reason=VAR_REASON,
         ranked_header=RANKED_HEADER,
@@ -92,20 +131,13 @@ def render_lua(settings: HAProxySettings) -> str:
         route_connect_timeout_s=repr(float(min(settings.route_connect_timeout_s, settings.route_timeout_s))),
         # Until the health check has had time to mark a dead router down.
         suspect_s=repr(float(settings.check_inter_s + settings.check_fall * settings.check_fastinter_s)),
-        app_name=_lua_str(app.name),
         frontend_id=_lua_str(settings.frontend_id),
         app_header=_lua_str(APP_HEADER),
         frontend_header=_lua_str(FRONTEND_HEADER),
-        session_header=_lua_str(app.session_header),
         request_id_header=_lua_str(REQUEST_ID_HEADER),
         body_truncated_header=_lua_str(BODY_TRUNCATED_HEADER),
         capacity_token_header=_lua_str(CAPACITY_TOKEN_HEADER),
         ranked_header_lua=_lua_str(RANKED_HEADER),
-        forward_body=_lua_bool(app.forward_body),
-        fail_open=_lua_bool(app.fail_open),
-        body_buffer_bytes=str(app.body_buffer_bytes),
-        router_backend=_lua_str(ROUTER_BACKEND),
-        replica_backend=_lua_str(REPLICA_BACKEND),
         fallback_table=_lua_str(FALLBACK_TABLE),
         internal_server_prefix=_lua_str(INTERNAL_SERVER_PREFIX),
         var_server_lua=_lua_str(VAR_SERVER),

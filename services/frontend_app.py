@@ -24,7 +24,7 @@ from infra.haproxy_config import HAProxySettings, is_internal_server
 from infra.haproxy_process import HAProxyProcess, HAProxyStartError
 from services.api_key_watcher import ApiKeyWatcher
 from services.background_loop import BackgroundLoop
-from services.haproxy_syncer import HAProxySyncer
+from services.haproxy_syncer import AppSources, HAProxySyncer
 from services.serve_internals import list_replica_endpoints
 
 logger = logging.getLogger(__name__)
@@ -35,14 +35,23 @@ SUPERVISE_INTERVAL_S = 0.2
 FIRST_START_TIMEOUT_S = 30.0
 
 
+class ServedApp(BaseModel):
+    """The Serve apps behind one of the frontend's apps: its LLM replicas and its routers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    llm_app: str
+    router_app: str
+
+
 class FrontendArgs(BaseModel):
     """What `build_frontend_application` takes from a Serve config's `args`."""
 
     model_config = ConfigDict(extra="forbid")
 
     stack: str  # names the frontend's working folder
-    llm_app: str
-    router_app: str
+    # In the order of `haproxy.apps`.
+    apps: list[ServedApp]
     # HAProxySettings without `workdir` (chosen on the node the replica runs on).
     haproxy: dict[str, Any]
 
@@ -50,7 +59,7 @@ class FrontendArgs(BaseModel):
 class FrontendReplica:
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = FrontendArgs.model_validate(args)
-        self._llm_app, self._router_app = parsed.llm_app, parsed.router_app
+        self._apps = parsed.apps
         self._settings = HAProxySettings(workdir=cache_dir() / f"frontend-{parsed.stack}", **parsed.haproxy)
         self._settings.workdir.mkdir(parents=True, exist_ok=True)
         self._haproxy: HAProxyProcess | None = None
@@ -71,12 +80,7 @@ class FrontendReplica:
             self._haproxy = await self._start_haproxy()
             self._first_start.set()
             runtime = self._haproxy.runtime
-            self._syncer = HAProxySyncer(
-                runtime,
-                self._settings,
-                replica_source=lambda: list_replica_endpoints(self._llm_app),
-                router_source=lambda: list_replica_endpoints(self._router_app),
-            )
+            self._syncer = HAProxySyncer(runtime, self._settings, [_sources(app) for app in self._apps])
             tasks = [asyncio.create_task(self._syncer.run())]
             watcher = ApiKeyWatcher.for_settings(runtime, self._settings)
             if watcher is not None:
@@ -122,7 +126,8 @@ class FrontendReplica:
             "worker_pid": self._haproxy.worker_pid,
             "restarts": self.restarts,
             "url": f"http://{self._settings.bind_host}:{self._settings.port}",
-            "published": self._syncer.published_replicas() if self._syncer is not None else 0,
+            # Per app: how many replicas all its routers were last told about.
+            "published": [app.published_replicas() for app in self._syncer.apps] if self._syncer is not None else [],
             "servers": servers,
         }
 
@@ -133,6 +138,12 @@ class FrontendReplica:
         haproxy = getattr(self, "_haproxy", None)
         if haproxy is not None:
             haproxy.stop(grace_s=1)
+
+
+def _sources(app: ServedApp) -> AppSources:
+    return AppSources(
+        replicas=lambda: list_replica_endpoints(app.llm_app), routers=lambda: list_replica_endpoints(app.router_app)
+    )
 
 
 def build_frontend_application(args: dict[str, Any]) -> Application:

@@ -7,13 +7,16 @@ pins nothing new to it; its in-flight streams go on) and deleted once it holds n
 grace (`shutdown sessions`, then `del server`). A replica on a new address under the same id is moved in
 place (`set server addr`). Routers get the same treatment.
 
-One membership truth: after each pass the syncer publishes, to every router replica, the replica ids this
-frontend can route to now — in its server set, UP, not leaving (`Membership`, `POST <prefix>/internal/membership`),
-when that set changes and every `PUBLISH_HEARTBEAT_S`. A replica joins it only once HAProxy's health checks have
-it UP (a new server starts DOWN instead of being assumed UP; the stats of a pass are read before its additions),
-and leaves it in the same pass that puts it in maintenance, so a router names it for at most one publication round
-trip after; the Lua action walks the router's ranked list past any replica it cannot route to, so that moment
-costs no request either.
+A frontend with several apps (one per model) has a replica backend and a router pool per app; each is kept the
+same way, from its own sources.
+
+One membership truth: after each pass the syncer publishes, to every router replica of each app, the ids of that
+app's replicas this frontend can route to now — in its server set, UP, not leaving (`Membership`,
+`POST <prefix>/internal/membership`), when that set changes and every `PUBLISH_HEARTBEAT_S`. A replica joins it
+only once HAProxy's health checks have it UP (a new server starts DOWN instead of being assumed UP; the stats of a
+pass are read before its additions), and leaves it in the same pass that puts it in maintenance, so a router names
+it for at most one publication round trip after; the Lua action walks the router's ranked list past any replica it
+cannot route to, so that moment costs no request either.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import httpx
 from base.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
 from base.route_wire import Membership
 from infra.haproxy_config import (
-    REPLICA_BACKEND,
-    ROUTER_BACKEND,
     SERVER_NAME_PATTERN,
+    AppRoute,
     HAProxySettings,
     is_internal_server,
+    replica_backend,
     replica_server_options,
+    router_backend,
     router_server_options,
 )
 from infra.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
@@ -63,7 +67,13 @@ class SyncReport:
     left: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # ids that cannot name an HAProxy server
-    routable: list[str] = field(default_factory=list)  # replica ids published to the routers
+    # Per app (in the settings' order): the replica ids published to its routers.
+    routable_by_app: list[list[str]] = field(default_factory=list)
+
+    @property
+    def routable(self) -> list[str]:
+        """The first app's routable replicas (a single-model frontend's only app)."""
+        return self.routable_by_app[0]
 
     @property
     def changed(self) -> bool:
@@ -87,44 +97,72 @@ class ServerPool:
         return [name for name, m in self.members.items() if m.leaving_since is not None]
 
 
+@dataclass
+class AppSources:
+    """Where one app's replica and router endpoints come from (e.g. `list_replica_endpoints` of its Serve apps)."""
+
+    replicas: EndpointSource
+    routers: EndpointSource
+
+
+class AppPools:
+    """One app's servers in HAProxy (its replica backend and router pool) and what its routers were last told."""
+
+    def __init__(self, index: int, app: AppRoute, sources: AppSources, settings: HAProxySettings) -> None:
+        self.app = app
+        self.sources = sources
+        self.replicas = ServerPool(replica_backend(index), replica_server_options(settings))
+        self.routers = ServerPool(router_backend(index), router_server_options(settings))
+        # Router id -> (the set last published to it, when).
+        self.published: dict[str, tuple[tuple[str, ...], float]] = {}
+
+    def published_replicas(self) -> int:
+        """How many replicas every live router has last been told about (0 while one has been told nothing)."""
+        live = self.routers.live
+        if not live or any(name not in self.published for name in live):
+            return 0
+        return min(len(self.published[name][0]) for name in live)
+
+
 def _same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:
     return (a.host, a.port) == (b.host, b.port)
 
 
+Endpoints = list[tuple[list[ReplicaEndpoint], list[ReplicaEndpoint]]]
+
+
 class HAProxySyncer:
-    """Reconciles HAProxy's servers with `replica_source()` and `router_source()` (e.g. `list_replica_endpoints`)
-    and publishes the routable replicas to the routers."""
+    """Reconciles each app's HAProxy servers with its sources (`sources[i]` for `settings.apps[i]`) and publishes
+    each app's routable replicas to that app's routers."""
 
     def __init__(
         self,
         runtime: RuntimeAPI,
         settings: HAProxySettings,
-        replica_source: EndpointSource,
-        router_source: EndpointSource,
+        sources: list[AppSources],
         drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if len(sources) != len(settings.apps):
+            raise ValueError(f"{len(sources)} endpoint sources for {len(settings.apps)} apps")
         self.runtime = runtime
         self.settings = settings
-        self.replica_source = replica_source
-        self.router_source = router_source
         self.drain_grace_s = drain_grace_s
         self.clock = clock
-        self.replicas = ServerPool(REPLICA_BACKEND, replica_server_options(settings))
-        self.routers = ServerPool(ROUTER_BACKEND, router_server_options(settings))
+        self.apps = [
+            AppPools(i, app, src, settings) for i, (app, src) in enumerate(zip(settings.apps, sources, strict=True))
+        ]
         self._adopted = False
-        # Router id -> (the set last published to it, when).
-        self._published: dict[str, tuple[tuple[str, ...], float]] = {}
         self._publish_failing: set[str] = set()
         self._refused_logged: set[str] = set()
 
     async def sync_once(self) -> SyncReport:
         """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is (the error
         propagates)."""
-        replicas = await self.replica_source()
-        routers = await self.router_source()
-        report = await asyncio.to_thread(self._sync, replicas, routers)
-        await self._publish(tuple(report.routable))
+        endpoints = [(await app.sources.replicas(), await app.sources.routers()) for app in self.apps]
+        report = await asyncio.to_thread(self._sync, endpoints)
+        for app, routable in zip(self.apps, report.routable_by_app, strict=True):
+            await self._publish(app, tuple(routable))
         return report
 
     async def run(self, interval_s: float = SYNC_INTERVAL_S) -> None:
@@ -139,20 +177,24 @@ class HAProxySyncer:
             await asyncio.sleep(interval_s)
 
     # Blocking part (runs in a worker thread; the runtime API is a unix socket round trip per command).
-    def _sync(self, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint]) -> SyncReport:
+    def _sync(self, endpoints: Endpoints) -> SyncReport:
         stats = self.runtime.show_stat()
         if not self._adopted:
-            self._adopt(stats, replicas, routers)
+            self._adopt(stats, endpoints)
             self._adopted = True
         report = SyncReport()
-        for pool, endpoints in ((self.replicas, replicas), (self.routers, routers)):
-            self._sync_pool(pool, endpoints, stats, report)
-        # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
-        report.routable = sorted(
-            name
-            for name in self.replicas.live
-            if (stat := stats.get((REPLICA_BACKEND, name))) is not None and stat.confirmed_up
-        )
+        for app, (replicas, routers) in zip(self.apps, endpoints, strict=True):
+            for pool, wanted in ((app.replicas, replicas), (app.routers, routers)):
+                self._sync_pool(pool, wanted, stats, report)
+            # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
+            backend = app.replicas.backend
+            report.routable_by_app.append(
+                sorted(
+                    name
+                    for name in app.replicas.live
+                    if (stat := stats.get((backend, name))) is not None and stat.confirmed_up
+                )
+            )
         return report
 
     def _sync_pool(
@@ -221,17 +263,17 @@ class HAProxySyncer:
             pool.members[name] = Member(endpoint)
             report.added.append(name)
 
-    def _adopt(
-        self,
-        stats: dict[tuple[str, str], ServerStat],
-        replicas: list[ReplicaEndpoint],
-        routers: list[ReplicaEndpoint],
-    ) -> None:
+    def _adopt(self, stats: dict[tuple[str, str], ServerStat], endpoints: Endpoints) -> None:
         """Take over what an earlier syncer left in this HAProxy: a server that is live under its name and address
         is kept, any other is treated as leaving (deleted once idle)."""
         now = self.clock()
-        for pool, endpoints in ((self.replicas, replicas), (self.routers, routers)):
-            wanted = {e.replica_id: e for e in endpoints}
+        pools = [
+            (pool, wanted)
+            for app, (replicas, routers) in zip(self.apps, endpoints, strict=True)
+            for pool, wanted in ((app.replicas, replicas), (app.routers, routers))
+        ]
+        for pool, endpoints_of_pool in pools:
+            wanted = {e.replica_id: e for e in endpoints_of_pool}
             for (backend, name), stat in stats.items():
                 if backend != pool.backend or is_internal_server(name):
                     continue
@@ -245,19 +287,21 @@ class HAProxySyncer:
             if pool.members:
                 logger.info("adopted %s servers: %s", pool.backend, sorted(pool.members))
 
-    async def _publish(self, routable: tuple[str, ...]) -> None:
-        """Send the routable set to every live router that lacks it or is due a heartbeat."""
+    async def _publish(self, app: AppPools, routable: tuple[str, ...]) -> None:
+        """Send the app's routable set to every live router of the app that lacks it or is due a heartbeat."""
         now = self.clock()
-        live = self.routers.live
-        due = [endpoint for name, endpoint in live.items() if self._due(name, routable, now)]
-        for name in self._published.keys() - live.keys():
-            del self._published[name]
+        live = app.routers.live
+        due = [endpoint for name, endpoint in live.items() if self._due(app, name, routable, now)]
+        for name in app.published.keys() - live.keys():
+            del app.published[name]
         if not due:
             return
         body = Membership(frontend=self.settings.frontend_id, replica_ids=list(routable)).model_dump_json()
+        url_path = app.app.router_route_prefix + MEMBERSHIP_PATH
         async with httpx.AsyncClient(timeout=PUBLISH_TIMEOUT_S) as client:
             results = await asyncio.gather(
-                *(self._publish_to(client, endpoint, body) for endpoint in due), return_exceptions=True
+                *(self._publish_to(client, f"{endpoint.url}{url_path}", body) for endpoint in due),
+                return_exceptions=True,
             )
         for endpoint, result in zip(due, results, strict=True):
             name = endpoint.replica_id
@@ -267,20 +311,19 @@ class HAProxySyncer:
                 self._publish_failing.add(name)
                 continue
             self._publish_failing.discard(name)
-            self._published[name] = (routable, now)
+            app.published[name] = (routable, now)
 
     def published_replicas(self) -> int:
-        """How many replicas every live router has last been told about (0 while one has been told nothing)."""
-        live = self.routers.live
-        if not live or any(name not in self._published for name in live):
-            return 0
-        return min(len(self._published[name][0]) for name in live)
+        """The fewest replicas any app's live routers have all been told about (0 while one has been told
+        nothing)."""
+        return min(app.published_replicas() for app in self.apps)
 
-    def _due(self, router: str, routable: tuple[str, ...], now: float) -> bool:
-        last = self._published.get(router)
+    @staticmethod
+    def _due(app: AppPools, router: str, routable: tuple[str, ...], now: float) -> bool:
+        last = app.published.get(router)
         return last is None or last[0] != routable or now - last[1] >= PUBLISH_HEARTBEAT_S
 
-    async def _publish_to(self, client: httpx.AsyncClient, router: ReplicaEndpoint, body: str) -> None:
-        url = f"{router.url}{self.settings.app.router_route_prefix}{MEMBERSHIP_PATH}"
+    @staticmethod
+    async def _publish_to(client: httpx.AsyncClient, url: str, body: str) -> None:
         response = await client.post(url, content=body, headers={"content-type": "application/json"})
         response.raise_for_status()

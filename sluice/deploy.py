@@ -19,9 +19,7 @@ from typing import Any
 import yaml
 
 from base.runtime import apply_process_env
-from base.tiny_model import SERVED_MODEL_NAME
-from builders.plan import StackPlan, build_plan, model_path, serve_config
-from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND
+from builders.plan import PlannedModel, StackPlan, build_plan, model_path, serve_config
 from topologies.spec import TINY_SOURCE, load_spec
 
 READY_TIMEOUT_S = 600.0
@@ -92,25 +90,30 @@ def apply_plan(spec: Any, plan: StackPlan) -> bool:
         say(f"{app.name}: deploying")
         serve.run(builder(app.args), name=app.name, route_prefix=app.route_prefix, blocking=False)
         say(f"{app.name}: {serve.status().applications[app.name].status.value}")
-    replicas = spec.models[0].fixed_replicas
+    wanted = [model.min_replicas for model in plan.models]
     while time.monotonic() - started < READY_TIMEOUT_S:
         status = _frontend_status(plan)
-        if status and status["published"] >= replicas:
-            say(f"frontend: {replicas} replica(s) UP in HAProxy and published to the routers")
-            return True
+        if status and len(status["published"]) == len(wanted):
+            if all(published >= n for published, n in zip(status["published"], wanted, strict=True)):
+                for model in plan.models:
+                    say(f"frontend: {model.name}: {model.min_replicas} replica(s) UP and published to its routers")
+                return True
         time.sleep(0.5)
     print(f"the frontend did not have every replica UP within {READY_TIMEOUT_S:.0f} s", file=sys.stderr)
     return False
 
 
 def serving_lines(spec: Any, plan: StackPlan) -> list[str]:
-    model = spec.models[0]
-    what = "the tiny model" if model.source == TINY_SOURCE else model.name
-    served = SERVED_MODEL_NAME if model.source == TINY_SOURCE else model.name
-    routing = spec.routing.overridden(model.routing)
+    lines = [f"\nsluice is serving at {plan.url}:"]
+    for model, planned in zip(spec.models, plan.models, strict=True):
+        what = " (the tiny model)" if model.source == TINY_SOURCE else ""
+        lines.append(
+            f"  {planned.name}{what}: HAProxy -> {planned.routers} router(s), policy {planned.policy} -> "
+            f"{planned.min_replicas} vLLM replica(s)"
+        )
+    served = plan.models[0].name
     return [
-        f"\nsluice is serving {what} at {plan.url} (HAProxy -> {spec.frontend.routers} router(s), "
-        f"policy {routing.policy} -> {model.fixed_replicas} vLLM replicas):",
+        *lines,
         f"  curl -N {plan.url}/v1/chat/completions -H 'content-type: application/json' \\",
         f'    -d \'{{"model": "{served}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 32, '
         '"stream": true}\'',
@@ -143,21 +146,32 @@ def degraded_reasons(spec: Any, plan: StackPlan, report: dict[str, Any]) -> list
         state = report["apps"][app.name]["status"]
         if state != "RUNNING":
             reasons.append(f"app {app.name} is {state}")
-    llm, router = (report["apps"][app.name]["replicas"] for app in plan.apps[:2])
-    model = spec.models[0]
-    if model.autoscaling is None and len(llm) < model.fixed_replicas:
-        reasons.append(f"{len(llm)} of {model.fixed_replicas} LLM replicas running")
+    several = len(plan.models) > 1
+    for model in plan.models:
+        llm = report["apps"][model.llm_app]["replicas"]
+        if len(llm) < model.min_replicas:
+            reasons.append(f"{_of(model, several)}{len(llm)} of {model.min_replicas} LLM replicas running")
     frontend = report.get("frontend") or {}
     if not frontend.get("running"):
         return [*reasons, "HAProxy is not running"]
-    up = {s["backend"]: 0 for s in frontend["servers"]}
+    up: dict[str, int] = {}
     for server in frontend["servers"]:
         up[server["backend"]] = up.get(server["backend"], 0) + (server["status"] == "UP")
-    if up.get(REPLICA_BACKEND, 0) < len(llm):
-        reasons.append(f"HAProxy has {up.get(REPLICA_BACKEND, 0)} of {len(llm)} LLM replicas UP")
-    if up.get(ROUTER_BACKEND, 0) < max(1, len(router)):
-        reasons.append(f"HAProxy has {up.get(ROUTER_BACKEND, 0)} of {max(1, len(router))} routers UP")
+    for model in plan.models:
+        llm, routers = (len(report["apps"][app]["replicas"]) for app in (model.llm_app, model.router_app))
+        if up.get(model.replica_backend, 0) < llm:
+            reasons.append(
+                f"{_of(model, several)}HAProxy has {up.get(model.replica_backend, 0)} of {llm} LLM replicas UP"
+            )
+        if up.get(model.router_backend, 0) < max(1, routers):
+            reasons.append(
+                f"{_of(model, several)}HAProxy has {up.get(model.router_backend, 0)} of {max(1, routers)} routers UP"
+            )
     return reasons
+
+
+def _of(model: PlannedModel, several: bool) -> str:
+    return f"{model.name}: " if several else ""
 
 
 def status(path: str, address: str, as_json: bool = False) -> int:
@@ -184,6 +198,11 @@ def status(path: str, address: str, as_json: bool = False) -> int:
         print(json.dumps(report, indent=2))
         return 0 if ready else 1
     print(f"{report['stack']}: {report['state']}")
+    for model in plan.models:
+        print(
+            f"  model {model.name}: policy {model.policy}, apps {model.llm_app} + {model.router_app}, "
+            f"HAProxy backends {model.replica_backend} + {model.router_backend}"
+        )
     for name, app_report in report["apps"].items():
         print(f"  app {name}: {app_report['status']}")
         for replica in app_report["replicas"]:

@@ -22,8 +22,6 @@ from services.llm_config import EngineArgValue
 
 # Names that become Serve app names, HAProxy identifiers and metric labels.
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-# A served model name as OpenAI clients send it (e.g. "meta-llama/Llama-3.1-8B-Instruct").
-SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}$")
 
 
 class Section(BaseModel):

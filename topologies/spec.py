@@ -19,11 +19,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
+from infra.haproxy_models import MODEL_NAME_PATTERN
 from services.llm_config import EngineConfig
 from topologies.problems import SpecError, SpecProblem, pydantic_problems
 from topologies.sections import (
     NAME_PATTERN,
-    SERVED_NAME_PATTERN,
     EngineArgs,
     Frontend,
     Routing,
@@ -46,7 +46,7 @@ class ModelBase(Section):
     @field_validator("name")
     @classmethod
     def _served_name(cls, value: str) -> str:
-        if not SERVED_NAME_PATTERN.match(value):
+        if not MODEL_NAME_PATTERN.match(value):
             raise ValueError(f"{value!r} is not a served model name: letters, digits and . _ : / - only")
         return value
 

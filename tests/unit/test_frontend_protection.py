@@ -99,7 +99,7 @@ def test_without_keys_clients_are_source_addresses_and_without_limits_nothing_is
 
 def test_the_request_buffer_holds_the_largest_request_allowed(tmp_path: Path) -> None:
     protection = FrontendProtection(max_body_bytes=1_000_000, max_header_bytes=20_000, max_url_bytes=4_000)
-    settings = HAProxySettings(workdir=tmp_path, app=AppRoute(name="llm"), protection=protection)
+    settings = HAProxySettings(workdir=tmp_path, apps=[AppRoute(name="llm")], protection=protection)
     assert settings.tune_bufsize - settings.tune_maxrewrite > 1_024_000
     with pytest.raises(ValidationError, match="window_s"):
         FrontendProtection(client_limits=ClientLimits(max_requests_per_window=5, window_s=120))
@@ -176,7 +176,7 @@ def test_the_watcher_applies_changes_and_keeps_the_last_good_list(
     keys.write_text(key_hash_line("a") + "\n")
     settings = HAProxySettings(
         workdir=tmp_path / "w",
-        app=AppRoute(name="llm"),
+        apps=[AppRoute(name="llm")],
         protection=FrontendProtection(api_keys=ApiKeySource(file=keys)),
     )
     settings.workdir.mkdir()

@@ -27,12 +27,12 @@ from infra.haproxy_config import (
 from infra.haproxy_lua import LUA_TEMPLATE, render_lua
 from infra.haproxy_process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
 from infra.runtime_api import RuntimeAPIError, ServerStat
-from services.haproxy_syncer import HAProxySyncer
+from services.haproxy_syncer import AppSources, HAProxySyncer
 from services.serve_internals import ReplicaEndpoint
 
 
 def settings(tmp_path: Path, **app: object) -> HAProxySettings:
-    return HAProxySettings(workdir=tmp_path, app=AppRoute(name="llm", **app), port=18000, prometheus_port=18404)
+    return HAProxySettings(workdir=tmp_path, apps=[AppRoute(name="llm", **app)], port=18000, prometheus_port=18404)
 
 
 # Constants the data plane must carry, and where each must appear. Router-side reasons (`no_replica`
@@ -77,7 +77,7 @@ def protected_settings(tmp_path: Path) -> HAProxySettings:
         client_limits=ClientLimits(max_concurrent_requests=4, max_requests_per_window=50),
     )
     return HAProxySettings(
-        workdir=tmp_path / "w", app=AppRoute(name="llm"), port=18000, prometheus_port=18404, protection=protection
+        workdir=tmp_path / "w", apps=[AppRoute(name="llm")], port=18000, prometheus_port=18404, protection=protection
     )
 
 
@@ -101,18 +101,17 @@ def test_every_header_constant_is_rendered_or_stripped() -> None:
 def test_constants_come_from_contracts(tmp_path: Path, fail_open: bool) -> None:
     s = settings(tmp_path, fail_open=fail_open)
     config, lua = render_config(s), render_lua(s)
-    for name, value in CONFIG_CONSTANTS.items():
-        if name == "SERVE_FALLBACK_HEADER" and not fail_open:
-            assert f"set-header {value} " not in config, name
-        else:
-            assert value in config, name
+    for value in CONFIG_CONSTANTS.values():
+        assert value in config, value
+    # The fallback header is rendered for every frontend; the action serves a failed route only for a fail-open app.
+    assert f"fail_open = {'true' if fail_open else 'false'}" in lua
     for name, value in LUA_CONSTANTS.items():
         assert f'"{value}"' in lua, name
     for prefix in contracts.INTERNAL_HEADER_PREFIXES:
         assert f"http-request del-header {prefix} -m beg" in config
     assert f"local ROUTE_TIMEOUT_S = {float(contracts.ROUTE_TIMEOUT_S_DEFAULT)!r}" in lua
     assert f"bind 127.0.0.1:{contracts.HAPROXY_PORT_DEFAULT}" in render_config(
-        HAProxySettings(workdir=tmp_path, app=AppRoute(name="x"))
+        HAProxySettings(workdir=tmp_path, apps=[AppRoute(name="x")])
     )
 
 
@@ -204,35 +203,35 @@ def test_frontend_pieces(tmp_path: Path) -> None:
     assert bufsize - maxrewrite > contracts.MAX_BODY_BYTES_DEFAULT + contracts.MAX_HEADER_BYTES_DEFAULT
 
 
-def test_fail_open_has_no_503_but_a_fallback_header(tmp_path: Path) -> None:
+def test_a_failed_route_gets_503_unless_a_fail_open_app_pinned_a_replica_anyway(tmp_path: Path) -> None:
     config = render_config(settings(tmp_path, fail_open=True))
-    public = config[config.index("frontend sluice_http") : config.index("frontend sluice_retry")]
-    assert "http-request return status 503" not in public
-    # Only when every candidate refused the connection: nothing is left to serve it.
-    assert "http-request return status 503" in config[config.index("frontend sluice_retry") :]
-    assert "http-after-response set-header x-serve-fallback %[var(txn.sluice_reason)]" in config
+    public = config[config.index("frontend sluice_http") : config.index("frontend sluice_retry")].splitlines()
+    (fail_closed,) = [line for line in public if "return status 503" in line]
+    assert fail_closed.endswith("{ var(txn.sluice_reason) -m found } !{ var(txn.sluice_server) -m found }")
+    (fallback,) = [line for line in public if "set-header x-serve-fallback %[var(txn.sluice_reason)]" in line]
+    assert fallback.endswith("{ var(txn.sluice_reason) -m found } { var(txn.sluice_server) -m found }")
 
 
 def test_body_forwarding_sends_the_buffered_prefix(tmp_path: Path) -> None:
     lua = render_lua(settings(tmp_path, forward_body=True, body_buffer_bytes=100_000))
-    assert "local FORWARD_BODY = true" in lua and "local BODY_BUFFER_BYTES = 100000" in lua
-    assert "local FORWARD_BODY = false" in render_lua(settings(tmp_path))
+    assert "forward_body = true" in lua and "body_buffer_bytes = 100000" in lua
+    assert "forward_body = false" in render_lua(settings(tmp_path))
     with pytest.raises(ValidationError, match="may not exceed protection.max_body_bytes"):
         HAProxySettings(
             workdir=tmp_path,
-            app=AppRoute(name="llm", forward_body=True, body_buffer_bytes=100_000),
+            apps=[AppRoute(name="llm", forward_body=True, body_buffer_bytes=100_000)],
             protection=FrontendProtection(max_body_bytes=50_000),
         )
 
 
 def test_custom_session_header_and_timeout(tmp_path: Path) -> None:
     app = AppRoute(name="chat", session_header="X-Conversation", router_route_prefix="/router/")
-    s = HAProxySettings(workdir=tmp_path, app=app, route_timeout_s=1.5)
+    s = HAProxySettings(workdir=tmp_path, apps=[app], route_timeout_s=1.5)
     lua = render_lua(s)
-    assert f'local ROUTE_PATH = "/router{contracts.ROUTE_PATH}"' in lua
-    assert f'local ROUTE_PATH = "{contracts.ROUTE_PATH}"' in render_lua(settings(tmp_path))
-    assert 'local SESSION_HEADER = "x-conversation"' in lua
-    assert 'local APP_NAME = "chat"' in lua
+    assert f'route_path = "/router{contracts.ROUTE_PATH}"' in lua
+    assert f'route_path = "{contracts.ROUTE_PATH}"' in render_lua(settings(tmp_path))
+    assert 'session_header = "x-conversation"' in lua
+    assert '{name = "chat", ' in lua
     assert "local ROUTE_TIMEOUT_S = 1.5" in lua
 
 
@@ -261,9 +260,9 @@ def test_settings_refuse_bad_values(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="route prefix"):
         AppRoute(name="a", router_route_prefix="router path")
     with pytest.raises(ValidationError, match="longer than"):
-        HAProxySettings(workdir=tmp_path / ("d" * 120), app=AppRoute(name="a"))
+        HAProxySettings(workdir=tmp_path / ("d" * 120), apps=[AppRoute(name="a")])
     with pytest.raises(ValidationError):
-        HAProxySettings(workdir=tmp_path, app=AppRoute(name="a"), port=9000, prometheus_port=9000)
+        HAProxySettings(workdir=tmp_path, apps=[AppRoute(name="a")], port=9000, prometheus_port=9000)
 
 
 @pytest.mark.parametrize(
@@ -275,7 +274,7 @@ def test_settings_refuse_bad_values(tmp_path: Path) -> None:
     ],
 )
 def test_haproxy_accepts_the_rendered_config(tmp_path: Path, app: AppRoute) -> None:
-    s = HAProxySettings(workdir=tmp_path, app=app, port=18000, prometheus_port=18404)
+    s = HAProxySettings(workdir=tmp_path, apps=[app], port=18000, prometheus_port=18404)
     write_files(s)
     assert "Configuration file is valid" in check_config(s)
 
@@ -349,10 +348,8 @@ def make_syncer(
     tmp_path: Path, runtime: FakeRuntime, live: list, routers: list, now: list[float], grace: float = 30
 ) -> HAProxySyncer:
     s = settings(tmp_path)
-    syncer = HAProxySyncer(
-        runtime, s, lambda: _value(list(live)), lambda: _value(list(routers)), drain_grace_s=grace, clock=lambda: now[0]
-    )
-    return syncer
+    sources = AppSources(replicas=lambda: _value(list(live)), routers=lambda: _value(list(routers)))
+    return HAProxySyncer(runtime, s, [sources], drain_grace_s=grace, clock=lambda: now[0])
 
 
 def test_syncer_adds_retires_and_deletes_servers_by_replica_id(tmp_path: Path) -> None:
@@ -416,7 +413,7 @@ def test_syncer_drain_grace_moved_replica_and_adoption(tmp_path: Path) -> None:
     again = make_syncer(tmp_path, runtime, live, routers, [8.0])
     report = asyncio.run(again.sync_once())
     assert not report.changed and report.routable == ["b"]
-    assert set(again.replicas.live) == {"b"} and set(again.routers.live) == {"r"}
+    assert set(again.apps[0].replicas.live) == {"b"} and set(again.apps[0].routers.live) == {"r"}
 
 
 def test_syncer_refuses_ids_that_cannot_name_a_server(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from builders.plan import build_plan, serve_config
-from infra.haproxy_config import AppRoute, HAProxySettings, render_config
+from infra.haproxy_config import HAProxySettings
+from infra.haproxy_lua import render_lua
 from services.frontend_app import FrontendArgs
 from services.llm_config import LLMAppConfig
 from services.router_service import RouterAppArgs
@@ -34,12 +35,12 @@ def test_a_one_model_stack_renders_to_a_valid_serve_config(name: str) -> None:
     engine = LLMAppConfig.model_validate(llm["args"])
     assert RouterAppArgs.model_validate(router["args"]).settings.target_app == llm["name"]
     args = FrontendArgs.model_validate(frontend["args"])
-    assert (args.llm_app, args.router_app, frontend["route_prefix"]) == (llm["name"], router["name"], None)
-    route = AppRoute.model_validate(args.haproxy["app"])
+    (served,) = args.apps
+    assert (served.llm_app, served.router_app, frontend["route_prefix"]) == (llm["name"], router["name"], None)
+    (route,) = HAProxySettings(workdir=Path("/tmp/x"), **args.haproxy).apps
     assert route.replica_route_prefix == llm["route_prefix"] and route.router_route_prefix == router["route_prefix"]
     # The frontend prepends the LLM app's route prefix: its replicas serve vLLM's paths under it.
-    config = render_config(HAProxySettings(workdir=Path("/tmp/x"), **args.haproxy))
-    assert f"http-request set-path {llm['route_prefix']}%[path]" in config
+    assert f'prefix = "{llm["route_prefix"]}"' in render_lua(HAProxySettings(workdir=Path("/tmp/x"), **args.haproxy))
     spec = load_spec(TEAMS / name)
     assert engine.engine.served_model_name == spec.models[0].name
     assert engine.deployment.max_ongoing_requests == spec.models[0].max_ongoing_requests
@@ -54,10 +55,42 @@ def test_autoscaling_and_gpus_reach_the_serve_options() -> None:
     assert serve_config(plan)["applications"][0]["name"] == "assistants-chat-8b-llm"
 
 
+def test_two_models_get_their_own_apps_and_policies_behind_one_frontend() -> None:
+    spec = load_spec(TEAMS / "two-models-cpu.yaml")
+    plan = build_plan(spec)
+    config = serve_config(plan)
+    names = [app["name"] for app in config["applications"]]
+    assert names == [
+        "platform-two-models-cpu-tiny-chat-llm",
+        "platform-two-models-cpu-tiny-chat-router",
+        "platform-two-models-cpu-tiny-code-llm",
+        "platform-two-models-cpu-tiny-code-router",
+        "platform-two-models-cpu-frontend",
+    ]
+    policies = [RouterAppArgs.model_validate(app["args"]).settings.policy for app in config["applications"][1:4:2]]
+    assert policies == ["round_robin", "consistent_hash"] == [model.policy for model in plan.models]
+    args = FrontendArgs.model_validate(config["applications"][-1]["args"])
+    settings = HAProxySettings(workdir=Path("/tmp/x"), **args.haproxy)
+    assert [app.model for app in settings.apps] == ["tiny-chat", "tiny-code"] and settings.multi_model
+    assert settings.model_lookup_bytes == spec.routing.body_buffer_bytes
+    assert [(a.llm_app, a.router_app) for a in args.apps] == [(m.llm_app, m.router_app) for m in plan.models]
+    assert [m.replica_backend for m in plan.models] == ["sluice_replicas", "sluice_replicas_1"]
+
+
+def test_models_whose_app_names_would_collide_are_refused() -> None:
+    spec = load_spec(TEAMS / "two-models-cpu.yaml")
+    clash = spec.model_copy(
+        update={"models": [spec.models[0], spec.models[1].model_copy(update={"name": "Tiny/Chat"})]}
+    )
+    with pytest.raises(SpecError) as refused:
+        build_plan(clash)
+    (problem,) = refused.value.problems
+    assert problem.path == "models[1].name" and "same app names as models[0]" in problem.message
+
+
 @pytest.mark.parametrize(
     ("name", "path", "message"),
     [
-        ("two-models-cpu.yaml", "models", "several models behind one frontend"),
         ("gpu-data-parallel.yaml", "kind", "data_parallel stacks have no builder yet"),
         ("gpu-prefill-decode.yaml", "kind", "prefill_decode stacks have no builder yet"),
     ],
@@ -70,7 +103,7 @@ def test_what_has_no_builder_yet_is_refused_with_the_reason(name: str, path: str
 
 
 def _report(plan, llm: int, routers: int, replica_up: int, router_up: int, running: bool = True) -> dict:
-    llm_app, router_app, frontend_app = (app.name for app in plan.apps)
+    llm_app, router_app, frontend_app = (app.name for app in plan.apps)  # a one-model plan
     servers = [
         {"backend": "sluice_replicas", "server": f"r{i}", "status": "UP" if i < replica_up else "DOWN"}
         for i in range(llm)
@@ -110,5 +143,5 @@ def test_without_a_cluster_the_cli_says_what_to_do(capsys: pytest.CaptureFixture
     # Port 1 on loopback: nothing listens there.
     assert main(["status", str(TEAMS / "local-cpu.yaml"), "--address", "127.0.0.1:1"]) == 1
     assert "no Ray cluster at '127.0.0.1:1'" in capsys.readouterr().err
-    assert main(["deploy", str(TEAMS / "two-models-cpu.yaml"), "--address", "127.0.0.1:1"]) == 1
-    assert "models: several models behind one frontend" in capsys.readouterr().err
+    assert main(["deploy", str(TEAMS / "gpu-data-parallel.yaml"), "--address", "127.0.0.1:1"]) == 1
+    assert "kind: data_parallel stacks have no builder yet" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from infra.haproxy_config import AppRoute, HAProxySettings
 from infra.haproxy_process import HAProxyProcess, pid_alive
 from infra.runtime_api import RuntimeAPI
 from services.api_key_watcher import ApiKeyWatcher
-from services.haproxy_syncer import HAProxySyncer, ServerPool
+from services.haproxy_syncer import AppSources, HAProxySyncer, ServerPool
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
 from tests.integration.dataplane.standins import (
@@ -61,7 +61,10 @@ class Plane:
     def synced(self) -> bool:
         """HAProxy serves exactly the sources, every server UP, and nothing is left over from earlier members."""
         stats = self.runtime.show_stat()
-        for pool, endpoints in ((self.syncer.replicas, self.replicas), (self.syncer.routers, self.routers)):
+        for pool, endpoints in (
+            (self.syncer.apps[0].replicas, self.replicas),
+            (self.syncer.apps[0].routers, self.routers),
+        ):
             if set(pool.members) != {e.replica_id for e in endpoints}:
                 return False
             if not all((s := stats.get((pool.backend, e.replica_id))) and s.up for e in endpoints):
@@ -89,7 +92,7 @@ def start_plane(
 ) -> Plane:
     settings = HAProxySettings(
         workdir=workdir,
-        app=app,
+        apps=[app],
         port=free_port(),
         prometheus_port=free_port(),
         route_timeout_s=ROUTE_TIMEOUT_S,
@@ -106,7 +109,8 @@ def start_plane(
     async def router_source() -> list[ReplicaEndpoint]:
         return list(plane.routers)
 
-    plane.syncer = HAProxySyncer(haproxy.runtime, settings, replica_source, router_source, drain_grace_s=10)
+    sources = [AppSources(replicas=replica_source, routers=router_source)]
+    plane.syncer = HAProxySyncer(haproxy.runtime, settings, sources, drain_grace_s=10)
     plane.sync_future = loop.submit(plane.syncer.run(interval_s=0.1))
     plane.key_watcher = ApiKeyWatcher.for_settings(haproxy.runtime, settings)
     if plane.key_watcher is not None:

@@ -68,7 +68,7 @@ def test_no_usable_ranked_replica_fails_closed_with_the_primarys_reason(env: Env
     assert_fail_closed(client.post(CHAT_PATH, json={}), REASON_UNKNOWN_REPLICA_ID)
     env.r2.healthy = False
     try:
-        wait_until(lambda: env.plane.status(env.plane.syncer.replicas, "r2").startswith("DOWN"), what="r2 DOWN")
+        wait_until(lambda: env.plane.status(env.plane.syncer.apps[0].replicas, "r2").startswith("DOWN"), what="r2 DOWN")
         env.behavior.ranked = ["r2", "ghost"]
         assert_fail_closed(client.post(CHAT_PATH, json={}), REASON_REPLICA_UNAVAILABLE)
         # A DOWN primary with a usable fallback: the fallback serves, counted as `down`.
@@ -124,7 +124,7 @@ def test_a_stopped_primary_still_in_the_frontend_is_served_by_the_fallback_at_on
     env: Env, quiet_plane: tuple[Plane, list[TinyReplica]]
 ) -> None:
     plane, (first, second, third) = quiet_plane
-    pool = plane.syncer.replicas
+    pool = plane.syncer.apps[0].replicas
     before = fallback_counts(plane)
     env.behavior.ranked = [first.name, second.name, third.name]
     with httpx.Client(base_url=plane.url, timeout=10) as client:

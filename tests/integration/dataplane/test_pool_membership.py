@@ -40,7 +40,7 @@ def test_no_router_in_the_pool(env: Env, client: httpx.Client) -> None:
     saved = list(plane.routers)
     plane.routers.clear()
     try:
-        wait_until(lambda: not plane.syncer.routers.members, what="no router")
+        wait_until(lambda: not plane.syncer.apps[0].routers.members, what="no router")
         start = time.monotonic()
         response = client.post(CHAT_PATH, json={"events": 1})
         assert_fail_closed(response, REASON_ROUTER_UNREACHABLE)
@@ -56,7 +56,7 @@ def test_replica_that_fails_its_health_check_is_not_pinned(env: Env, client: htt
     plane, r2 = env.plane, env.r2
     r2.healthy = False
     try:
-        wait_until(lambda: plane.status(plane.syncer.replicas, "r2").startswith("DOWN"), what="r2 DOWN")
+        wait_until(lambda: plane.status(plane.syncer.apps[0].replicas, "r2").startswith("DOWN"), what="r2 DOWN")
         # The syncer stops publishing r2 to the routers.
         wait_until(lambda: plane.published(env.behavior) == ["r1"], what="r2 unpublished")
         env.behavior.replica_ids = ["r2"]
@@ -84,7 +84,9 @@ def test_killed_router_does_not_fail_requests(env: Env, client: httpx.Client) ->
                 assert_pinned(response, env.behavior)
         assert not failures
         # HAProxy's health check takes the dead router out; requests never waited on it.
-        wait_until(lambda: plane.status(plane.syncer.routers, killed.name).startswith("DOWN"), what="router DOWN")
+        wait_until(
+            lambda: plane.status(plane.syncer.apps[0].routers, killed.name).startswith("DOWN"), what="router DOWN"
+        )
         calls = len(env.behavior.calls)
         for _ in range(10):
             assert_pinned(client.post(CHAT_PATH, json={}), env.behavior)
@@ -96,7 +98,7 @@ def test_killed_router_does_not_fail_requests(env: Env, client: httpx.Client) ->
 
 def test_syncer_adds_and_retires_replicas_under_streams_without_reload(env: Env) -> None:
     plane, r1 = env.plane, env.r1
-    runtime, pool = plane.runtime, plane.syncer.replicas
+    runtime, pool = plane.runtime, plane.syncer.apps[0].replicas
     info_before = runtime.show_info()
     master_pid = plane.haproxy.pid
     started = time.monotonic()

@@ -170,7 +170,7 @@ def test_client_cannot_pin_a_replica_or_forge_internal_headers(env: Env, client:
         APP_HEADER: "evil",
         SERVE_REASON_HEADER: "fake",
         "X-Serve-Fallback": "fake",
-        RANKED_HEADER: "0|1=r2",
+        RANKED_HEADER: "1/0|1=r2",
     }
     for _ in range(4):
         response = client.post(CHAT_PATH, json={"events": 1}, headers=forged)
@@ -178,7 +178,7 @@ def test_client_cannot_pin_a_replica_or_forge_internal_headers(env: Env, client:
         received = Recorded("POST", CHAT_PATH, [tuple(h) for h in first_event(response)["headers"]], b"")
         assert received.header(CAPACITY_TOKEN_HEADER) == "tok-from-router"
         # The frontend's own ranked list goes along (a retry needs it), never the client's.
-        assert received.header(RANKED_HEADER) == "0|"
+        assert received.header(RANKED_HEADER) == "1/0|"  # app 1 (the only one), rank 0, nothing left
         leaked = [
             k
             for k, _ in received.headers
