@@ -8,10 +8,14 @@ Shape of the rendered config:
 - frontend `sluice_http` on bind_host:port: strips client-sent internal headers (`x-serve-*`, `x-sluice-*`),
   sets `x-request-id` when the client sent none (echoed on every response, HAProxy's own errors included),
   refuses what would hold or starve a replica (`infra.frontend_protection`: timeouts, sizes, per-client limits,
-  API keys) and waits for the whole body, then runs the Lua action: any method but GET/HEAD asks a router for
-  its ranked replicas; the action pins the request to the first of them the frontend can route to
-  (`x-serve-fallback-rank: k` when that is not the primary) or fails closed with a reason. GET/HEAD rotate
-  over the routable replicas without a router.
+  API keys) and waits for the whole body, then runs the Lua action. The action finds the request's app (the only
+  one, or on a frontend with several models the app of the model it names: `infra.haproxy_models`); any method
+  but GET/HEAD asks one of that app's routers for its ranked replicas and pins the request to the first of them
+  the frontend can route to (`x-serve-fallback-rank: k` when that is not the primary) or fails closed with a
+  reason. GET/HEAD rotate over the app's routable replicas without a router. The request then goes to its
+  app's replica backend, under the app's route prefix.
+- per app, a replica backend and a router backend (`replica_backend(i)`, `router_backend(i)`; the first app's
+  have the plain names below):
 - backend `sluice_replicas`: one server per replica, named by its replica id, added and deleted at run time
   through the runtime API (no slot limit, no reload), health-checked on `GET /-/healthz` and marked DOWN at the
   first failed connection (`observe layer4`). Replica servers have weight 0: HAProxy never load-balances to
