@@ -145,3 +145,24 @@ def test_without_a_cluster_the_cli_says_what_to_do(capsys: pytest.CaptureFixture
     assert "no Ray cluster at '127.0.0.1:1'" in capsys.readouterr().err
     assert main(["deploy", str(TEAMS / "gpu-data-parallel.yaml"), "--address", "127.0.0.1:1"]) == 1
     assert "kind: data_parallel stacks have no builder yet" in capsys.readouterr().err
+
+
+def test_status_names_the_model_whose_backends_are_short() -> None:
+    spec = load_spec(TEAMS / "two-models-cpu.yaml")
+    plan = build_plan(spec)
+    chat, code = plan.models
+    apps = {app.name: {"status": "RUNNING", "replicas": []} for app in plan.apps}
+    apps[chat.llm_app]["replicas"], apps[chat.router_app]["replicas"] = ["c1"], ["cr"]
+    apps[code.llm_app]["replicas"], apps[code.router_app]["replicas"] = ["k1"], ["kr"]
+    servers = [
+        {"backend": chat.replica_backend, "server": "c1", "status": "UP"},
+        {"backend": chat.router_backend, "server": "cr", "status": "UP"},
+        {"backend": code.replica_backend, "server": "k1", "status": "DOWN"},
+        {"backend": code.router_backend, "server": "kr", "status": "UP"},
+    ]
+    report = {"apps": apps, "frontend": {"running": True, "servers": servers}}
+    assert degraded_reasons(spec, plan, report) == ["tiny-code: HAProxy has 0 of 1 LLM replicas UP"]
+    servers[2]["status"] = "UP"
+    assert degraded_reasons(spec, plan, report) == []
+    apps[chat.llm_app]["replicas"] = []
+    assert degraded_reasons(spec, plan, report) == ["tiny-chat: 0 of 1 LLM replicas running"]
