@@ -20,7 +20,7 @@ from tests.integration.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 
-URL = re.compile(r"serving the tiny model at (http://127\.0\.0\.1:\d+) ")
+URL = re.compile(r"sluice is serving at (http://127\.0\.0\.1:\d+):")
 
 
 def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) -> str:
