@@ -13,6 +13,8 @@ from base.tiny_model import SERVED_MODEL_NAME
 from services.serve_internals import SERVE_SHUTDOWN_BUFFER_S
 
 EngineArgValue = str | int | float | bool
+# The defaults that only suit this machine's CPUs: a replica with GPUs leaves them to vLLM (unless a spec sets them).
+CPU_ONLY_DEFAULTS = ("max_model_len", "max_num_seqs", "dtype", "enforce_eager", "kv_cache_memory_bytes")
 # The LLM deployment's default name. Routers find the deployment's capacity ledger by this name
 # (`ledger_actor_name(app, deployment)`), so the router's default target must be the same.
 LLM_DEPLOYMENT_NAME = "LLMReplica"
@@ -22,19 +24,20 @@ MIN_DRAIN_GRACE_S = DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + SERVE_SHUTDOWN_BUFFER
 
 class EngineConfig(BaseModel):
     """vLLM engine arguments. Named fields are the ones sluice relies on; `extra_args` passes any
-    other `vllm serve` flag through vLLM's own argument parser (so vLLM validates it)."""
+    other `vllm serve` flag through vLLM's own argument parser (so vLLM validates it). The defaults are this
+    machine's CPU facts; None leaves a setting to vLLM (what a GPU replica wants: `CPU_ONLY_DEFAULTS`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str
     served_model_name: str = SERVED_MODEL_NAME
-    max_model_len: int = Field(1024, gt=0)
-    max_num_seqs: int = Field(64, gt=0)
-    dtype: str = "bfloat16"
+    max_model_len: int | None = Field(1024, gt=0)
+    max_num_seqs: int | None = Field(64, gt=0)
+    dtype: str | None = "bfloat16"
     # CPU facts (DESIGN.md §5): compiled mode costs +40 s at start and its cache reload fails.
-    enforce_eager: bool = True
+    enforce_eager: bool | None = True
     # A small KV cache: the VM's memory node reports ~9 GiB, so vLLM's default does not fit.
-    kv_cache_memory_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    kv_cache_memory_bytes: int | None = Field(64 * 1024 * 1024, gt=0)
     seed: int = 0
     # Named `tool_choice` needs a tool parser; the tiny model speaks ChatML + Hermes tool tags.
     tool_call_parser: str | None = "hermes"
@@ -54,7 +57,7 @@ class EngineConfig(BaseModel):
 
     def cli_args(self) -> list[str]:
         """The `vllm serve` command line these settings stand for."""
-        named: dict[str, EngineArgValue] = {
+        named: dict[str, EngineArgValue | None] = {
             "model": self.model,
             "served-model-name": self.served_model_name,
             "max-model-len": self.max_model_len,
@@ -71,6 +74,8 @@ class EngineConfig(BaseModel):
         named.update({k.replace("_", "-"): v for k, v in self.extra_args.items()})
         args: list[str] = []
         for flag, value in named.items():
+            if value is None:
+                continue
             if isinstance(value, bool):
                 if value:
                     args.append(f"--{flag}")
@@ -101,6 +106,8 @@ class ReplicaDeploymentConfig(BaseModel):
     # Routers of this deployment take capacity tokens (capacity_queue): the replica releases each
     # request's token when the request ends (services.capacity_release). Not a Serve option.
     capacity_ledger: bool = False
+    # Replicas scheduled (and restarted) together as one gang of this size: `num_replicas` counts gangs.
+    gang_size: int | None = Field(None, ge=2)
 
     def serve_options(self) -> dict[str, Any]:
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -111,6 +118,11 @@ class ReplicaDeploymentConfig(BaseModel):
         scaling: dict[str, Any] = (
             {"autoscaling_config": dict(self.autoscaling)} if self.autoscaling else {"num_replicas": self.num_replicas}
         )
+        if self.gang_size is not None:
+            scaling = {
+                "num_replicas": self.num_replicas * self.gang_size,
+                "gang_scheduling_config": {"gang_size": self.gang_size},
+            }
         return {
             "name": self.name,
             **scaling,
@@ -122,11 +134,34 @@ class ReplicaDeploymentConfig(BaseModel):
         }
 
 
+class DataParallelEngine(BaseModel):
+    """vLLM data parallelism of a replica: `in_engine`, the replica runs `size` engine ranks behind one server;
+    `ranks`, the replica is one rank of a gang of `size` replicas (its rank from Serve's gang context)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["in_engine", "ranks"]
+    size: int = Field(ge=2, le=64)
+
+
+class PrefillDecodeRole(BaseModel):
+    """The replica's side of a prefill/decode pair; a decode replica runs each request's prefill on the prefill
+    replica the router chose, then decodes locally from the transferred KV blocks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["prefill", "decode"]
+    # Decode only: when the prefill call fails, prefill locally (marked in a header) instead of an error.
+    local_prefill_fallback: bool = False
+
+
 class LLMAppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: EngineConfig
     deployment: ReplicaDeploymentConfig = Field(default_factory=ReplicaDeploymentConfig)
+    data_parallel: DataParallelEngine | None = None
+    prefill_decode: PrefillDecodeRole | None = None
 
     def rollout_version(self) -> str:
         """Serve's version of the deployment: everything but `num_replicas`, and the sluice release.

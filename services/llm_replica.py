@@ -69,6 +69,12 @@ def llm_deployment(config: LLMAppConfig) -> Deployment:
 
 
 def llm_application(config: LLMAppConfig) -> Application:
+    ranks = config.data_parallel is not None and config.data_parallel.mode == "ranks"
+    if config.prefill_decode is not None or ranks:
+        raise NotImplementedError(
+            "prefill/decode and data-parallel `ranks` replicas have no runtime yet (issue 10): "
+            "`sluice render` shows their Serve config, nothing deploys them"
+        )
     return llm_deployment(config).bind(config.model_dump())
 
 

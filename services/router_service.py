@@ -105,21 +105,43 @@ MEMBERSHIP_UPDATES_TOTAL = Counter(
 )
 
 
-class RouterSettings(BaseModel):
-    """What one router app routes to and how."""
+class PolicyChoice(BaseModel):
+    """A routing policy and its kwargs, checked against the policy's own settings."""
 
     model_config = ConfigDict(extra="forbid")
+
+    policy: str = "round_robin"
+    policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _policy_kwargs(self) -> PolicyChoice:
+        # PolicyConfigError is a ValueError: pydantic reports its message as the validation error.
+        validate_settings(self.policy, self.policy_kwargs)
+        return self
+
+
+class PrefillTarget(PolicyChoice):
+    """Prefill/decode: the prefill app a router also chooses from for every request, with its own policy."""
+
+    app: str = Field(min_length=1)
+    deployment: str = LLM_DEPLOYMENT_NAME
+    capacity: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
+    policy: str = "power_of_two"
+
+
+class RouterSettings(PolicyChoice):
+    """What one router app routes to and how."""
 
     target_app: str = Field(min_length=1)
     target_deployment: str = LLM_DEPLOYMENT_NAME
     # The target deployment's `max_ongoing_requests`: each replica's capacity in the views.
     target_capacity: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
-    policy: str = "round_robin"
-    policy_kwargs: dict[str, Any] = Field(default_factory=dict)
     session_header: str = SESSION_HEADER_DEFAULT
     refresh_interval_s: float = Field(0.25, gt=0)
     # How long the tracker counts a decision as in flight (the router never sees completions).
     forget_after_s: float = Field(2.0, gt=0)
+    # Prefill/decode: the prefill side, chosen with the decode replica.
+    prefill: PrefillTarget | None = None
 
     @field_validator("session_header")
     @classmethod
@@ -127,12 +149,6 @@ class RouterSettings(BaseModel):
         if not re.fullmatch(r"[A-Za-z0-9-]+", value):
             raise ValueError(f"invalid header name {value!r}")
         return value.lower()
-
-    @model_validator(mode="after")
-    def _policy_kwargs(self) -> RouterSettings:
-        # PolicyConfigError is a ValueError: pydantic reports its message as the validation error.
-        validate_settings(self.policy, self.policy_kwargs)
-        return self
 
 
 def build_policy(settings: RouterSettings, ledger: LedgerClient | None = None) -> RoutingPolicy:
@@ -330,6 +346,8 @@ def router_application(settings: RouterSettings, num_replicas: int = 1) -> Appli
     wait to be scheduled behind the replicas it routes to."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if settings.prefill is not None:
+        raise NotImplementedError("a router that also chooses a prefill replica has no runtime yet (issue 10)")
     deployment = serve.deployment(RouterReplica).options(
         name=ROUTER_DEPLOYMENT_NAME,
         num_replicas=num_replicas,

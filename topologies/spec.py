@@ -20,7 +20,7 @@ import yaml
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
 from infra.haproxy_models import MODEL_NAME_PATTERN
-from services.llm_config import EngineConfig
+from services.llm_config import CPU_ONLY_DEFAULTS, EngineArgValue, EngineConfig
 from topologies.problems import SpecError, SpecProblem, pydantic_problems
 from topologies.sections import (
     NAME_PATTERN,
@@ -50,9 +50,11 @@ class ModelBase(Section):
             raise ValueError(f"{value!r} is not a served model name: letters, digits and . _ : / - only")
         return value
 
-    def engine_config(self, model_path: str, overrides: EngineArgs | None = None) -> EngineConfig:
-        """The engine settings of this model; `model_path`: where its weights are (the source, resolved)."""
-        args = {**self.engine, **(overrides or {})}
+    def engine_config(self, model_path: str, overrides: EngineArgs | None = None, gpus: bool = False) -> EngineConfig:
+        """The engine settings of this model; `model_path`: where its weights are (the source, resolved). On GPUs
+        the CPU-only defaults are left to vLLM."""
+        unset: dict[str, EngineArgValue | None] = dict.fromkeys(CPU_ONLY_DEFAULTS) if gpus else {}
+        args = {**unset, **self.engine, **(overrides or {})}
         named = {k: v for k, v in args.items() if k in EngineConfig.model_fields and k != "extra_args"}
         extra = {k: v for k, v in args.items() if k not in named}
         return EngineConfig(model=model_path, served_model_name=self.name, **named, extra_args=extra)

@@ -1,0 +1,205 @@
+"""Each kind's Serve apps for one model of a spec: its LLM app(s), its router app, and how the frontend routes to
+them (`AppRoute`).
+
+- `openai`: an LLM app (the model's replicas) and a router app with the model's policy.
+- `data_parallel`: the same, with vLLM data parallelism in the LLM app: `in_engine` runs `size` engine ranks per
+  replica (`data_parallel_size`); `ranks` makes every replica one rank of a gang of `size` replicas that Serve
+  schedules and restarts together (`replicas` counts gangs).
+- `prefill_decode`: a prefill app (KV producer) and a decode app (KV consumer, the replicas HAProxy pins to), joined
+  by the model's KV connector; the router app chooses from both, each side with its own policy.
+"""
+
+from __future__ import annotations
+
+import json
+
+from builders.plan_types import PlannedModel, ServeApp, import_path, model_path
+from infra.haproxy_config import AppRoute, replica_backend, router_backend
+from services.llm_config import (
+    DataParallelEngine,
+    EngineConfig,
+    LLMAppConfig,
+    PrefillDecodeRole,
+    ReplicaDeploymentConfig,
+)
+from services.llm_replica import build_llm_application
+from services.router_service import PrefillTarget, RouterAppArgs, RouterSettings, build_router_application
+from topologies.sections import Routing, Scaling
+from topologies.spec import (
+    DataParallelModel,
+    KVTransfer,
+    ModelBase,
+    OpenAIModel,
+    PrefillDecodeModel,
+    StackBase,
+)
+
+ModelApps = tuple[list[ServeApp], AppRoute, PlannedModel]
+
+
+def _deployment(scaling: Scaling, routing: Routing, gang_size: int | None = None) -> ReplicaDeploymentConfig:
+    return ReplicaDeploymentConfig(
+        num_replicas=scaling.fixed_replicas,
+        autoscaling=scaling.autoscaling.model_dump() if scaling.autoscaling else None,
+        max_ongoing_requests=scaling.max_ongoing_requests,
+        num_cpus=scaling.resources.cpus,
+        num_gpus=scaling.resources.gpus,
+        accelerator_type=scaling.resources.accelerator_type,
+        capacity_ledger=routing.policy == "capacity_queue",
+        gang_size=gang_size,
+    )
+
+
+def _min_replicas(scaling: Scaling) -> int:
+    return scaling.autoscaling.min_replicas if scaling.autoscaling else scaling.fixed_replicas
+
+
+def _llm_serve_app(name: str, config: LLMAppConfig) -> ServeApp:
+    return ServeApp(
+        name=name,
+        route_prefix=f"/{name}",
+        import_path=import_path(build_llm_application),
+        args=config.model_dump(mode="json"),
+    )
+
+
+def _router_serve_app(name: str, settings: RouterSettings, routers: int) -> ServeApp:
+    args = RouterAppArgs(settings=settings, num_replicas=routers)
+    return ServeApp(
+        name=name,
+        route_prefix=f"/{name}",
+        import_path=import_path(build_router_application),
+        args=args.model_dump(mode="json"),
+    )
+
+
+def _route(model: ModelBase, llm_app: str, router_app: str, routing: Routing) -> AppRoute:
+    return AppRoute(
+        name=llm_app,
+        model=model.name,
+        fail_open=routing.fail_mode == "open",
+        forward_body=routing.forward_body,
+        body_buffer_bytes=routing.body_buffer_bytes,
+        session_header=routing.session_header,
+        router_route_prefix=f"/{router_app}",
+        replica_route_prefix=f"/{llm_app}",
+    )
+
+
+def _planned(
+    spec: StackBase, index: int, model: ModelBase, llm_app: str, router_app: str, **roles: object
+) -> PlannedModel:
+    return PlannedModel(
+        name=model.name,
+        llm_app=llm_app,
+        router_app=router_app,
+        replica_backend=replica_backend(index),
+        router_backend=router_backend(index),
+        routers=spec.frontend.routers,
+        **roles,
+    )
+
+
+def _router_settings(llm_app: str, scaling: Scaling, routing: Routing, **extra: object) -> RouterSettings:
+    return RouterSettings(
+        target_app=llm_app,
+        target_capacity=scaling.max_ongoing_requests,
+        policy=routing.policy,
+        policy_kwargs=routing.policy_kwargs,
+        session_header=routing.session_header,
+        **extra,
+    )
+
+
+def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str) -> ModelApps:
+    """A model's LLM app and router app (data parallel when the model says so)."""
+    llm_app, router_app = f"{stem}-llm", f"{stem}-router"
+    routing = spec.routing.overridden(model.routing)
+    engine = model.engine_config(model_path(model.source), gpus=model.resources.gpus > 0)
+    data_parallel = None
+    gang_size = None
+    if isinstance(model, DataParallelModel):
+        data_parallel = DataParallelEngine(mode=model.data_parallel.mode, size=model.data_parallel.size)
+        extra = {**engine.extra_args, "data_parallel_size": data_parallel.size}
+        engine = engine.model_copy(update={"extra_args": extra})
+        gang_size = data_parallel.size if data_parallel.mode == "ranks" else None
+    llm = LLMAppConfig(engine=engine, deployment=_deployment(model, routing, gang_size), data_parallel=data_parallel)
+    planned = _planned(
+        spec,
+        index,
+        model,
+        llm_app,
+        router_app,
+        policy=routing.policy,
+        min_replicas=_min_replicas(model) * (gang_size or 1),
+        data_parallel=data_parallel.mode if data_parallel else None,
+        data_parallel_size=data_parallel.size if data_parallel else 1,
+    )
+    apps = [
+        _llm_serve_app(llm_app, llm),
+        _router_serve_app(router_app, _router_settings(llm_app, model, routing), spec.frontend.routers),
+    ]
+    return apps, _route(model, llm_app, router_app, routing), planned
+
+
+def kv_transfer_config(kv: KVTransfer, role: str) -> str:
+    """vLLM's `--kv-transfer-config` for one side (`kv_producer` prefills, `kv_consumer` decodes)."""
+    extra = {"kv_lease_duration": kv.lease_s, **kv.extra_config}
+    config = {
+        "kv_connector": kv.connector,
+        "kv_role": role,
+        "kv_buffer_device": kv.buffer_device,
+        "kv_connector_extra_config": extra,
+    }
+    return json.dumps(config, separators=(",", ":"), sort_keys=True)
+
+
+def _role_engine(model: PrefillDecodeModel, role: str) -> EngineConfig:
+    side = model.prefill if role == "prefill" else model.decode
+    engine = model.engine_config(model_path(model.source), side.engine, gpus=side.resources.gpus > 0)
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    extra = {**engine.extra_args, "kv_transfer_config": kv_transfer_config(model.kv_transfer, kv_role)}
+    return engine.model_copy(update={"extra_args": extra})
+
+
+def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeModel, stem: str) -> ModelApps:
+    """A model's prefill app, decode app and router app (choosing a replica of each)."""
+    prefill_app, decode_app, router_app = f"{stem}-prefill", f"{stem}-llm", f"{stem}-router"
+    model_routing = spec.routing.overridden(model.routing)
+    prefill_routing = model_routing.overridden(model.prefill.routing)
+    decode_routing = model_routing.overridden(model.decode.routing)
+    prefill = LLMAppConfig(
+        engine=_role_engine(model, "prefill"),
+        deployment=_deployment(model.prefill, prefill_routing),
+        prefill_decode=PrefillDecodeRole(role="prefill"),
+    )
+    decode = LLMAppConfig(
+        engine=_role_engine(model, "decode"),
+        deployment=_deployment(model.decode, decode_routing),
+        prefill_decode=PrefillDecodeRole(role="decode", local_prefill_fallback=model.local_prefill_fallback),
+    )
+    target = PrefillTarget(
+        app=prefill_app,
+        capacity=model.prefill.max_ongoing_requests,
+        policy=prefill_routing.policy,
+        policy_kwargs=prefill_routing.policy_kwargs,
+    )
+    router = _router_settings(decode_app, model.decode, decode_routing, prefill=target)
+    planned = _planned(
+        spec,
+        index,
+        model,
+        decode_app,
+        router_app,
+        policy=decode_routing.policy,
+        min_replicas=_min_replicas(model.decode),
+        prefill_app=prefill_app,
+        prefill_policy=prefill_routing.policy,
+        prefill_replicas=_min_replicas(model.prefill),
+    )
+    apps = [
+        _llm_serve_app(prefill_app, prefill),
+        _llm_serve_app(decode_app, decode),
+        _router_serve_app(router_app, router, spec.frontend.routers),
+    ]
+    return apps, _route(model, decode_app, router_app, decode_routing), planned
