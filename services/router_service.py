@@ -45,6 +45,14 @@ are read with json when the body parses, else with a regex on the prefix, else t
 truncated or invalid body never fails the route call. consistent_hash with `user_affinity` keys on
 `user` when a request has no session header. `x-sluice-app` is accepted and not needed: each router serves one
 target app, and HAProxy sends each app's route calls to that app's router.
+
+Prefill/decode. The target app is the decode app (the replicas HAProxy pins to); `prefill` names the prefill app,
+whose replicas the router polls the same way. Each route call picks the prefill replica first, with the prefill
+side's own stateless policy over Serve's list of prefill replicas (no frontend routes to them: the decode replica
+calls the one chosen), then the decode side as above; the reply names both. Prefill first, so a refusal there
+never strands a decode-side capacity token. No prefill replica is a 503 `no_prefill_replica`, unless the decode
+replicas may prefill locally (`PrefillTarget.required` false): then the reply names none and the decode replica
+prefills the request itself, saying so in its response.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ from base.contracts import (
     DEFAULT_MAX_ONGOING_REQUESTS,
     FRONTEND_HEADER,
     MEMBERSHIP_PATH,
+    REASON_NO_PREFILL_REPLICA,
     REQUEST_ID_HEADER,
     ROUTE_PATH,
     SESSION_HEADER_DEFAULT,
@@ -124,9 +133,24 @@ class PrefillTarget(PolicyChoice):
     """Prefill/decode: the prefill app a router also chooses from for every request, with its own policy."""
 
     app: str = Field(min_length=1)
+    # The prefill app's route prefix: its replicas serve vLLM's paths under it.
+    route_prefix: str = ""
     deployment: str = LLM_DEPLOYMENT_NAME
     capacity: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
     policy: str = "power_of_two"
+    # False when the decode replicas prefill locally if need be: with no prefill replica the decode side is
+    # routed anyway (and the decode replica says it prefilled locally) instead of a 503 `no_prefill_replica`.
+    required: bool = True
+
+    @field_validator("policy")
+    @classmethod
+    def _stateless(cls, value: str) -> str:
+        # A capacity token is released by the replica it was taken for; the decode replica's prefill call carries none.
+        if value == "capacity_queue":
+            raise ValueError(
+                "the prefill side takes no capacity tokens: choose power_of_two, round_robin or consistent_hash"
+            )
+        return value
 
 
 class RouterSettings(PolicyChoice):
@@ -219,20 +243,59 @@ def route_request_from(headers: Mapping[str, str], body: bytes, session_header: 
     )
 
 
-def route_reply(decision: Decision) -> RouteReply:
+class PrefillPick(BaseModel):
+    """The prefill replica of a request, and the URL its app is served at (its port and the app's route prefix)."""
+
+    replica_id: str
+    url: str
+
+
+def route_reply(decision: Decision, prefill: PrefillPick | None = None) -> RouteReply:
     ranked = decision.ranked_ids
     return RouteReply(
         replica_id=ranked[0],
         fallbacks=list(ranked[1:]),
         capacity_token=decision.token.token_id if decision.token is not None else None,
+        prefill_replica_id=prefill.replica_id if prefill is not None else None,
+        prefill_url=prefill.url if prefill is not None else None,
     )
 
 
+class PrefillChooser:
+    """The prefill side of a prefill/decode router: its own policy over the prefill app's replicas."""
+
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        replicas: Callable[[], Sequence[ReplicaView]],
+        route_prefix: str,
+        required: bool = True,
+    ) -> None:
+        self.policy = policy
+        self._replicas = replicas
+        self._route_prefix = route_prefix
+        self._required = required
+
+    def choose(self, request: RouteRequest) -> PrefillPick | None:
+        """The prefill replica, or None when there is none and the decode side may prefill locally."""
+        try:
+            view = self.policy.rank(self._replicas(), request)[0][0]
+        except NoReplicaAvailable:
+            if not self._required:
+                return None
+            raise NoReplicaAvailable(REASON_NO_PREFILL_REPLICA) from None
+        return PrefillPick(replica_id=view.replica_id, url=view.endpoint + self._route_prefix)
+
+
 def build_router_app(
-    settings: RouterSettings, policy: RoutingPolicy, replicas: Callable[[], Sequence[ReplicaView]]
+    settings: RouterSettings,
+    policy: RoutingPolicy,
+    replicas: Callable[[], Sequence[ReplicaView]],
+    prefill: PrefillChooser | None = None,
 ) -> FastAPI:
     """The router's HTTP app; `replicas()` gives the current views of the target app's replicas, which
-    each route call narrows to those its frontend published (`FrontendMembership`)."""
+    each route call narrows to those its frontend published (`FrontendMembership`). With `prefill`, every reply
+    also names the prefill replica."""
     app = FastAPI(title="sluice router", openapi_url=None, docs_url=None, redoc_url=None)
     routed = ROUTED_TOTAL.labels(settings.target_app, policy.name)
     truncated_bodies = TRUNCATED_TOTAL.labels(settings.target_app)
@@ -246,12 +309,13 @@ def build_router_app(
             truncated_bodies.inc()
         frontend = request.headers.get(FRONTEND_HEADER) or None
         try:
+            prefill_replica = prefill.choose(route_request) if prefill is not None else None
             decision = await policy.decide(membership.routable(replicas(), frontend), route_request)
         except NoReplicaAvailable as refusal:
             REFUSED_TOTAL.labels(settings.target_app, policy.name, refusal.reason).inc()
             return Response(RouteRefusal(reason=refusal.reason).model_dump_json(), status_code=503, media_type=_JSON)
         routed.inc()
-        return Response(route_reply(decision).model_dump_json(), media_type=_JSON)
+        return Response(route_reply(decision, prefill_replica).wire_json(), media_type=_JSON)
 
     @app.post(MEMBERSHIP_PATH)
     async def publish_membership(request: Request) -> Response:
@@ -328,12 +392,20 @@ class RouterReplica:
     async def __init__(self, settings: dict[str, Any]) -> None:
         self._settings = RouterSettings.model_validate(settings)
         policy = build_policy(self._settings)
-        target = self._settings.target_app
-        self._replicas = LiveReplicas(
-            lambda: list_replica_endpoints(target), self._settings.target_capacity, self._settings.refresh_interval_s
-        )
+        self._replicas = self._live_replicas(self._settings.target_app, self._settings.target_capacity)
         await self._replicas.start()
-        self._app = build_router_app(self._settings, policy, self._replicas.views)
+        prefill = None
+        if self._settings.prefill is not None:
+            side = self._settings.prefill
+            prefill_policy = build_stateless_policy(side.policy, side.policy_kwargs)
+            prefill_policy.tracker = InFlightTracker(forget_after_s=self._settings.forget_after_s)
+            self._prefill_replicas = self._live_replicas(side.app, side.capacity)
+            await self._prefill_replicas.start()
+            prefill = PrefillChooser(prefill_policy, self._prefill_replicas.views, side.route_prefix, side.required)
+        self._app = build_router_app(self._settings, policy, self._replicas.views, prefill)
+
+    def _live_replicas(self, app: str, capacity: int) -> LiveReplicas:
+        return LiveReplicas(lambda: list_replica_endpoints(app), capacity, self._settings.refresh_interval_s)
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
@@ -346,8 +418,6 @@ def router_application(settings: RouterSettings, num_replicas: int = 1) -> Appli
     wait to be scheduled behind the replicas it routes to."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    if settings.prefill is not None:
-        raise NotImplementedError("a router that also chooses a prefill replica has no runtime yet (issue 10)")
     deployment = serve.deployment(RouterReplica).options(
         name=ROUTER_DEPLOYMENT_NAME,
         num_replicas=num_replicas,

@@ -94,6 +94,8 @@ class PrefillDecodeModel(ModelBase):
     kv_transfer: KVTransfer = KVTransfer()
     # When prefill fails: a clear error (default), or prefill on the decode replica (marked in a header).
     local_prefill_fallback: bool = False
+    # How long a decode replica waits for its prefill call before it counts as failed.
+    prefill_timeout_s: float = Field(60.0, gt=0)
 
 
 class StackBase(Section):
@@ -164,6 +166,16 @@ def _cross_field_problems(spec: StackBase) -> list[SpecProblem]:
                     "data_parallel mode `ranks` is a gang of fixed size: give replicas (gangs), not autoscaling",
                 )
             )
+        if isinstance(model, PrefillDecodeModel):
+            prefill_routing = spec.routing.overridden(model.routing).overridden(model.prefill.routing)
+            if prefill_routing.policy == "capacity_queue":
+                problems.append(
+                    SpecProblem(
+                        f"models[{i}].prefill.routing.policy",
+                        "the prefill side takes no capacity tokens (the decode replica calls it): "
+                        "set power_of_two, round_robin or consistent_hash",
+                    )
+                )
     for path, routing in _routings(spec):
         problem = policy_problem(routing)
         if problem is not None:

@@ -148,14 +148,24 @@ def test_prefill_decode_renders_a_kv_producer_a_kv_consumer_and_a_router_choosin
 
 
 def test_what_has_no_runtime_yet_is_refused_where_it_would_be_deployed() -> None:
-    pd = build_plan(load_spec(TEAMS / "gpu-prefill-decode.yaml"))
     dp = build_plan(load_spec(TEAMS / "gpu-data-parallel.yaml"))
-    # The decode app, the router choosing both sides, and the MoE model's rank gang.
-    unbuilt = [app for app in pd.apps if app.name.endswith(("-llm", "-router"))] + [dp.apps[0]]
-    for app in unbuilt:
-        module, builder = app.import_path.split(":")
-        with pytest.raises(NotImplementedError, match="issue 10"):
-            getattr(importlib.import_module(module), builder)(app.args)
+    # The MoE model's rank gang.
+    module, builder = dp.apps[0].import_path.split(":")
+    with pytest.raises(NotImplementedError, match="issue 10"):
+        getattr(importlib.import_module(module), builder)(dp.apps[0].args)
+
+
+def test_the_cpu_prefill_decode_stack_pairs_its_sides_through_the_router() -> None:
+    apps = _apps("prefill-decode-cpu.yaml")
+    stem = "platform-prefill-decode-cpu"
+    decode = LLMAppConfig.model_validate(apps[f"{stem}-llm"]["args"])
+    router = RouterAppArgs.model_validate(apps[f"{stem}-router"]["args"]).settings
+    assert decode.prefill_decode.local_prefill_fallback and decode.prefill_decode.prefill_timeout_s == 60
+    # The decode replica calls the prefill replica's port under the prefill app's route prefix.
+    assert router.prefill.route_prefix == apps[f"{stem}-prefill"]["route_prefix"] == f"/{stem}-prefill"
+    # Its decode replicas may prefill locally, so the router pairs them with no prefill replica rather than refuse.
+    assert router.prefill.required is False
+    assert json.loads(decode.engine.extra_args["kv_transfer_config"])["kv_buffer_device"] == "cpu"
 
 
 def _report(plan, llm: int, routers: int, replica_up: int, router_up: int, running: bool = True) -> dict:

@@ -10,17 +10,22 @@ from pydantic import ValidationError
 
 from base.contracts import (
     BODY_TRUNCATED_HEADER,
+    REASON_NO_PREFILL_REPLICA,
     REQUEST_ID_HEADER,
 )
 from base.route_wire import RouteRefusal, RouteReply
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import LocalLedgerClient
+from routers.config import build_stateless_policy
 from routers.core import ReplicaView, RouteRequest
 from services.router_service import (
     METRICS_PATH,
     LiveReplicas,
+    PrefillChooser,
+    PrefillTarget,
     RouterSettings,
     build_policy,
+    build_router_app,
     fields_from_body,
     route_request_from,
 )
@@ -260,3 +265,47 @@ def test_live_replicas_wait_for_a_non_empty_set_and_keep_the_last_one_on_errors(
             live.stop()
 
     asyncio.run(run())
+
+
+def test_a_prefill_decode_router_names_a_prefill_replica_with_its_own_policy() -> None:
+    app = unique_app()
+    settings = RouterSettings(
+        target_app=app,
+        policy="consistent_hash",
+        prefill=PrefillTarget(app=f"{app}-prefill", route_prefix="/tiny-prefill", policy="round_robin"),
+    )
+    prefill_ids = ["p1", "p2"]
+    prefill_views: list[ReplicaView] = views(prefill_ids)
+
+    async def run() -> list[RouteReply]:
+        assert settings.prefill is not None
+        chooser = PrefillChooser(build_stateless_policy("round_robin", {}), lambda: prefill_views, "/tiny-prefill")
+        app_under_test = build_router_app(settings, build_policy(settings), lambda: views(), chooser)
+        transport = httpx.ASGITransport(app=app_under_test)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            replies = [RouteReply.model_validate((await route(client, "session-1")).json()) for _ in range(4)]
+            prefill_views.clear()
+            refused = await route(client, "session-1")
+            optional = PrefillChooser(build_stateless_policy("round_robin", {}), lambda: [], "/p", required=False)
+            lenient = build_router_app(settings, build_policy(settings), lambda: views(), optional)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=lenient), base_url="http://r") as other:
+                unpaired = await route(other, "session-1")
+        assert refused.status_code == 503
+        assert RouteRefusal.model_validate(refused.json()).reason == REASON_NO_PREFILL_REPLICA
+        # Decode replicas that may prefill locally are routed to anyway, with no prefill replica named.
+        assert unpaired.status_code == 200 and set(unpaired.json()) == {"replica_id", "fallbacks", "capacity_token"}
+        return replies
+
+    replies = asyncio.run(run())
+    # Decode: consistent hash keeps the session on one replica; prefill: round robin over the prefill replicas.
+    assert len({r.replica_id for r in replies}) == 1
+    assert [r.prefill_replica_id for r in replies] == ["p1", "p2", "p1", "p2"]
+    assert [r.prefill_url for r in replies[:2]] == [
+        "http://127.0.0.1:30000/tiny-prefill",
+        "http://127.0.0.1:30001/tiny-prefill",
+    ]
+
+
+def test_the_prefill_side_takes_no_capacity_tokens() -> None:
+    with pytest.raises(ValidationError, match="takes no capacity tokens"):
+        PrefillTarget(app="p", policy="capacity_queue")

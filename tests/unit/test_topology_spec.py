@@ -178,6 +178,16 @@ INVALID = [
         "models[0].kv_transfer.connector",
         "NixlConnector",
     ),
+    (
+        "capacity tokens on the prefill side (inherited from the stack)",
+        _with("kind", "prefill_decode")
+        | {
+            "routing": {"policy": "capacity_queue"},
+            "models": [{"name": "m", "source": "tiny", "prefill": {}, "decode": {}}],
+        },
+        "models[0].prefill.routing.policy",
+        "takes no capacity tokens",
+    ),
 ]
 
 

@@ -261,6 +261,8 @@ class RouterBehavior:
     # When set, "choose" answers exactly this ranking (primary, then fallbacks) instead of cycling.
     ranked: list[str] | None = None
     capacity_token: str | None = None
+    # Prefill/decode: the (prefill replica id, prefill URL) every "choose" answer names.
+    prefill: tuple[str, str] | None = None
     cursor: int = 0
     decisions: dict[str, str] = field(default_factory=dict)  # request id -> chosen replica id
     calls: list[tuple[str, Recorded]] = field(default_factory=list)  # (router name, request)
@@ -305,7 +307,14 @@ class RouterStandIn(StandIn):
         if mode == "choose":
             ranked = list(b.ranked) if b.ranked is not None else [b.choose()]
             b.decisions[request.header(REQUEST_ID_HEADER) or ""] = ranked[0]
-            reply = RouteReply(replica_id=ranked[0], fallbacks=ranked[1:], capacity_token=b.capacity_token)
+            prefill_id, prefill_url = b.prefill or (None, None)
+            reply = RouteReply(
+                replica_id=ranked[0],
+                fallbacks=ranked[1:],
+                capacity_token=b.capacity_token,
+                prefill_replica_id=prefill_id,
+                prefill_url=prefill_url,
+            )
             return await respond(send, 200, reply.model_dump_json().encode(), json_type)
         if mode == "http_500":
             return await respond(send, 500, b"Internal Server Error")

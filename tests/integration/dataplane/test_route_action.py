@@ -23,6 +23,8 @@ from base.contracts import (
     BODY_TRUNCATED_HEADER,
     CAPACITY_TOKEN_HEADER,
     INTERNAL_HEADER_PREFIXES,
+    PREFILL_REPLICA_HEADER,
+    PREFILL_URL_HEADER,
     RANKED_HEADER,
     REASON_NO_REPLICA,
     REASON_ROUTER_NON_200,
@@ -193,6 +195,29 @@ def test_client_cannot_pin_a_replica_or_forge_internal_headers(env: Env, client:
     response = client.post(CHAT_PATH, json={"events": 1}, headers=forged)
     received = Recorded("POST", CHAT_PATH, [tuple(h) for h in first_event(response)["headers"]], b"")
     assert received.header(CAPACITY_TOKEN_HEADER) is None
+
+
+def test_the_router_prefill_choice_reaches_the_pinned_replica_and_only_it(env: Env, client: httpx.Client) -> None:
+    env.behavior.replica_ids = ["r1"]
+    forged = {PREFILL_REPLICA_HEADER: "evil", PREFILL_URL_HEADER: "http://10.0.0.1:80"}
+    try:
+        env.behavior.prefill = ("p7", "http://127.0.0.1:30007/tiny-prefill")
+        response = client.post(CHAT_PATH, json={"events": 1}, headers=forged)
+        assert assert_pinned(response, env.behavior) == "r1"
+        received = Recorded("POST", CHAT_PATH, [tuple(h) for h in first_event(response)["headers"]], b"")
+        assert received.header(PREFILL_REPLICA_HEADER) == "p7"
+        assert received.header(PREFILL_URL_HEADER) == "http://127.0.0.1:30007/tiny-prefill"
+        # A router that names no prefill replica: the client's forged choice is gone too.
+        env.behavior.prefill = None
+        response = client.post(CHAT_PATH, json={"events": 1}, headers=forged)
+        received = Recorded("POST", CHAT_PATH, [tuple(h) for h in first_event(response)["headers"]], b"")
+        assert received.header(PREFILL_REPLICA_HEADER) is None and received.header(PREFILL_URL_HEADER) is None
+        # A prefill URL that is not one (anything could follow into a header) fails closed.
+        for bad in (("p7", "file:///etc/passwd"), ("p 7", "http://127.0.0.1:1"), ("p7", "http://h:1\r\nx: y")):
+            env.behavior.prefill = bad
+            assert_fail_closed(client.post(CHAT_PATH, json={"events": 1}), REASON_UNPARSEABLE_REPLICA_ID)
+    finally:
+        env.behavior.prefill = None
 
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")

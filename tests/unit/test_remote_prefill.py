@@ -1,0 +1,235 @@
+"""The decode replica's prefill phase (services.remote_prefill) against a recording inner app and a prefill replica
+answered by httpx's MockTransport: what the prefill call sends, what decode gets, each failure and its answer.
+The real path (vLLM engines, NIXL) is tested end to end in tests/integration/test_prefill_decode.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+from base.contracts import (
+    PREFILL_BY_CALLER_HEADER,
+    PREFILL_FALLBACK_HEADER,
+    PREFILL_REPLICA_HEADER,
+    PREFILL_URL_HEADER,
+    REASON_PREFILL_FAILED,
+    REASON_PREFILL_UNROUTED,
+    REQUEST_ID_HEADER,
+    SERVE_REASON_HEADER,
+    SERVED_PREFILL_HEADER,
+)
+from services.remote_prefill import REMOTE_DECODE_PARAMS, RemotePrefillMiddleware, prefill_body, route_path
+
+PREFILL_URL = "http://127.0.0.1:30007/tiny-prefill"
+TRANSFER = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [3, 4], "remote_port": 5600}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
+
+
+class InnerApp:
+    """vLLM's app in these tests: records the body it got and answers 200."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        message = await receive()
+        self.bodies.append(json.loads(message["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"decoded", "more_body": False})
+
+
+class PrefillReplica:
+    """The prefill replica's HTTP answers; records each request."""
+
+    def __init__(self, status: int = 200, params: dict[str, Any] | None = TRANSFER, error: bool = False) -> None:
+        self.status, self.params, self.error = status, params, error
+        self.requests: list[httpx.Request] = []
+        self.hang = False
+        self.cancelled = asyncio.Event()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        if self.error:
+            raise httpx.ConnectError("connection refused", request=request)
+        if self.hang:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.cancelled.set()
+        body = {"choices": [{"text": "x"}], "kv_transfer_params": self.params}
+        if self.status != 200:
+            body = {"error": {"message": "prompt too long", "code": self.status}}
+        return httpx.Response(self.status, json=body)
+
+
+def call(
+    prefill: PrefillReplica,
+    body: bytes | dict[str, Any] = CHAT,
+    headers: dict[str, str] | None = None,
+    local_fallback: bool = False,
+    path: str = "/tiny-llm/v1/chat/completions",
+    method: str = "POST",
+) -> tuple[int, dict[str, str], bytes, InnerApp]:
+    """One request through the middleware: (status, response headers, body, the inner app)."""
+    inner = InnerApp()
+    if headers is None:
+        headers = {PREFILL_REPLICA_HEADER: "p7", PREFILL_URL_HEADER: PREFILL_URL, REQUEST_ID_HEADER: "req-1"}
+
+    async def run() -> tuple[int, dict[str, str], bytes]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(prefill))
+        middleware = RemotePrefillMiddleware(inner, "d1", local_fallback, timeout_s=5.0, client=client)
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        scope = {
+            "type": "http",
+            "method": method,
+            "path": path,
+            "root_path": "/tiny-llm",
+            "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+        }
+        sent: list[dict[str, Any]] = []
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await middleware(scope, receive, send)
+        await client.aclose()
+        start = sent[0]
+        response_headers = {k.decode(): v.decode() for k, v in start["headers"]}
+        return start["status"], response_headers, b"".join(m.get("body", b"") for m in sent[1:])
+
+    status, response_headers, response_body = asyncio.run(run())
+    return status, response_headers, response_body, inner
+
+
+def test_the_prefill_request_asks_one_token_for_a_remote_decode_and_keeps_the_rest() -> None:
+    body = prefill_body({**CHAT, "stream_options": {"include_usage": True}, "min_tokens": 4, "temperature": 0})
+    assert body["max_tokens"] == 1 and body["stream"] is False
+    assert body["kv_transfer_params"] == REMOTE_DECODE_PARAMS
+    assert "stream_options" not in body and "min_tokens" not in body
+    assert body["messages"] == CHAT["messages"] and body["temperature"] == 0
+    assert prefill_body({**CHAT, "max_completion_tokens": 50}).get("max_completion_tokens") is None
+
+
+def test_route_path_is_below_the_app_prefix() -> None:
+    assert route_path({"path": "/tiny-llm/v1/completions", "root_path": "/tiny-llm"}) == "/v1/completions"
+    assert route_path({"path": "/v1/completions", "root_path": ""}) == "/v1/completions"
+
+
+def test_decode_gets_the_prefill_transfer_params_and_the_response_names_the_prefill_replica() -> None:
+    prefill = PrefillReplica()
+    client_params = {"remote_host": "10.0.0.1", "remote_port": 1}
+    status, headers, body, inner = call(prefill, {**CHAT, "kv_transfer_params": client_params})
+    assert (status, body) == (200, b"decoded")
+    assert headers[SERVED_PREFILL_HEADER] == "p7" and PREFILL_FALLBACK_HEADER not in headers
+    [sent] = prefill.requests
+    assert str(sent.url) == PREFILL_URL + "/v1/chat/completions"
+    assert sent.headers[REQUEST_ID_HEADER] == "req-1"
+    assert json.loads(sent.content) == prefill_body(CHAT)
+    # Decode: the client's body, its own kv_transfer_params replaced by the prefill's.
+    assert inner.bodies == [{**CHAT, "kv_transfer_params": TRANSFER}]
+
+
+def test_an_unreachable_prefill_replica_is_a_clear_502_and_decode_never_runs() -> None:
+    status, headers, body, inner = call(PrefillReplica(error=True))
+    assert status == 502 and headers[SERVE_REASON_HEADER] == REASON_PREFILL_FAILED
+    error = json.loads(body)["error"]
+    assert "p7" in error["message"] and error["code"] == 502 and error["type"] == "server_error"
+    assert inner.bodies == []
+
+
+def test_a_prefill_answer_without_transfer_params_fails_the_same_way() -> None:
+    for prefill in (PrefillReplica(params=None), PrefillReplica(status=500)):
+        status, headers, _, inner = call(prefill)
+        assert status == 502 and headers[SERVE_REASON_HEADER] == REASON_PREFILL_FAILED and inner.bodies == []
+
+
+def test_a_request_with_no_prefill_replica_chosen_is_a_503() -> None:
+    prefill = PrefillReplica()
+    status, headers, body, inner = call(prefill, headers={})
+    assert status == 503 and headers[SERVE_REASON_HEADER] == REASON_PREFILL_UNROUTED
+    assert json.loads(body)["error"]["type"] == "service_unavailable"
+    assert prefill.requests == [] and inner.bodies == []
+
+
+def test_local_fallback_prefills_here_and_says_why() -> None:
+    for prefill, headers, reason in (
+        (PrefillReplica(error=True), None, REASON_PREFILL_FAILED),
+        (PrefillReplica(), {}, REASON_PREFILL_UNROUTED),
+    ):
+        status, response_headers, _, inner = call(prefill, {**CHAT, "kv_transfer_params": TRANSFER}, headers, True)
+        assert status == 200
+        assert response_headers[PREFILL_FALLBACK_HEADER] == reason
+        assert response_headers[SERVED_PREFILL_HEADER] == "d1"
+        # Served whole here: no transfer parameters, not even the client's.
+        assert inner.bodies == [CHAT]
+
+
+def test_a_prefill_refusal_of_the_request_goes_back_to_the_client_as_it_came() -> None:
+    status, headers, body, inner = call(PrefillReplica(status=400), local_fallback=True)
+    assert status == 400 and json.loads(body)["error"]["message"] == "prompt too long"
+    assert headers[SERVED_PREFILL_HEADER] == "p7" and inner.bodies == []
+
+
+def test_an_internal_caller_that_ran_the_prefill_passes_its_own_params() -> None:
+    prefill = PrefillReplica()
+    body = {**CHAT, "kv_transfer_params": TRANSFER}
+    status, _, _, inner = call(prefill, body, {PREFILL_BY_CALLER_HEADER: "1"})
+    assert status == 200 and inner.bodies == [body] and prefill.requests == []
+
+
+def test_other_requests_pass_through_untouched() -> None:
+    prefill = PrefillReplica()
+    for path, method in (("/tiny-llm/v1/models", "POST"), ("/tiny-llm/v1/chat/completions", "PUT")):
+        status, _, _, inner = call(prefill, CHAT, path=path, method=method)
+        assert status == 200 and inner.bodies == [CHAT]
+    # A body that is not a JSON object is vLLM's to refuse.
+    status, _, _, inner = call(prefill, b"[1, 2]")
+    assert status == 200 and inner.bodies == [[1, 2]]
+    assert prefill.requests == []
+
+
+def test_a_client_disconnect_during_prefill_cancels_the_prefill_call() -> None:
+    prefill = PrefillReplica()
+    prefill.hang = True
+    inner = InnerApp()
+    sent: list[dict[str, Any]] = []
+
+    async def run() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(prefill))
+        middleware = RemotePrefillMiddleware(inner, "d1", True, timeout_s=30.0, client=client)
+        messages = [{"type": "http.request", "body": json.dumps(CHAT).encode(), "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(0.1)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(PREFILL_REPLICA_HEADER.encode(), b"p7"), (PREFILL_URL_HEADER.encode(), PREFILL_URL.encode())],
+        }
+        await asyncio.wait_for(middleware(scope, receive, send), timeout=5)
+        await asyncio.wait_for(prefill.cancelled.wait(), timeout=5)
+        await client.aclose()
+
+    asyncio.run(run())
+    assert len(prefill.requests) == 1 and prefill.cancelled.is_set()
+    assert sent == [] and inner.bodies == []
