@@ -104,7 +104,8 @@ HEADER_HEADROOM_BYTES = 32768
 LUA_REPLICA_ID_PATTERN = "^[%w][%w%-_.:]*$"
 LUA_TOKEN_PATTERN = "^[%w%-_.:~+/=]+$"
 LUA_REASON_PATTERN = "^[a-z0-9_]+$"
-LUA_URL_PATTERN = "^http://[%w%-.]+:%d+$"
+# An http URL: host, port, then an optional route prefix.
+LUA_URL_PATTERN = "^http://[%w%-.]+:%d+[/%w%-_.]*$"
 MAX_ID_LENGTH = 256
 # Unix socket paths must fit `sun_path` (108 bytes on Linux, including the NUL).
 MAX_SOCKET_PATH_BYTES = 103

@@ -277,10 +277,12 @@ class RemotePrefillMiddleware:
 
 
 def _after(disconnect: asyncio.Future) -> Receive:
-    """The client's next message: the receive already waiting (a disconnect is final, so it may be read twice)."""
+    """The client's next message: the receive already waiting (a disconnect is final, so it may be read twice).
+    Shielded: vLLM cancels its own disconnect listener once a streamed response has started, and that must not
+    cancel the shared receive that the streaming response still listens on."""
 
     async def receive() -> Message:
-        return await disconnect
+        return await asyncio.shield(disconnect)
 
     return receive
 

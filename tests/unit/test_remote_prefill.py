@@ -233,3 +233,49 @@ def test_a_client_disconnect_during_prefill_cancels_the_prefill_call() -> None:
     asyncio.run(run())
     assert len(prefill.requests) == 1 and prefill.cancelled.is_set()
     assert sent == [] and inner.bodies == []
+
+
+def test_a_listener_cancelled_by_the_app_does_not_cancel_the_next_ones_receive() -> None:
+    """vLLM's app cancels its disconnect listener once a stream starts; the streaming response listens next."""
+    prefill = PrefillReplica()
+    outcome: list[str] = []
+
+    async def streaming_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        first = asyncio.ensure_future(receive())
+        await asyncio.sleep(0.01)
+        first.cancel()
+        try:
+            await asyncio.wait_for(receive(), timeout=0.2)
+        except asyncio.CancelledError:
+            outcome.append("cancelled")
+        except TimeoutError:
+            outcome.append("still listening")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def run() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(prefill))
+        middleware = RemotePrefillMiddleware(streaming_app, "d1", False, timeout_s=5.0, client=client)
+        messages = [{"type": "http.request", "body": json.dumps(CHAT).encode(), "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:
+            pass
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(PREFILL_REPLICA_HEADER.encode(), b"p7"), (PREFILL_URL_HEADER.encode(), PREFILL_URL.encode())],
+        }
+        await asyncio.wait_for(middleware(scope, receive, send), timeout=5)
+        await client.aclose()
+
+    asyncio.run(run())
+    assert outcome == ["still listening"]
