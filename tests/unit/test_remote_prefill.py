@@ -65,52 +65,60 @@ class PrefillReplica:
         return httpx.Response(self.status, json=body)
 
 
-def call(
+ROUTED = {PREFILL_REPLICA_HEADER: "p7", PREFILL_URL_HEADER: PREFILL_URL, REQUEST_ID_HEADER: "req-1"}
+
+
+async def drive(
+    app: Any,
     prefill: PrefillReplica,
     body: bytes | dict[str, Any] = CHAT,
-    headers: dict[str, str] | None = None,
+    headers: dict[str, str] = ROUTED,
     local_fallback: bool = False,
     path: str = "/tiny-llm/v1/chat/completions",
     method: str = "POST",
-) -> tuple[int, dict[str, str], bytes, InnerApp]:
-    """One request through the middleware: (status, response headers, body, the inner app)."""
-    inner = InnerApp()
-    if headers is None:
-        headers = {PREFILL_REPLICA_HEADER: "p7", PREFILL_URL_HEADER: PREFILL_URL, REQUEST_ID_HEADER: "req-1"}
+    disconnect_after_s: float | None = None,
+) -> list[dict[str, Any]]:
+    """One request through the middleware in front of `app`: the messages it sent. The client sends the body,
+    then disconnects after `disconnect_after_s` (or never)."""
+    client = httpx.AsyncClient(transport=httpx.MockTransport(prefill))
+    middleware = RemotePrefillMiddleware(app, "d1", local_fallback, timeout_s=5.0, client=client)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "root_path": "/tiny-llm",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+    sent: list[dict[str, Any]] = []
+    delivered = False
 
-    async def run() -> tuple[int, dict[str, str], bytes]:
-        client = httpx.AsyncClient(transport=httpx.MockTransport(prefill))
-        middleware = RemotePrefillMiddleware(inner, "d1", local_fallback, timeout_s=5.0, client=client)
-        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-        scope = {
-            "type": "http",
-            "method": method,
-            "path": path,
-            "root_path": "/tiny-llm",
-            "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
-        }
-        sent: list[dict[str, Any]] = []
-        delivered = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": raw, "more_body": False}
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        if disconnect_after_s is None:
             await asyncio.Event().wait()
-            raise AssertionError("unreachable")
+        await asyncio.sleep(disconnect_after_s or 0)
+        return {"type": "http.disconnect"}
 
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
 
-        await middleware(scope, receive, send)
+    try:
+        await asyncio.wait_for(middleware(scope, receive, send), timeout=5)
+    finally:
         await client.aclose()
-        start = sent[0]
-        response_headers = {k.decode(): v.decode() for k, v in start["headers"]}
-        return start["status"], response_headers, b"".join(m.get("body", b"") for m in sent[1:])
+    return sent
 
-    status, response_headers, response_body = asyncio.run(run())
-    return status, response_headers, response_body, inner
+
+def call(prefill: PrefillReplica, body: bytes | dict[str, Any] = CHAT, headers: dict[str, str] = ROUTED, **kwargs: Any):
+    """(status, response headers, body, the inner app) of one request to a recording inner app."""
+    inner = InnerApp()
+    sent = asyncio.run(drive(inner, prefill, body, headers, **kwargs))
+    response_headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    return sent[0]["status"], response_headers, b"".join(m.get("body", b"") for m in sent[1:]), inner
 
 
 def test_the_prefill_request_asks_one_token_for_a_remote_decode_and_keeps_the_rest() -> None:
@@ -165,10 +173,12 @@ def test_a_request_with_no_prefill_replica_chosen_is_a_503() -> None:
 
 def test_local_fallback_prefills_here_and_says_why() -> None:
     for prefill, headers, reason in (
-        (PrefillReplica(error=True), None, REASON_PREFILL_FAILED),
+        (PrefillReplica(error=True), ROUTED, REASON_PREFILL_FAILED),
         (PrefillReplica(), {}, REASON_PREFILL_UNROUTED),
     ):
-        status, response_headers, _, inner = call(prefill, {**CHAT, "kv_transfer_params": TRANSFER}, headers, True)
+        status, response_headers, _, inner = call(
+            prefill, {**CHAT, "kv_transfer_params": TRANSFER}, headers, local_fallback=True
+        )
         assert status == 200
         assert response_headers[PREFILL_FALLBACK_HEADER] == reason
         assert response_headers[SERVED_PREFILL_HEADER] == "d1"
@@ -204,40 +214,13 @@ def test_a_client_disconnect_during_prefill_cancels_the_prefill_call() -> None:
     prefill = PrefillReplica()
     prefill.hang = True
     inner = InnerApp()
-    sent: list[dict[str, Any]] = []
-
-    async def run() -> None:
-        client = httpx.AsyncClient(transport=httpx.MockTransport(prefill))
-        middleware = RemotePrefillMiddleware(inner, "d1", True, timeout_s=30.0, client=client)
-        messages = [{"type": "http.request", "body": json.dumps(CHAT).encode(), "more_body": False}]
-
-        async def receive() -> dict[str, Any]:
-            if messages:
-                return messages.pop()
-            await asyncio.sleep(0.1)
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/completions",
-            "headers": [(PREFILL_REPLICA_HEADER.encode(), b"p7"), (PREFILL_URL_HEADER.encode(), PREFILL_URL.encode())],
-        }
-        await asyncio.wait_for(middleware(scope, receive, send), timeout=5)
-        await asyncio.wait_for(prefill.cancelled.wait(), timeout=5)
-        await client.aclose()
-
-    asyncio.run(run())
+    sent = asyncio.run(drive(inner, prefill, local_fallback=True, disconnect_after_s=0.1))
     assert len(prefill.requests) == 1 and prefill.cancelled.is_set()
     assert sent == [] and inner.bodies == []
 
 
 def test_a_listener_cancelled_by_the_app_does_not_cancel_the_next_ones_receive() -> None:
     """vLLM's app cancels its disconnect listener once a stream starts; the streaming response listens next."""
-    prefill = PrefillReplica()
     outcome: list[str] = []
 
     async def streaming_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -254,28 +237,5 @@ def test_a_listener_cancelled_by_the_app_does_not_cancel_the_next_ones_receive()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def run() -> None:
-        client = httpx.AsyncClient(transport=httpx.MockTransport(prefill))
-        middleware = RemotePrefillMiddleware(streaming_app, "d1", False, timeout_s=5.0, client=client)
-        messages = [{"type": "http.request", "body": json.dumps(CHAT).encode(), "more_body": False}]
-
-        async def receive() -> dict[str, Any]:
-            if messages:
-                return messages.pop()
-            await asyncio.Event().wait()
-            raise AssertionError("unreachable")
-
-        async def send(message: dict[str, Any]) -> None:
-            pass
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/completions",
-            "headers": [(PREFILL_REPLICA_HEADER.encode(), b"p7"), (PREFILL_URL_HEADER.encode(), PREFILL_URL.encode())],
-        }
-        await asyncio.wait_for(middleware(scope, receive, send), timeout=5)
-        await client.aclose()
-
-    asyncio.run(run())
+    asyncio.run(drive(streaming_app, PrefillReplica()))
     assert outcome == ["still listening"]
