@@ -69,8 +69,9 @@ OUTCOME_REJECTED = "rejected"
 OUTCOME_CANCELLED = "cancelled"
 OUTCOME_BY_CALLER = "by_caller"
 
+PREFILL_REQUESTS_METRIC = "sluice_prefill_requests"
 PREFILL_REQUESTS = Counter(
-    "sluice_prefill_requests",
+    PREFILL_REQUESTS_METRIC,
     "Requests this decode replica served, by the replica that ran their prefill and how it went.",
     ["prefill_replica", "outcome"],
 )

@@ -10,20 +10,26 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import re
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 from base.runtime import apply_process_env
 from builders.plan import PlannedModel, StackPlan, build_plan, model_path, serve_config
+from services.remote_prefill import PREFILL_REQUESTS_METRIC
 from topologies.spec import TINY_SOURCE, load_spec
 
 READY_TIMEOUT_S = 600.0
 GCS_PROBE_TIMEOUT_S = 3.0
+# A decode replica's count of the requests it served by prefill replica and outcome (services.remote_prefill).
+_PREFILL_SAMPLE = re.compile(rf"^{PREFILL_REQUESTS_METRIC}_total\{{([^}}]*)\}} (\S+)$", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def plan_of(path: str) -> tuple[Any, StackPlan]:
@@ -150,7 +156,14 @@ def degraded_reasons(spec: Any, plan: StackPlan, report: dict[str, Any]) -> list
     for model in plan.models:
         llm = report["apps"][model.llm_app]["replicas"]
         if len(llm) < model.min_replicas:
-            reasons.append(f"{_of(model, several)}{len(llm)} of {model.min_replicas} LLM replicas running")
+            what = "decode" if model.prefill_app else "LLM"
+            reasons.append(f"{_of(model, several)}{len(llm)} of {model.min_replicas} {what} replicas running")
+        if model.prefill_app is not None:
+            prefill = report["apps"][model.prefill_app]["replicas"]
+            if len(prefill) < model.prefill_replicas:
+                reasons.append(
+                    f"{_of(model, several)}{len(prefill)} of {model.prefill_replicas} prefill replicas running"
+                )
     frontend = report.get("frontend") or {}
     if not frontend.get("running"):
         return [*reasons, "HAProxy is not running"]
@@ -174,6 +187,54 @@ def _of(model: PlannedModel, several: bool) -> str:
     return f"{model.name}: " if several else ""
 
 
+def app_roles(plan: StackPlan) -> dict[str, str]:
+    """What each app of the plan is, for people reading `sluice status`."""
+    roles = {plan.frontend_app: "frontend (HAProxy)"}
+    for model in plan.models:
+        roles[model.router_app] = f"routers of {model.name}"
+        if model.prefill_app is not None:
+            roles[model.prefill_app] = f"prefill replicas of {model.name} (KV producers)"
+            roles[model.llm_app] = f"decode replicas of {model.name} (KV consumers, pinned by HAProxy)"
+        elif model.data_parallel == "in_engine":
+            roles[model.llm_app] = f"replicas of {model.name}, {model.data_parallel_size} engine ranks each"
+        elif model.data_parallel == "ranks":
+            roles[model.llm_app] = f"rank replicas of {model.name}, gangs of {model.data_parallel_size}"
+        else:
+            roles[model.llm_app] = f"replicas of {model.name}"
+    return roles
+
+
+def model_line(model: PlannedModel) -> str:
+    if model.prefill_app is not None:
+        policy = f"decode policy {model.policy}, prefill policy {model.prefill_policy}"
+    else:
+        policy = f"policy {model.policy}"
+    return f"  model {model.name}: {policy}, HAProxy backends {model.replica_backend} + {model.router_backend}"
+
+
+def prefill_pairs(metrics_text: str) -> dict[tuple[str, str], float]:
+    """(prefill replica, outcome) -> requests, from a decode replica's /metrics."""
+    pairs: dict[tuple[str, str], float] = {}
+    for labels, value in _PREFILL_SAMPLE.findall(metrics_text):
+        named = dict(_LABEL.findall(labels))
+        key = (named.get("prefill_replica", ""), named.get("outcome", ""))
+        pairs[key] = pairs.get(key, 0.0) + float(value)
+    return pairs
+
+
+def _pairs_report(model: PlannedModel, endpoints: list[Any]) -> list[dict[str, Any]]:
+    """Which prefill replica served each decode replica's requests, and how (remote, local fallback, ...)."""
+    served = []
+    for endpoint in endpoints:
+        try:
+            text = httpx.get(f"{endpoint.url}/{model.llm_app}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for (prefill, outcome), count in sorted(prefill_pairs(text).items()):
+            served.append({"decode": endpoint.replica_id, "prefill": prefill, "outcome": outcome, "requests": count})
+    return served
+
+
 def status(path: str, address: str, as_json: bool = False) -> int:
     spec, plan = plan_of(path)
     _connect(address)
@@ -182,14 +243,20 @@ def status(path: str, address: str, as_json: bool = False) -> int:
     from services.serve_internals import list_replica_endpoints
 
     applications = serve.status().applications
-    report: dict[str, Any] = {"stack": f"{spec.team}/{spec.name}", "apps": {}}
+    report: dict[str, Any] = {"stack": f"{spec.team}/{spec.name}", "apps": {}, "pairs": {}}
+    roles = app_roles(plan)
+    endpoints_of = {}
     for app in plan.apps:
         state = applications.get(app.name)
-        endpoints = asyncio.run(list_replica_endpoints(app.name)) if state is not None else []
+        endpoints_of[app.name] = asyncio.run(list_replica_endpoints(app.name)) if state is not None else []
         report["apps"][app.name] = {
+            "role": roles[app.name],
             "status": state.status.value if state is not None else "NOT_DEPLOYED",
-            "replicas": [f"{e.replica_id} {e.host}:{e.port}" for e in endpoints],
+            "replicas": [f"{e.replica_id} {e.host}:{e.port}" for e in endpoints_of[app.name]],
         }
+    for model in plan.models:
+        if model.prefill_app is not None:
+            report["pairs"][model.name] = _pairs_report(model, endpoints_of[model.llm_app])
     report["frontend"] = _frontend_status(plan)
     reasons = degraded_reasons(spec, plan, report)
     ready = not reasons
@@ -199,12 +266,14 @@ def status(path: str, address: str, as_json: bool = False) -> int:
         return 0 if ready else 1
     print(f"{report['stack']}: {report['state']}")
     for model in plan.models:
-        print(
-            f"  model {model.name}: policy {model.policy}, apps {model.llm_app} + {model.router_app}, "
-            f"HAProxy backends {model.replica_backend} + {model.router_backend}"
-        )
+        print(model_line(model))
+        for pair in report["pairs"].get(model.name, []):
+            print(
+                f"    pair decode {pair['decode']} <- prefill {pair['prefill'] or '-'}: "
+                f"{pair['outcome']} {pair['requests']:.0f}"
+            )
     for name, app_report in report["apps"].items():
-        print(f"  app {name}: {app_report['status']}")
+        print(f"  app {name} ({app_report['role']}): {app_report['status']}")
         for replica in app_report["replicas"]:
             print(f"    replica {replica}")
     frontend = report["frontend"] or {}

@@ -12,7 +12,10 @@ locally (the team file opts in) and says so, and pairs again once Serve has repl
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +59,7 @@ class PDStack:
     model: str
     prefill_app: str
     decode_app: str
+    spec_path: Path
 
     def endpoint(self, app: str) -> ReplicaEndpoint:
         [endpoint] = asyncio.run(list_replica_endpoints(app))
@@ -81,7 +85,7 @@ def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.Temp
     assert model.prefill_app is not None
     try:
         assert apply_plan(spec, plan)
-        yield PDStack(plan, f"http://127.0.0.1:{port}", model.name, model.prefill_app, model.llm_app)
+        yield PDStack(plan, f"http://127.0.0.1:{port}", model.name, model.prefill_app, model.llm_app, path)
     finally:
         for app in reversed(plan.apps):
             if app.name in serve.status().applications:
@@ -201,6 +205,25 @@ def test_twenty_concurrent_streams_all_complete_through_both_replicas(stack: PDS
         results = list(pool.map(one, range(20)))
     assert [(served, fallback) for served, fallback, _ in results] == [(prefill_id, None)] * 20
     assert all(text for _, _, text in results)
+
+
+def test_status_shows_each_apps_role_and_which_pairs_served(stack: PDStack) -> None:
+    address = ray.get_runtime_context().gcs_address
+    result = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "status", str(stack.spec_path), "--address", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    report = json.loads(result.stdout)
+    assert report["state"] == "ready", report["state"]
+    assert report["apps"][stack.prefill_app]["role"].startswith("prefill replicas")
+    assert report["apps"][stack.decode_app]["role"].startswith("decode replicas")
+    decode, prefill = stack.endpoint(stack.decode_app).replica_id, stack.endpoint(stack.prefill_app).replica_id
+    remote = [p for p in report["pairs"][stack.model] if p["outcome"] == "remote"]
+    # Every request so far (the 20 concurrent streams among them) was served by this one pair.
+    assert [(p["decode"], p["prefill"]) for p in remote] == [(decode, prefill)] and remote[0]["requests"] >= 20
 
 
 def in_flight(app_url: str) -> float:

@@ -18,7 +18,7 @@ from services.frontend_app import FrontendArgs
 from services.llm_config import LLMAppConfig
 from services.router_service import RouterAppArgs
 from sluice.cli import main
-from sluice.deploy import degraded_reasons, render
+from sluice.deploy import app_roles, degraded_reasons, model_line, prefill_pairs, render
 from topologies.problems import SpecError
 from topologies.spec import load_spec
 
@@ -234,3 +234,29 @@ def test_status_names_the_model_whose_backends_are_short() -> None:
     assert degraded_reasons(spec, plan, report) == []
     apps[chat.llm_app]["replicas"] = []
     assert degraded_reasons(spec, plan, report) == ["tiny-chat: 0 of 1 LLM replicas running"]
+
+
+def test_status_shows_roles_and_pairs_and_says_when_the_prefill_side_is_short() -> None:
+    spec = load_spec(TEAMS / "prefill-decode-cpu.yaml")
+    plan = build_plan(spec)
+    [model] = plan.models
+    roles = app_roles(plan)
+    assert roles[model.prefill_app].startswith("prefill replicas of tiny-pd")
+    assert roles[model.llm_app].startswith("decode replicas of tiny-pd")
+    assert "decode policy consistent_hash, prefill policy power_of_two" in model_line(model)
+    apps = {app.name: {"status": "RUNNING", "replicas": ["x"]} for app in plan.apps}
+    servers = [
+        {"backend": model.replica_backend, "server": "x", "status": "UP"},
+        {"backend": model.router_backend, "server": "x", "status": "UP"},
+    ]
+    report = {"apps": apps, "frontend": {"running": True, "servers": servers}}
+    assert degraded_reasons(spec, plan, report) == []
+    apps[model.prefill_app]["replicas"] = []
+    assert degraded_reasons(spec, plan, report) == ["0 of 1 prefill replicas running"]
+    metrics = (
+        "# TYPE sluice_prefill_requests_total counter\n"
+        'sluice_prefill_requests_total{outcome="remote",prefill_replica="p1"} 20.0\n'
+        'sluice_prefill_requests_total{outcome="local_fallback",prefill_replica=""} 3.0\n'
+        'sluice_prefill_requests_created{outcome="remote",prefill_replica="p1"} 1.7e9\n'
+    )
+    assert prefill_pairs(metrics) == {("p1", "remote"): 20.0, ("", "local_fallback"): 3.0}
