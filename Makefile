@@ -38,6 +38,7 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/sluice bench replica
 	$(VENV)/bin/sluice bench direct
+	$(VENV)/bin/sluice bench pd
 
 bench-routers: $(STAMP)
 	$(VENV)/bin/sluice bench routers

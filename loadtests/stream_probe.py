@@ -14,11 +14,15 @@ import time
 import httpx
 from pydantic import BaseModel
 
+DEFAULT_PROMPT = "ka lo mi ne ru"
+
 
 class StreamResult(BaseModel):
     ttft_s: float
     total_s: float
     completion_tokens: int
+    # Seconds between consecutive token-carrying events after the first (inter-token latency).
+    token_gaps_s: list[float] = []
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -36,10 +40,13 @@ class ProbeReport(BaseModel):
     aggregate_tokens_per_s: float
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> StreamResult:
+async def one_stream(
+    client: httpx.AsyncClient, url: str, model: str, max_tokens: int, prompt: str | list[int] = DEFAULT_PROMPT
+) -> StreamResult:
+    """One streamed completion; `prompt` is text or token ids."""
     body = {
         "model": model,
-        "prompt": "ka lo mi ne ru",
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
@@ -47,6 +54,8 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, max_tokens
     }
     start = time.perf_counter()
     first_token_at: float | None = None
+    last_token_at = start
+    gaps: list[float] = []
     tokens = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -55,14 +64,18 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, max_tokens
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])
-            if chunk["choices"] and chunk["choices"][0]["text"] and first_token_at is None:
-                first_token_at = now
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                if first_token_at is None:
+                    first_token_at = now
+                else:
+                    gaps.append(now - last_token_at)
+                last_token_at = now
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     if first_token_at is None:
         raise RuntimeError(f"{url}: stream carried no tokens")
-    return StreamResult(ttft_s=first_token_at - start, total_s=end - start, completion_tokens=tokens)
+    return StreamResult(ttft_s=first_token_at - start, total_s=end - start, completion_tokens=tokens, token_gaps_s=gaps)
 
 
 async def probe(urls: list[str], model: str, streams: int, max_tokens: int, timeout_s: float = 300) -> ProbeReport:

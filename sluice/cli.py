@@ -172,6 +172,13 @@ def _bench_direct(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_pd(args: argparse.Namespace) -> int:
+    from sluice.bench_pd import run_pd_bench
+
+    run_pd_bench(samples=args.samples)
+    return 0
+
+
 def _bench_routers(args: argparse.Namespace) -> int:
     from sluice.bench_routers import run_router_bench
 
@@ -250,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     direct = bench_commands.add_parser("direct", help="TTFT through HAProxy + router vs direct; route call alone")
     direct.add_argument("--model", default=str(default_model_dir()))
     direct.set_defaults(func=_bench_direct)
+    pd = bench_commands.add_parser("pd", help="TTFT and ITL of prefill/decode versus the plain topology")
+    pd.add_argument("--samples", type=int, default=30, help="streams per stack and prompt length")
+    pd.set_defaults(func=_bench_pd)
     routers = bench_commands.add_parser("routers", help="policy decision time, ring rebuild, ledger round trip")
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
     routers.set_defaults(func=_bench_routers)
