@@ -22,6 +22,12 @@ FRONTEND_HEADER = "x-sluice-frontend"
 # Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection.
 RANKED_HEADER = "x-sluice-ranked"
 INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")
+# Data parallel in one engine: vLLM's header naming the engine rank that serves a request (set by the frontend from
+# the router's choice, stripped from clients), and its echo on the replica's response.
+DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
+SERVED_RANK_HEADER = "x-serve-data-parallel-rank"
+# A router ranks (replica, engine rank) pairs of a data-parallel app as endpoint ids `<replica id>:<rank>`.
+RANK_SEPARATOR = ":"
 # Names the model of a request on a frontend with several models (read before the internal headers are stripped);
 # without it the frontend reads the body's `model`.
 MODEL_HEADER = "x-sluice-model"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from base.contracts import RANK_SEPARATOR
+
 
 class RouteReply(BaseModel):
     """200 reply to a route call: a small flat JSON object the Lua action parses with patterns, so no nesting.
@@ -24,6 +26,17 @@ class RouteReply(BaseModel):
         """The reply as sent: the prefill fields only when a prefill replica is named."""
         absent = {"prefill_replica_id", "prefill_url"} if self.prefill_replica_id is None else None
         return self.model_dump_json(exclude=absent)
+
+
+def replica_of(endpoint_id: str) -> str:
+    """The replica of an endpoint id the router ranked: the id itself, or `<replica>` of `<replica>:<rank>`."""
+    replica, separator, rank = endpoint_id.rpartition(RANK_SEPARATOR)
+    return replica if separator and rank.isdigit() else endpoint_id
+
+
+def endpoint_id(replica_id: str, rank: int | None) -> str:
+    """What the router ranks: a replica, or one engine rank of a data-parallel replica."""
+    return replica_id if rank is None else f"{replica_id}{RANK_SEPARATOR}{rank}"
 
 
 class RouteRefusal(BaseModel):

@@ -118,11 +118,13 @@ def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str
     engine = model.engine_config(model_path(model.source), gpus=model.resources.gpus > 0)
     data_parallel = None
     gang_size = None
+    in_engine_ranks = 1
     if isinstance(model, DataParallelModel):
         data_parallel = DataParallelEngine(mode=model.data_parallel.mode, size=model.data_parallel.size)
         extra = {**engine.extra_args, "data_parallel_size": data_parallel.size}
         engine = engine.model_copy(update={"extra_args": extra})
         gang_size = data_parallel.size if data_parallel.mode == "ranks" else None
+        in_engine_ranks = data_parallel.size if data_parallel.mode == "in_engine" else 1
     llm = LLMAppConfig(engine=engine, deployment=_deployment(model, routing, gang_size), data_parallel=data_parallel)
     planned = _planned(
         spec,
@@ -137,7 +139,11 @@ def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str
     )
     apps = [
         _llm_serve_app(llm_app, llm),
-        _router_serve_app(router_app, _router_settings(llm_app, model, routing), spec.frontend.routers),
+        _router_serve_app(
+            router_app,
+            _router_settings(llm_app, model, routing, data_parallel_size=in_engine_ranks),
+            spec.frontend.routers,
+        ),
     ]
     return apps, _route(model, llm_app, router_app, routing), planned
 

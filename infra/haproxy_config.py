@@ -41,6 +41,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from base.contracts import (
+    DATA_PARALLEL_RANK_HEADER,
     DEFAULT_BIND_HOST,
     FALLBACK_RANK_HEADER,
     FALLBACK_REASONS,
@@ -443,8 +444,9 @@ def render_config(settings: HAProxySettings) -> str:
             "    # Several models: the client's model header is kept before internal headers go.",
             capture_model_header_line(),
         ]
-    lines.append("    # A client can neither pin a replica nor forge a capacity token.")
+    lines.append("    # A client can neither pin a replica (nor an engine rank) nor forge a capacity token.")
     lines += [f"    http-request del-header {prefix} -m beg" for prefix in INTERNAL_HEADER_PREFIXES]
+    lines.append(f"    http-request del-header {DATA_PARALLEL_RANK_HEADER}")
     lines += [
         f"    http-request set-header {REQUEST_ID_HEADER} %[unique-id]"
         f" unless {{ req.hdr({REQUEST_ID_HEADER}) -m found }}",

@@ -12,6 +12,7 @@ The rule, for the views of one route call:
 - no publication at all: every view (nothing to narrow by);
 - an unnamed frontend, or one that never published: the views every publishing frontend can route to,
   so a direct route call (tests, tools) gets an answer any frontend can serve.
+A view of a data-parallel engine rank (`<replica>:<rank>`) goes with its replica.
 The result may be empty; the policy then refuses with `no_replica` (fail closed).
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from base.route_wire import Membership
+from base.route_wire import Membership, replica_of
 from routers.core import ReplicaView
 
 
@@ -56,6 +57,6 @@ class FrontendMembership:
         if cached is not None and cached[0] is views:
             return cached[1]
         allowed = self._common if key is None else self._sets[key]
-        filtered = tuple(view for view in views if view.replica_id in allowed)
+        filtered = tuple(view for view in views if replica_of(view.replica_id) in allowed)
         self._cache[key] = (views, filtered)
         return filtered

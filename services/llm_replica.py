@@ -44,6 +44,9 @@ class LLMReplica:
         self._prefill_client: httpx.AsyncClient | None = None
         if self._config.prefill_decode is not None:
             os.environ.update(kv_side_channel_env())
+        if self._config.data_parallel is not None and self._config.data_parallel.mode == "in_engine":
+            local_rank = serve.get_replica_context().rank.local_rank
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(local_rank, self._config.data_parallel.size)
         self._engine = start_engine(self._args)
         self._app = await build_openai_app(self._engine, self._args)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
@@ -94,6 +97,14 @@ def kv_side_channel_env() -> dict[str, str]:
         probe.bind((host, 0))
         port = probe.getsockname()[1]
     return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+
+
+def engine_cpu_binding(local_rank: int, ranks: int, cpus: list[int] | None = None) -> str:
+    """vLLM's `VLLM_CPU_OMP_THREADS_BIND` for a replica's engine ranks: each rank its own CPU, the replicas of a
+    node taking consecutive CPUs (wrapping when there are fewer CPUs than ranks). vLLM's `auto` put every rank
+    on CPU 0."""
+    usable = cpus if cpus is not None else sorted(os.sched_getaffinity(0))
+    return "|".join(str(usable[(local_rank * ranks + rank) % len(usable)]) for rank in range(ranks))
 
 
 def llm_deployment(config: LLMAppConfig) -> Deployment:

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
+from base.contracts import DATA_PARALLEL_RANK_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, SERVED_RANK_HEADER
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -20,6 +20,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _REQUEST_ID = REQUEST_ID_HEADER.encode()
 _REPLICA = REPLICA_HEADER.encode()
+_RANK = DATA_PARALLEL_RANK_HEADER.encode()
+_SERVED_RANK = SERVED_RANK_HEADER.encode()
 MAX_REQUEST_ID_LEN = 128
 
 
@@ -29,7 +31,8 @@ def _valid_request_id(raw: bytes) -> bool:
 
 class ReplicaHeadersMiddleware:
     """Give the request an `x-request-id` (the client's, or a new one when absent or malformed) and
-    stamp the response with `x-serve-replica`.
+    stamp the response with `x-serve-replica` (and with `x-serve-data-parallel-rank` when the request named the
+    engine rank, which vLLM honours).
 
     `echo_request_id` also writes `x-request-id` on the response. Serve's direct ingress already
     echoes it on the HTTP path (it would appear twice), so only the in-process handle path sets it.
@@ -48,12 +51,15 @@ class ReplicaHeadersMiddleware:
         sent = [v for k, v in scope["headers"] if k.lower() == _REQUEST_ID]
         request_id = sent[0] if sent and _valid_request_id(sent[0]) else uuid.uuid4().hex.encode()
         scope["headers"] = [*headers, (_REQUEST_ID, request_id)]
+        rank = next((v for k, v in headers if k.lower() == _RANK), None)
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 stamped = (_REQUEST_ID, _REPLICA) if self.echo_request_id else (_REPLICA,)
                 kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in stamped]
                 kept.append((_REPLICA, self.replica_id))
+                if rank is not None:
+                    kept.append((_SERVED_RANK, rank))
                 if self.echo_request_id:
                     kept.append((_REQUEST_ID, request_id))
                 message["headers"] = kept

@@ -82,7 +82,7 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.rollout import config_version
-from base.route_wire import Membership, RouteRefusal, RouteReply
+from base.route_wire import Membership, RouteRefusal, RouteReply, endpoint_id
 from routers.capacity_queue import LedgerClient
 from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
 from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
@@ -166,6 +166,8 @@ class RouterSettings(PolicyChoice):
     forget_after_s: float = Field(2.0, gt=0)
     # Prefill/decode: the prefill side, chosen with the decode replica.
     prefill: PrefillTarget | None = None
+    # In-engine data parallelism: each target replica runs this many engine ranks, ranked as `<replica>:<rank>`.
+    data_parallel_size: int = Field(1, ge=1)
 
     @field_validator("session_header")
     @classmethod
@@ -340,10 +342,15 @@ class LiveReplicas:
     """The target app's replicas as views, kept fresh by polling `source` in the background."""
 
     def __init__(
-        self, source: Callable[[], Awaitable[Sequence[ReplicaEndpoint]]], capacity: int, refresh_interval_s: float
+        self,
+        source: Callable[[], Awaitable[Sequence[ReplicaEndpoint]]],
+        capacity: int,
+        refresh_interval_s: float,
+        ranks: int = 1,
     ) -> None:
         self._source = source
         self._capacity = capacity
+        self._ranks = ranks
         self.refresh_interval_s = refresh_interval_s
         self._endpoints: tuple[ReplicaEndpoint, ...] = ()
         self._views: tuple[ReplicaView, ...] = ()
@@ -370,6 +377,12 @@ class LiveReplicas:
             await asyncio.sleep(self.refresh_interval_s)
             await self._refresh()
 
+    def _rank_capacities(self) -> list[tuple[int | None, int]]:
+        """(engine rank, its share of the replica's capacity); one unranked view without data parallelism."""
+        if self._ranks == 1:
+            return [(None, self._capacity)]
+        return [(rank, max(1, self._capacity // self._ranks)) for rank in range(self._ranks)]
+
     async def _refresh(self) -> None:
         try:
             endpoints = tuple(await self._source())
@@ -382,7 +395,9 @@ class LiveReplicas:
         if endpoints != self._endpoints:
             self._endpoints = endpoints
             self._views = tuple(
-                ReplicaView(replica_id=e.replica_id, endpoint=e.url, capacity=self._capacity) for e in endpoints
+                ReplicaView(replica_id=endpoint_id(e.replica_id, rank), endpoint=e.url, capacity=capacity)
+                for e in endpoints
+                for rank, capacity in self._rank_capacities()
             )
             logger.info("target replicas: %s", [e.replica_id for e in endpoints])
 
@@ -392,7 +407,9 @@ class RouterReplica:
     async def __init__(self, settings: dict[str, Any]) -> None:
         self._settings = RouterSettings.model_validate(settings)
         policy = build_policy(self._settings)
-        self._replicas = self._live_replicas(self._settings.target_app, self._settings.target_capacity)
+        self._replicas = self._live_replicas(
+            self._settings.target_app, self._settings.target_capacity, self._settings.data_parallel_size
+        )
         await self._replicas.start()
         prefill = None
         if self._settings.prefill is not None:
@@ -404,8 +421,8 @@ class RouterReplica:
             prefill = PrefillChooser(prefill_policy, self._prefill_replicas.views, side.route_prefix, side.required)
         self._app = build_router_app(self._settings, policy, self._replicas.views, prefill)
 
-    def _live_replicas(self, app: str, capacity: int) -> LiveReplicas:
-        return LiveReplicas(lambda: list_replica_endpoints(app), capacity, self._settings.refresh_interval_s)
+    def _live_replicas(self, app: str, capacity: int, ranks: int = 1) -> LiveReplicas:
+        return LiveReplicas(lambda: list_replica_endpoints(app), capacity, self._settings.refresh_interval_s, ranks)
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app

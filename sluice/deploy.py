@@ -189,7 +189,7 @@ def _of(model: PlannedModel, several: bool) -> str:
 
 def app_roles(plan: StackPlan) -> dict[str, str]:
     """What each app of the plan is, for people reading `sluice status`."""
-    roles = {plan.frontend_app: "frontend (HAProxy)"}
+    roles = {plan.frontend_app: "HAProxy and its syncer"}
     for model in plan.models:
         roles[model.router_app] = f"routers of {model.name}"
         if model.prefill_app is not None:

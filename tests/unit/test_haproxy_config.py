@@ -54,6 +54,9 @@ LUA_CONSTANTS = {
     "APP_HEADER": contracts.APP_HEADER,
     "FRONTEND_HEADER": contracts.FRONTEND_HEADER,
     "RANKED_HEADER": contracts.RANKED_HEADER,
+    "PREFILL_REPLICA_HEADER": contracts.PREFILL_REPLICA_HEADER,
+    "PREFILL_URL_HEADER": contracts.PREFILL_URL_HEADER,
+    "DATA_PARALLEL_RANK_HEADER": contracts.DATA_PARALLEL_RANK_HEADER,
     "ROUTE_PATH": contracts.ROUTE_PATH,
     "REASON_REPLICA_UNAVAILABLE": contracts.REASON_REPLICA_UNAVAILABLE,
     **{f"FAIL_CLOSED_REASONS[{i}]": reason for i, reason in enumerate(contracts.FAIL_CLOSED_REASONS)},
@@ -109,6 +112,8 @@ def test_constants_come_from_contracts(tmp_path: Path, fail_open: bool) -> None:
         assert f'"{value}"' in lua, name
     for prefix in contracts.INTERNAL_HEADER_PREFIXES:
         assert f"http-request del-header {prefix} -m beg" in config
+    # vLLM's engine-rank header is the router's to set, never a client's.
+    assert f"http-request del-header {contracts.DATA_PARALLEL_RANK_HEADER}\n" in config
     assert f"local ROUTE_TIMEOUT_S = {float(contracts.ROUTE_TIMEOUT_S_DEFAULT)!r}" in lua
     assert f"bind 127.0.0.1:{contracts.HAPROXY_PORT_DEFAULT}" in render_config(
         HAProxySettings(workdir=tmp_path, apps=[AppRoute(name="x")])

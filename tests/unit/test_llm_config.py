@@ -78,3 +78,13 @@ def test_every_vllm_engine_process_loads_the_amx_plugin() -> None:
     plugins = load_plugins_by_group("vllm.general_plugins")
     assert plugins.get("sluice_cpu_amx") is request_amx_permission
     request_amx_permission()
+
+
+def test_each_engine_rank_of_a_node_gets_its_own_cpu() -> None:
+    from services.llm_replica import engine_cpu_binding
+
+    assert engine_cpu_binding(0, 2, cpus=[0, 1, 2, 3]) == "0|1"
+    assert engine_cpu_binding(1, 2, cpus=[0, 1, 2, 3]) == "2|3"
+    # Fewer CPUs than ranks on the node: wrap around, never all on one CPU.
+    assert engine_cpu_binding(1, 2, cpus=[4, 5]) == "4|5"
+    assert engine_cpu_binding(0, 4, cpus=[4, 5]) == "4|5|4|5"

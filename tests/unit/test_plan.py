@@ -122,6 +122,9 @@ def test_data_parallel_renders_in_engine_ranks_and_rank_gangs() -> None:
         ("ranks", 8, 8),
         ("in_engine", 4, 2),
     ]
+    # The in-engine model's router ranks (replica, rank) pairs; a rank gang's replicas are each one rank already.
+    routers = [RouterAppArgs.model_validate(apps[m.router_app]["args"]).settings for m in plan.models]
+    assert [r.data_parallel_size for r in routers] == [1, 4]
 
 
 def test_prefill_decode_renders_a_kv_producer_a_kv_consumer_and_a_router_choosing_both() -> None:

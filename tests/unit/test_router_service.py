@@ -13,11 +13,12 @@ from base.contracts import (
     REASON_NO_PREFILL_REPLICA,
     REQUEST_ID_HEADER,
 )
-from base.route_wire import RouteRefusal, RouteReply
+from base.route_wire import Membership, RouteRefusal, RouteReply, endpoint_id, replica_of
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import LocalLedgerClient
 from routers.config import build_stateless_policy
 from routers.core import ReplicaView, RouteRequest
+from services.frontend_membership import FrontendMembership
 from services.router_service import (
     METRICS_PATH,
     LiveReplicas,
@@ -309,3 +310,28 @@ def test_a_prefill_decode_router_names_a_prefill_replica_with_its_own_policy() -
 def test_the_prefill_side_takes_no_capacity_tokens() -> None:
     with pytest.raises(ValidationError, match="takes no capacity tokens"):
         PrefillTarget(app="p", policy="capacity_queue")
+
+
+def test_a_data_parallel_replica_is_one_view_per_engine_rank_and_goes_with_its_replica() -> None:
+    async def source() -> list[ReplicaEndpoint]:
+        return [endpoint("a", 30000), endpoint("b", 30001)]
+
+    async def run() -> tuple[ReplicaView, ...]:
+        live = LiveReplicas(source, capacity=8, refresh_interval_s=60, ranks=2)
+        await live.start()
+        live.stop()
+        return live.views()
+
+    views_by_rank = asyncio.run(run())
+    assert [(v.replica_id, v.endpoint, v.capacity) for v in views_by_rank] == [
+        ("a:0", "http://127.0.0.1:30000", 4),
+        ("a:1", "http://127.0.0.1:30000", 4),
+        ("b:0", "http://127.0.0.1:30001", 4),
+        ("b:1", "http://127.0.0.1:30001", 4),
+    ]
+    assert [replica_of(v.replica_id) for v in views_by_rank] == ["a", "a", "b", "b"]
+    assert replica_of("r1a2b3c4") == "r1a2b3c4" and endpoint_id("b", 1) == "b:1" and endpoint_id("b", None) == "b"
+    # A frontend that can route to replica b is offered both of b's ranks, and nothing of a.
+    membership = FrontendMembership()
+    membership.publish(Membership(frontend="f1", replica_ids=["b"]))
+    assert [v.replica_id for v in membership.routable(views_by_rank, "f1")] == ["b:0", "b:1"]

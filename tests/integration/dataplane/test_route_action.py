@@ -22,6 +22,7 @@ from base.contracts import (
     APP_HEADER,
     BODY_TRUNCATED_HEADER,
     CAPACITY_TOKEN_HEADER,
+    DATA_PARALLEL_RANK_HEADER,
     INTERNAL_HEADER_PREFIXES,
     PREFILL_REPLICA_HEADER,
     PREFILL_URL_HEADER,
@@ -218,6 +219,22 @@ def test_the_router_prefill_choice_reaches_the_pinned_replica_and_only_it(env: E
             assert_fail_closed(client.post(CHAT_PATH, json={"events": 1}), REASON_UNPARSEABLE_REPLICA_ID)
     finally:
         env.behavior.prefill = None
+
+
+def test_an_engine_rank_the_router_chose_reaches_its_replica_as_vllms_header(env: Env, client: httpx.Client) -> None:
+    try:
+        env.behavior.ranked = ["r2:1", "r1:0"]
+        response = client.post(CHAT_PATH, json={"events": 1}, headers={DATA_PARALLEL_RANK_HEADER: "7"})
+        assert response.status_code == 200 and response.headers[REPLICA_HEADER] == "r2"
+        received = Recorded("POST", CHAT_PATH, [tuple(h) for h in first_event(response)["headers"]], b"")
+        assert received.header(DATA_PARALLEL_RANK_HEADER) == "1"
+        # A plain replica id: no rank goes along, not even the client's.
+        env.behavior.ranked = ["r1"]
+        response = client.post(CHAT_PATH, json={"events": 1}, headers={DATA_PARALLEL_RANK_HEADER: "7"})
+        received = Recorded("POST", CHAT_PATH, [tuple(h) for h in first_event(response)["headers"]], b"")
+        assert response.headers[REPLICA_HEADER] == "r1" and received.header(DATA_PARALLEL_RANK_HEADER) is None
+    finally:
+        env.behavior.ranked = None
 
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
