@@ -24,6 +24,10 @@ def default_model_dir() -> Path:
     return cache_dir() / "models" / "sluice-tiny"
 
 
+def default_moe_model_dir() -> Path:
+    return cache_dir() / "models" / "sluice-tiny-moe"
+
+
 def ray_temp_dir() -> Path:
     # Ray's unix socket paths must stay under 107 bytes: keep this short.
     return cache_dir() / "ray"

@@ -3,6 +3,9 @@
 Recipe (DESIGN.md §5): Llama, hidden 128, 2 layers, 4 heads, vocab 2,048 byte-level BPE trained
 with `tokenizers` on text generated from a fixed seed, ChatML chat template, bf16. Every input is
 fixed (seeds, corpus, single-threaded training), so two builds give byte-identical files.
+
+The MoE variant (`moe=True`) is the same with Mixtral's sparse layers (4 experts, 2 per token): vLLM runs data
+parallelism with one server per rank only for MoE models, so the `ranks` mode needs one to be tested.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ HIDDEN_SIZE = 128
 NUM_LAYERS = 2
 NUM_HEADS = 4
 INTERMEDIATE_SIZE = 256
+NUM_EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
 MAX_POSITION_EMBEDDINGS = 2048
 # ChatML markers plus the Hermes tool-call tags (vLLM's `hermes` tool parser reads those).
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
@@ -114,11 +119,21 @@ def _build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def _build_weights(out: Path, eos_token_id: int, pad_token_id: int) -> None:
+def _build_weights(out: Path, eos_token_id: int, pad_token_id: int, moe: bool) -> None:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    config = LlamaConfig(
+    config_class, model_class, extra = (
+        (
+            MixtralConfig,
+            MixtralForCausalLM,
+            {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN},
+        )
+        if moe
+        else (LlamaConfig, LlamaForCausalLM, {})
+    )
+    config = config_class(
+        **extra,
         vocab_size=VOCAB_SIZE,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=INTERMEDIATE_SIZE,
@@ -133,19 +148,19 @@ def _build_weights(out: Path, eos_token_id: int, pad_token_id: int) -> None:
         torch_dtype="bfloat16",
     )
     torch.manual_seed(WEIGHTS_SEED)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model_class(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     model.save_pretrained(str(out), safe_serialization=True)
 
 
-def build_tiny_model(out: Path) -> Path:
-    """Write the tiny model into `out` (created if missing) and return it."""
+def build_tiny_model(out: Path, moe: bool = False) -> Path:
+    """Write the tiny model (its MoE variant with `moe`) into `out` (created if missing) and return it."""
     out.mkdir(parents=True, exist_ok=True)
     _build_tokenizer(out)
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
     added = {t["content"]: t["id"] for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
     token_ids = {**vocab, **added}
-    _build_weights(out, eos_token_id=token_ids[EOS_TOKEN], pad_token_id=token_ids["<|endoftext|>"])
+    _build_weights(out, eos_token_id=token_ids[EOS_TOKEN], pad_token_id=token_ids["<|endoftext|>"], moe=moe)
     return out
 
 
@@ -153,9 +168,9 @@ def is_built(path: Path) -> bool:
     return all((path / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
-def ensure_built(path: Path) -> Path:
-    """The tiny model at `path`, built there first if it is not."""
+def ensure_built(path: Path, moe: bool = False) -> Path:
+    """The tiny model (or its MoE variant) at `path`, built there first if it is not."""
     if not is_built(path):
-        print(f"building the tiny model into {path}", flush=True)
-        build_tiny_model(path)
+        print(f"building the tiny {'MoE ' if moe else ''}model into {path}", flush=True)
+        build_tiny_model(path, moe)
     return path

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from base.runtime import default_model_dir
-from topologies.spec import TINY_SOURCE
+from base.runtime import default_model_dir, default_moe_model_dir
+from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE
 
 
 class ServeApp(BaseModel):
@@ -64,4 +64,5 @@ def import_path(builder: Callable[..., Any]) -> str:
 
 def model_path(source: str) -> str:
     """Where a model's weights are: the tiny model's folder for `tiny`, else the source as vLLM takes it."""
-    return str(default_model_dir()) if source == TINY_SOURCE else source
+    local = {TINY_SOURCE: default_model_dir, TINY_MOE_SOURCE: default_moe_model_dir}
+    return str(local[source]()) if source in local else source

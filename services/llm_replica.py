@@ -8,9 +8,11 @@ requests for up to `graceful_shutdown_timeout_s` (the configured `drain_grace_s`
 When the deployment's routers take capacity tokens (`capacity_ledger`), the replica releases each
 request's token to the ledger when the request ends (services.capacity_release).
 
-Prefill/decode replicas run vLLM with a KV connector (`--kv-transfer-config`): each gets its own NIXL side channel
-(host and a free port, set before the engine starts), and a decode replica runs every completion's prefill on the
-prefill replica the router chose (services.remote_prefill).
+A data-parallel replica runs `size` engine ranks, each bound to its own CPU (`in_engine`), or is one rank of a
+gang of replicas (`ranks`, services.rank_gang). Prefill/decode replicas run vLLM with a KV connector
+(`--kv-transfer-config`): each gets its own NIXL side channel (host and a free port, set before the engine
+starts), and a decode replica runs every completion's prefill on the prefill replica the router chose
+(services.remote_prefill).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from routers.ledger_actor import ledger_actor_name
 from services.asgi_call import ResponseStart, stream_asgi
 from services.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
 from services.llm_config import LLMAppConfig
+from services.rank_gang import RankGang
 from services.remote_prefill import RemotePrefillMiddleware
 from services.replica_headers import ReplicaHeadersMiddleware
 from services.serve_internals import with_rollout_version
@@ -39,14 +42,22 @@ from services.vllm_app import build_openai_app, parse_engine_args, start_engine
 class LLMReplica:
     async def __init__(self, config: dict[str, Any]) -> None:
         self._config = LLMAppConfig.model_validate(config)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._args = parse_engine_args(self._config.engine)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        engine = self._config.engine
         self._prefill_client: httpx.AsyncClient | None = None
+        self._gang: RankGang | None = None
         if self._config.prefill_decode is not None:
             os.environ.update(kv_side_channel_env())
-        if self._config.data_parallel is not None and self._config.data_parallel.mode == "in_engine":
-            local_rank = serve.get_replica_context().rank.local_rank
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(local_rank, self._config.data_parallel.size)
+        data_parallel = self._config.data_parallel
+        if data_parallel is not None and data_parallel.mode == "in_engine":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(context.rank.local_rank, data_parallel.size)
+        if data_parallel is not None and data_parallel.mode == "ranks":
+            self._gang = RankGang()
+            rank_args = await self._gang.engine_args()
+            engine = engine.model_copy(update={"extra_args": {**engine.extra_args, **rank_args}})
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(context.rank.local_rank, 1)
+        self._args = parse_engine_args(engine)
         self._engine = start_engine(self._args)
         self._app = await build_openai_app(self._engine, self._args)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
@@ -67,8 +78,13 @@ class LLMReplica:
             context = serve.get_replica_context()
             ledger = NamedLedgerClient(ledger_actor_name(context.app_name, self._config.deployment.name))
             self._app.add_middleware(CapacityReleaseMiddleware, ledger=ledger)
-        self._app.add_middleware(ReplicaHeadersMiddleware, replica_id=self.replica_id, echo_request_id=False)
-        self._handle_app = ReplicaHeadersMiddleware(self._app, self.replica_id, echo_request_id=True)
+        rank = self._gang.rank if self._gang is not None else None
+        self._app.add_middleware(
+            ReplicaHeadersMiddleware, replica_id=self.replica_id, echo_request_id=False, data_parallel_rank=rank
+        )
+        self._handle_app = ReplicaHeadersMiddleware(
+            self._app, self.replica_id, echo_request_id=True, data_parallel_rank=rank
+        )
 
     async def __serve_build_asgi_app__(self) -> Any:
         return self._app
@@ -87,6 +103,9 @@ class LLMReplica:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
+        gang = getattr(self, "_gang", None)
+        if gang is not None:
+            gang.leave()
 
 
 def kv_side_channel_env() -> dict[str, str]:
@@ -113,11 +132,6 @@ def llm_deployment(config: LLMAppConfig) -> Deployment:
 
 
 def llm_application(config: LLMAppConfig) -> Application:
-    if config.data_parallel is not None and config.data_parallel.mode == "ranks":
-        raise NotImplementedError(
-            "data-parallel `ranks` replicas have no runtime yet (issue 10): "
-            "`sluice render` shows their Serve config, nothing deploys them"
-        )
     return llm_deployment(config).bind(config.model_dump())
 
 

@@ -31,17 +31,20 @@ def _valid_request_id(raw: bytes) -> bool:
 
 class ReplicaHeadersMiddleware:
     """Give the request an `x-request-id` (the client's, or a new one when absent or malformed) and
-    stamp the response with `x-serve-replica` (and with `x-serve-data-parallel-rank` when the request named the
-    engine rank, which vLLM honours).
+    stamp the response with `x-serve-replica` (and with `x-serve-data-parallel-rank`: the rank of a replica that is
+    one DP rank, else the engine rank the request named, which vLLM honours).
 
     `echo_request_id` also writes `x-request-id` on the response. Serve's direct ingress already
     echoes it on the HTTP path (it would appear twice), so only the in-process handle path sets it.
     """
 
-    def __init__(self, app: ASGIApp, replica_id: str, echo_request_id: bool) -> None:
+    def __init__(
+        self, app: ASGIApp, replica_id: str, echo_request_id: bool, data_parallel_rank: int | None = None
+    ) -> None:
         self.app = app
         self.replica_id = replica_id.encode()
         self.echo_request_id = echo_request_id
+        self.data_parallel_rank = str(data_parallel_rank).encode() if data_parallel_rank is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -51,7 +54,7 @@ class ReplicaHeadersMiddleware:
         sent = [v for k, v in scope["headers"] if k.lower() == _REQUEST_ID]
         request_id = sent[0] if sent and _valid_request_id(sent[0]) else uuid.uuid4().hex.encode()
         scope["headers"] = [*headers, (_REQUEST_ID, request_id)]
-        rank = next((v for k, v in headers if k.lower() == _RANK), None)
+        rank = self.data_parallel_rank or next((v for k, v in headers if k.lower() == _RANK), None)
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":

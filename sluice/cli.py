@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
-from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir
+from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir, default_moe_model_dir
 
 EMBEDDED_SPEC = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "local-cpu.yaml"
 
@@ -18,8 +18,9 @@ EMBEDDED_SPEC = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "
 def _model_build(args: argparse.Namespace) -> int:
     from base.tiny_model import build_tiny_model
 
-    out = build_tiny_model(Path(args.out))
-    print(f"tiny model written to {out}")
+    default = default_moe_model_dir() if args.moe else default_model_dir()
+    out = build_tiny_model(Path(args.out or default), moe=args.moe)
+    print(f"tiny {'MoE ' if args.moe else ''}model written to {out}")
     return 0
 
 
@@ -195,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = commands.add_parser("model", help="the locally generated tiny model")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     build = model_commands.add_parser("build", help="build the tiny model deterministically")
-    build.add_argument("--out", default=str(default_model_dir()), help="output folder")
+    build.add_argument("--out", help="output folder (default: the tiny model's, or the MoE variant's, cache folder)")
+    build.add_argument("--moe", action="store_true", help="the MoE variant (Mixtral layers, 4 experts)")
     build.set_defaults(func=_model_build)
 
     serve = commands.add_parser("serve", help="run a team topology (the embedded default) on 127.0.0.1")

@@ -23,7 +23,7 @@ import yaml
 from base.runtime import apply_process_env
 from builders.plan import PlannedModel, StackPlan, build_plan, model_path, serve_config
 from services.remote_prefill import PREFILL_REQUESTS_METRIC
-from topologies.spec import TINY_SOURCE, load_spec
+from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, load_spec
 
 READY_TIMEOUT_S = 600.0
 GCS_PROBE_TIMEOUT_S = 3.0
@@ -77,8 +77,10 @@ def ensure_models(spec: Any) -> None:
     """Build the tiny model if a model of the spec is `tiny` and it is not built yet."""
     from base.tiny_model import ensure_built
 
-    if any(model.source == TINY_SOURCE for model in spec.models):
-        ensure_built(Path(model_path(TINY_SOURCE)))
+    sources = {model.source for model in spec.models}
+    for source, moe in ((TINY_SOURCE, False), (TINY_MOE_SOURCE, True)):
+        if source in sources:
+            ensure_built(Path(model_path(source)), moe)
 
 
 def apply_plan(spec: Any, plan: StackPlan) -> bool:

@@ -33,8 +33,9 @@ from topologies.sections import (
     policy_problem,
 )
 
-# `source: tiny` is sluice's locally generated tiny model (built on first use).
+# `source: tiny` is sluice's locally generated tiny model, `tiny-moe` its MoE variant (built on first use).
 TINY_SOURCE = "tiny"
+TINY_MOE_SOURCE = "tiny-moe"
 
 
 class ModelBase(Section):

@@ -15,20 +15,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from ray import serve
 
 from base.contracts import DATA_PARALLEL_RANK_HEADER, REPLICA_HEADER, SERVED_RANK_HEADER, SESSION_HEADER_DEFAULT
-from builders.plan import StackPlan, build_plan
+from builders.plan import StackPlan
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
-from sluice.deploy import apply_plan
-from tests.integration.conftest import LLMCluster, free_port
-from tests.integration.frontend_contract import register_frontend
-from topologies.spec import load_spec
+from tests.integration.conftest import LLMCluster
+from tests.integration.team_stack import team_stack
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 RANKS = 2
 _SUCCESS = re.compile(r"^vllm:request_success_total\{([^}]*)\} (\S+)$", re.M)
 _ENGINE = re.compile(r'engine="(\d+)"')
@@ -45,25 +40,11 @@ class DPStack:
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DPStack]:
-    data = yaml.safe_load((ROOT / "topologies" / "teams" / "data-parallel-cpu.yaml").read_text())
-    port = free_port()
-    data["name"] = "dp-test"
-    data["frontend"].update(port=port, metrics_port=free_port())
-    path = tmp_path_factory.mktemp("data-parallel") / "stack.yaml"
-    path.write_text(yaml.safe_dump(data))
-    spec = load_spec(path)
-    plan = build_plan(spec)
-    register_frontend(port)
-    [model] = plan.models
-    assert model.data_parallel == "in_engine" and model.data_parallel_size == RANKS
-    try:
-        assert apply_plan(spec, plan)
+    with team_stack("data-parallel-cpu.yaml", "dp-test", tmp_path_factory.mktemp("data-parallel")) as deployed:
+        [model] = deployed.plan.models
+        assert model.data_parallel == "in_engine" and model.data_parallel_size == RANKS
         replicas = asyncio.run(list_replica_endpoints(model.llm_app))
-        yield DPStack(plan, f"http://127.0.0.1:{port}", model.name, model.llm_app, replicas)
-    finally:
-        for app in reversed(plan.apps):
-            if app.name in serve.status().applications:
-                serve.delete(app.name)
+        yield DPStack(deployed.plan, deployed.url, model.name, model.llm_app, replicas)
 
 
 def served_per_engine(stack: DPStack) -> Counter[tuple[str, str]]:

@@ -26,8 +26,6 @@ from typing import Any
 import httpx
 import pytest
 import ray
-import yaml
-from ray import serve
 
 from base.contracts import (
     PREFILL_BY_CALLER_HEADER,
@@ -37,14 +35,11 @@ from base.contracts import (
     REPLICA_HEADER,
     SERVED_PREFILL_HEADER,
 )
-from builders.plan import StackPlan, build_plan
+from builders.plan import StackPlan
 from services.remote_prefill import REMOTE_DECODE_PARAMS
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
-from sluice.deploy import apply_plan
-from tests.integration.conftest import free_port
-from tests.integration.frontend_contract import register_frontend
 from tests.integration.sse import chunks, data_lines
-from topologies.spec import load_spec
+from tests.integration.team_stack import team_stack
 
 pytestmark = pytest.mark.integration
 
@@ -72,24 +67,10 @@ class PDStack:
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    data = yaml.safe_load((ROOT / "topologies" / "teams" / "prefill-decode-cpu.yaml").read_text())
-    port = free_port()
-    data["name"] = "pd-test"
-    data["frontend"].update(port=port, metrics_port=free_port())
-    path = tmp_path_factory.mktemp("prefill-decode") / "stack.yaml"
-    path.write_text(yaml.safe_dump(data))
-    spec = load_spec(path)
-    plan = build_plan(spec)
-    register_frontend(port)
-    [model] = plan.models
-    assert model.prefill_app is not None
-    try:
-        assert apply_plan(spec, plan)
-        yield PDStack(plan, f"http://127.0.0.1:{port}", model.name, model.prefill_app, model.llm_app, path)
-    finally:
-        for app in reversed(plan.apps):
-            if app.name in serve.status().applications:
-                serve.delete(app.name)
+    with team_stack("prefill-decode-cpu.yaml", "pd-test", tmp_path_factory.mktemp("prefill-decode")) as deployed:
+        [model] = deployed.plan.models
+        assert model.prefill_app is not None
+        yield PDStack(deployed.plan, deployed.url, model.name, model.prefill_app, model.llm_app, deployed.path)
 
 
 def metric(app_url: str, name: str, **labels: str) -> float:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from ray import serve
 
 from base.contracts import (
     MODEL_HEADER,
@@ -22,17 +20,12 @@ from base.contracts import (
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
-from builders.plan import StackPlan, build_plan
+from builders.plan import StackPlan
 from services.serve_internals import list_replica_endpoints
-from sluice.deploy import apply_plan
-from tests.integration.conftest import free_port
-from tests.integration.frontend_contract import register_frontend
 from tests.integration.sse import chunks, data_lines
-from topologies.spec import load_spec
+from tests.integration.team_stack import team_stack
 
 pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -46,27 +39,14 @@ class TwoModelStack:
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoModelStack]:
-    data = yaml.safe_load((ROOT / "topologies" / "teams" / "two-models-cpu.yaml").read_text())
-    port = free_port()
-    data["name"] = "two-models-test"
-    data["frontend"].update(port=port, metrics_port=free_port())
-    path = tmp_path_factory.mktemp("two-models") / "stack.yaml"
-    path.write_text(yaml.safe_dump(data))
-    spec = load_spec(path)
-    plan = build_plan(spec)
-    register_frontend(port)
-    try:
-        assert apply_plan(spec, plan)
+    with team_stack("two-models-cpu.yaml", "two-models-test", tmp_path_factory.mktemp("two-models")) as deployed:
+        plan = deployed.plan
         replicas = {
             model.name: {e.replica_id for e in asyncio.run(list_replica_endpoints(model.llm_app))}
             for model in plan.models
         }
         assert all(replicas.values()) and not set.intersection(*replicas.values())
-        yield TwoModelStack(plan, f"http://127.0.0.1:{port}", spec.routing.body_buffer_bytes, replicas)
-    finally:
-        for app in reversed(plan.apps):
-            if app.name in serve.status().applications:
-                serve.delete(app.name)
+        yield TwoModelStack(plan, deployed.url, deployed.spec.routing.body_buffer_bytes, replicas)
 
 
 def _stream(client: httpx.Client, url: str, body: dict, headers: dict | None = None) -> tuple[str, list[dict]]:

@@ -150,14 +150,6 @@ def test_prefill_decode_renders_a_kv_producer_a_kv_consumer_and_a_router_choosin
     assert [(a.llm_app, a.router_app) for a in args.apps] == [(f"{stem}-llm", f"{stem}-router")]
 
 
-def test_what_has_no_runtime_yet_is_refused_where_it_would_be_deployed() -> None:
-    dp = build_plan(load_spec(TEAMS / "gpu-data-parallel.yaml"))
-    # The MoE model's rank gang.
-    module, builder = dp.apps[0].import_path.split(":")
-    with pytest.raises(NotImplementedError, match="issue 10"):
-        getattr(importlib.import_module(module), builder)(dp.apps[0].args)
-
-
 def test_the_cpu_prefill_decode_stack_pairs_its_sides_through_the_router() -> None:
     apps = _apps("prefill-decode-cpu.yaml")
     stem = "platform-prefill-decode-cpu"

@@ -1,27 +1,35 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
 
-from base.tiny_model import EOS_TOKEN, HIDDEN_SIZE, NUM_LAYERS, VOCAB_SIZE
+import pytest
+
+from base.tiny_model import EOS_TOKEN, EXPERTS_PER_TOKEN, HIDDEN_SIZE, NUM_EXPERTS, NUM_LAYERS, VOCAB_SIZE
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, *flags: str) -> None:
     subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "model", "build", "--out", str(out)],
+        [sys.executable, "-m", "sluice.cli", "model", "build", "--out", str(out), *flags],
         check=True,
         capture_output=True,
     )
 
 
-def test_two_builds_are_byte_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [(), ("--moe",)], ids=["dense", "moe"])
+def test_two_builds_are_byte_identical(tmp_path: Path, flags: tuple[str, ...]) -> None:
     first, second = tmp_path / "a", tmp_path / "b"
-    _build(first)
-    _build(second)
+    _build(first, *flags)
+    _build(second, *flags)
     names = sorted(p.name for p in first.iterdir())
     assert names == sorted(p.name for p in second.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(names)
     for name in names:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == (["MixtralForCausalLM"] if flags else ["LlamaForCausalLM"])
+    if flags:
+        assert (config["num_local_experts"], config["num_experts_per_tok"]) == (NUM_EXPERTS, EXPERTS_PER_TOKEN)
 
 
 def test_transformers_loads_it_offline(tiny_model_dir: Path, monkeypatch) -> None:

@@ -1,0 +1,51 @@
+"""A team file deployed from its plan onto the session's Ray cluster under its own name and ports, for one test
+module, and removed after it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from ray import serve
+
+from builders.plan import StackPlan, build_plan
+from sluice.deploy import apply_plan, ensure_models
+from tests.integration.conftest import free_port
+from tests.integration.frontend_contract import register_frontend
+from topologies.spec import load_spec
+
+TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
+
+
+@dataclass
+class TeamStack:
+    spec: Any
+    plan: StackPlan
+    # The spec file as deployed (renamed, own ports).
+    path: Path
+    url: str
+
+
+@contextmanager
+def team_stack(team_file: str, name: str, folder: Path) -> Iterator[TeamStack]:
+    data = yaml.safe_load((TEAMS / team_file).read_text())
+    port = free_port()
+    data["name"] = name
+    data["frontend"].update(port=port, metrics_port=free_port())
+    path = folder / "stack.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec = load_spec(path)
+    plan = build_plan(spec)
+    ensure_models(spec)
+    register_frontend(port)
+    try:
+        assert apply_plan(spec, plan)
+        yield TeamStack(spec, plan, path, f"http://127.0.0.1:{port}")
+    finally:
+        for app in reversed(plan.apps):
+            if app.name in serve.status().applications:
+                serve.delete(app.name)
