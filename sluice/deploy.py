@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import yaml
 
+from base.contracts import SERVED_RANK_HEADER
 from base.runtime import apply_process_env
 from builders.plan import PlannedModel, StackPlan, build_plan, model_path, serve_config
 from services.remote_prefill import PREFILL_REQUESTS_METRIC
@@ -224,6 +225,15 @@ def prefill_pairs(metrics_text: str) -> dict[tuple[str, str], float]:
     return pairs
 
 
+def _gang_rank(model: PlannedModel, endpoint: Any) -> str:
+    """The DP rank a `ranks` replica answers as ("?" when it does not answer)."""
+    try:
+        response = httpx.get(f"{endpoint.url}/{model.llm_app}/v1/models", timeout=5)
+    except httpx.HTTPError:
+        return "?"
+    return response.headers.get(SERVED_RANK_HEADER, "?")
+
+
 def _pairs_report(model: PlannedModel, endpoints: list[Any]) -> list[dict[str, Any]]:
     """Which prefill replica served each decode replica's requests, and how (remote, local fallback, ...)."""
     served = []
@@ -259,6 +269,10 @@ def status(path: str, address: str, as_json: bool = False) -> int:
     for model in plan.models:
         if model.prefill_app is not None:
             report["pairs"][model.name] = _pairs_report(model, endpoints_of[model.llm_app])
+        if model.data_parallel == "ranks":
+            report["apps"][model.llm_app]["replicas"] = [
+                f"{e.replica_id} {e.host}:{e.port} rank {_gang_rank(model, e)}" for e in endpoints_of[model.llm_app]
+            ]
     report["frontend"] = _frontend_status(plan)
     reasons = degraded_reasons(spec, plan, report)
     ready = not reasons

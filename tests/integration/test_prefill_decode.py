@@ -4,8 +4,8 @@ NIXL over host memory, a router choosing both, HAProxy pinning each request to t
 
 The decode engine's own metrics prove the KV came over the wire: its prompt tokens are counted as
 `external_kv_transfer` (none computed locally) and NIXL's byte count grows; decoding prompt B from prompt A's
-transferred blocks continues A. The reference text is the same greedy request served whole by one engine (the
-prefill replica's own port, no transfer asked). The prefill replica killed last: the decode replica prefills
+transferred blocks continues A. The reference text is the same greedy request served by a replica of the plain
+OpenAI topology (the session's tiny-model replicas). The prefill replica killed last: the decode replica prefills
 locally (the team file opts in) and says so, and pairs again once Serve has replaced it.
 """
 
@@ -38,6 +38,7 @@ from base.contracts import (
 from builders.plan import StackPlan
 from services.remote_prefill import REMOTE_DECODE_PARAMS
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
+from tests.integration.conftest import LLMCluster
 from tests.integration.sse import chunks, data_lines
 from tests.integration.team_stack import team_stack
 
@@ -114,20 +115,31 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[h
     return response.headers, text, events[-1]["usage"]["prompt_tokens"]
 
 
-def whole(client: httpx.Client, stack: PDStack, path: str, body: dict[str, Any]) -> str:
-    """The reference: the request served whole by one engine (the prefill replica, no transfer asked)."""
-    response = client.post(f"{stack.app_url(stack.prefill_app)}{path}", json={**body, "stream": False})
+def text_of(client: httpx.Client, url: str, body: dict[str, Any]) -> str:
+    response = client.post(url, json={**body, "stream": False})
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-def test_a_streamed_chat_is_prefilled_there_and_decoded_here_from_the_transferred_kv(stack: PDStack) -> None:
+def whole(client: httpx.Client, stack: PDStack, path: str, body: dict[str, Any]) -> str:
+    """The request served whole by one engine of the stack (the prefill replica, no transfer asked)."""
+    return text_of(client, f"{stack.app_url(stack.prefill_app)}{path}", body)
+
+
+def openai_topology(client: httpx.Client, llm_cluster: LLMCluster, path: str, body: dict[str, Any]) -> str:
+    """The reference: the same request served by a replica of the plain OpenAI topology (its own served name)."""
+    return text_of(client, f"{llm_cluster.endpoints[0].url}{path}", {k: v for k, v in body.items() if k != "model"})
+
+
+def test_a_streamed_chat_is_prefilled_there_and_decoded_here_from_the_transferred_kv(
+    stack: PDStack, llm_cluster: LLMCluster
+) -> None:
     decode_url = stack.app_url(stack.decode_app)
     before = transfer_evidence(decode_url)
     with httpx.Client(timeout=60) as client:
         headers, text, prompt_tokens = stream_chat(client, stack.url, chat(stack.model))
-        reference = whole(client, stack, "/v1/chat/completions", chat(stack.model, stream=False))
+        reference = openai_topology(client, llm_cluster, "/v1/chat/completions", chat(stack.model, stream=False))
     after = transfer_evidence(decode_url)
     assert headers[REPLICA_HEADER] == stack.endpoint(stack.decode_app).replica_id
     assert headers[SERVED_PREFILL_HEADER] == stack.endpoint(stack.prefill_app).replica_id
@@ -138,11 +150,13 @@ def test_a_streamed_chat_is_prefilled_there_and_decoded_here_from_the_transferre
     assert text == reference and text
 
 
-def test_a_non_streamed_completion_names_both_replicas_and_equals_one_engines_text(stack: PDStack) -> None:
+def test_a_non_streamed_completion_names_both_replicas_and_equals_one_engines_text(
+    stack: PDStack, llm_cluster: LLMCluster
+) -> None:
     body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
     with httpx.Client(timeout=60) as client:
         response = client.post(f"{stack.url}/v1/completions", json=body)
-        reference = whole(client, stack, "/v1/completions", body)
+        reference = openai_topology(client, llm_cluster, "/v1/completions", body)
     assert response.status_code == 200, response.text
     assert response.headers[REPLICA_HEADER] == stack.endpoint(stack.decode_app).replica_id
     assert response.headers[SERVED_PREFILL_HEADER] == stack.endpoint(stack.prefill_app).replica_id

@@ -8,10 +8,14 @@ communicator lacks the `all_gatherv` MoE data parallelism needs (serving `ranks`
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -32,12 +36,13 @@ _ENGINE_LABELS = re.compile(r'^vllm:num_requests_running\{[^}]*engine="(\d+)"', 
 class GangStack:
     plan: StackPlan
     app: str
+    path: Path
 
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GangStack]:
     with team_stack("moe-ranks-cpu.yaml", "gang-test", tmp_path_factory.mktemp("rank-gang")) as deployed:
-        yield GangStack(deployed.plan, deployed.plan.models[0].llm_app)
+        yield GangStack(deployed.plan, deployed.plan.models[0].llm_app, deployed.path)
 
 
 def ranks(stack: GangStack) -> dict[int, ReplicaEndpoint]:
@@ -54,7 +59,26 @@ def ranks(stack: GangStack) -> dict[int, ReplicaEndpoint]:
 
 
 def test_the_gang_forms_its_dp_group_with_every_rank(stack: GangStack) -> None:
-    assert sorted(ranks(stack)) == list(range(GANG_SIZE))
+    by_rank = ranks(stack)
+    assert sorted(by_rank) == list(range(GANG_SIZE))
+    # `sluice status` lists each rank replica with its rank.
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sluice.cli",
+            "status",
+            str(stack.path),
+            "--address",
+            ray.get_runtime_context().gcs_address,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    listed = json.loads(result.stdout)["apps"][stack.app]["replicas"]
+    assert sorted(listed) == sorted(f"{e.replica_id} {e.host}:{e.port} rank {rank}" for rank, e in by_rank.items())
 
 
 def test_a_killed_rank_brings_its_gang_back_with_every_rank_filled(stack: GangStack) -> None:
