@@ -8,12 +8,15 @@ disconnect: the app sees `http.disconnect` and vLLM aborts the engine request.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel
 
-from services.replica_headers import ASGIApp, Message
+from base.contracts import SERVE_REASON_HEADER
+from infra.haproxy_format import ERROR_TYPES
+from services.replica_headers import ASGIApp, Message, Receive, Scope, Send
 
 
 class ResponseStart(BaseModel):
@@ -24,6 +27,40 @@ class ResponseStart(BaseModel):
 
     def header(self, name: str) -> str | None:
         return next((v for k, v in self.headers if k.lower() == name.lower()), None)
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path below the app's route prefix (what the app behind it matches)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+async def send_openai_error(
+    send: Send, status: int, reason: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """An OpenAI-style JSON error with `x-serve-reason: <reason>` (and `extra` headers)."""
+    error = {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "code": status}
+    body = json.dumps({"error": error}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (SERVE_REASON_HEADER.encode(), reason.encode()),
+        *(extra or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None when the client disconnected first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def http_scope(method: str, path: str, headers: dict[str, str]) -> dict[str, Any]:

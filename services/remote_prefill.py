@@ -43,10 +43,9 @@ from base.contracts import (
     REASON_PREFILL_FAILED,
     REASON_PREFILL_UNROUTED,
     REQUEST_ID_HEADER,
-    SERVE_REASON_HEADER,
     SERVED_PREFILL_HEADER,
 )
-from infra.haproxy_format import ERROR_TYPES
+from services.asgi_call import read_body, route_path, send_openai_error
 from services.replica_headers import ASGIApp, Message, Receive, Scope, Send
 
 PREFILL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -100,40 +99,9 @@ def prefill_body(request: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def route_path(scope: Scope) -> str:
-    """The request's path below the app's route prefix (what vLLM's app matches)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
-
-
-async def read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None when the client disconnected first."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 def _header(scope: Scope, name: str) -> str | None:
     raw = name.encode()
     return next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == raw), None)
-
-
-async def _send_error(send: Send, status: int, reason: str, message: str, extra: list[tuple[bytes, bytes]]) -> None:
-    error = {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "code": status}
-    body = json.dumps({"error": error}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (SERVE_REASON_HEADER.encode(), reason.encode()),
-        *extra,
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class RemotePrefillMiddleware:
@@ -210,7 +178,7 @@ class RemotePrefillMiddleware:
             PREFILL_REQUESTS.labels(prefill_replica or "", OUTCOME_FAILED).inc()
             status = 503 if failure.reason == REASON_PREFILL_UNROUTED else 502
             stamp = [(SERVED_PREFILL_HEADER.encode(), prefill_replica.encode())] if prefill_replica else []
-            await _send_error(send, status, failure.reason, str(failure), stamp)
+            await send_openai_error(send, status, failure.reason, str(failure), stamp)
             return
         PREFILL_REQUESTS.labels(prefill_replica or "", OUTCOME_LOCAL).inc()
         stamp = [

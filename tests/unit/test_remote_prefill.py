@@ -21,7 +21,8 @@ from base.contracts import (
     SERVE_REASON_HEADER,
     SERVED_PREFILL_HEADER,
 )
-from services.remote_prefill import REMOTE_DECODE_PARAMS, RemotePrefillMiddleware, prefill_body, route_path
+from services.asgi_call import route_path
+from services.remote_prefill import REMOTE_DECODE_PARAMS, RemotePrefillMiddleware, prefill_body
 
 PREFILL_URL = "http://127.0.0.1:30007/tiny-prefill"
 TRANSFER = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [3, 4], "remote_port": 5600}

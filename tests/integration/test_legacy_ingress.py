@@ -1,0 +1,79 @@
+"""The retained legacy ingress in front of the session's LLM app: a Python Serve replica relaying each request
+through a streaming DeploymentHandle call to the LLM replica's `stream()`. Same answers as the replica's own
+port, marked `x-serve-path: legacy`; bad input answered as vLLM answers it; a client that leaves aborts the
+engine request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from ray import serve
+
+from base.contracts import REPLICA_HEADER, SERVE_PATH_HEADER
+from services.legacy_ingress import LEGACY_PATH, LegacyIngressSettings, legacy_ingress_application
+from services.serve_internals import list_replica_endpoints, wait_for_endpoints
+from tests.integration.conftest import LLMCluster
+from tests.integration.sse import chunks, data_lines
+
+pytestmark = pytest.mark.integration
+
+APP = "legacy-test"
+PREFIX = f"/{APP}"
+GREEDY = {"messages": [{"role": "user", "content": "ka lo mi"}], "max_tokens": 16, "temperature": 0, "stream": True}
+_IN_FLIGHT = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def legacy_url(llm_cluster: LLMCluster) -> Iterator[str]:
+    settings = LegacyIngressSettings(target_app=llm_cluster.app, target_deployment=llm_cluster.config.deployment.name)
+    serve.run(legacy_ingress_application(settings), name=APP, route_prefix=PREFIX, blocking=False)
+    try:
+        [endpoint] = wait_for_endpoints(APP, 1, timeout_s=120)
+        yield f"{endpoint.url}{PREFIX}"
+    finally:
+        serve.delete(APP)
+
+
+def _text(response: httpx.Response) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks(data_lines(response)) if c["choices"])
+
+
+def test_the_legacy_path_streams_the_replicas_own_answer(legacy_url: str, llm_cluster: LLMCluster) -> None:
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{legacy_url}/v1/chat/completions", json=GREEDY) as response:
+            assert response.status_code == 200
+            assert response.headers[SERVE_PATH_HEADER] == LEGACY_PATH
+            legacy = _text(response)
+        replica = next(e for e in llm_cluster.endpoints if e.replica_id == response.headers[REPLICA_HEADER])
+        with client.stream("POST", f"{replica.url}/v1/chat/completions", json=GREEDY) as direct:
+            assert direct.status_code == 200
+            assert legacy == _text(direct) != ""
+
+
+def test_bad_input_gets_vllms_own_error_through_the_legacy_path(legacy_url: str) -> None:
+    response = httpx.post(f"{legacy_url}/v1/chat/completions", content=b"{not json", timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["code"] == 400
+    assert response.headers[SERVE_PATH_HEADER] == LEGACY_PATH
+
+
+def _in_flight(llm_cluster: LLMCluster) -> float:
+    endpoints = asyncio.run(list_replica_endpoints(llm_cluster.app))
+    return sum(float(v) for e in endpoints for v in _IN_FLIGHT.findall(httpx.get(f"{e.url}/metrics").text))
+
+
+def test_a_client_that_leaves_aborts_the_engine_request(legacy_url: str, llm_cluster: LLMCluster) -> None:
+    body = {**GREEDY, "max_tokens": 1000, "ignore_eos": True}
+    with httpx.stream("POST", f"{legacy_url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert _in_flight(llm_cluster) >= 1
+    left = time.monotonic()
+    while _in_flight(llm_cluster) > 0:
+        assert time.monotonic() - left < 1.0, "the engine still runs the request 1 s after the client left"
+        time.sleep(0.02)
