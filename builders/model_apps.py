@@ -38,7 +38,10 @@ ModelApps = tuple[list[ServeApp], AppRoute, PlannedModel]
 
 
 def _deployment(scaling: Scaling, routing: Routing, gang_size: int | None = None) -> ReplicaDeploymentConfig:
+    """The LLM deployment's Serve options; the legacy ingress's handle calls route with the model's policy too."""
     return ReplicaDeploymentConfig(
+        handle_policy=routing.policy,
+        handle_policy_kwargs=routing.policy_kwargs,
         num_replicas=scaling.fixed_replicas,
         autoscaling=scaling.autoscaling.model_dump() if scaling.autoscaling else None,
         max_ongoing_requests=scaling.max_ongoing_requests,

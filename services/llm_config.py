@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from base.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS
 from base.rollout import config_version
 from base.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
 from base.tiny_model import SERVED_MODEL_NAME
+from routers.config import validate_settings
+from routers.serve_adapters import request_router_config
 from services.serve_internals import SERVE_SHUTDOWN_BUFFER_S
 
 EngineArgValue = str | int | float | bool
@@ -108,6 +110,16 @@ class ReplicaDeploymentConfig(BaseModel):
     capacity_ledger: bool = False
     # Replicas scheduled (and restarted) together as one gang of this size: `num_replicas` counts gangs.
     gang_size: int | None = Field(None, ge=2)
+    # The policy DeploymentHandle calls (the legacy ingress) are routed with, through its Serve RequestRouter
+    # adapter; None leaves Serve's own router.
+    handle_policy: str | None = None
+    handle_policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _handle_policy(self) -> ReplicaDeploymentConfig:
+        if self.handle_policy is not None:
+            validate_settings(self.handle_policy, self.handle_policy_kwargs)
+        return self
 
     def serve_options(self) -> dict[str, Any]:
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
@@ -123,9 +135,15 @@ class ReplicaDeploymentConfig(BaseModel):
                 "num_replicas": self.num_replicas * self.gang_size,
                 "gang_scheduling_config": {"gang_size": self.gang_size},
             }
+        routing = (
+            {"request_router_config": request_router_config(self.handle_policy, **self.handle_policy_kwargs)}
+            if self.handle_policy is not None
+            else {}
+        )
         return {
             "name": self.name,
             **scaling,
+            **routing,
             "max_ongoing_requests": self.max_ongoing_requests,
             "graceful_shutdown_timeout_s": self.drain_grace_s,
             "graceful_shutdown_wait_loop_s": self.drain_poll_s,

@@ -88,3 +88,21 @@ def test_each_engine_rank_of_a_node_gets_its_own_cpu() -> None:
     # Fewer CPUs than ranks on the node: wrap around, never all on one CPU.
     assert engine_cpu_binding(1, 2, cpus=[4, 5]) == "4|5"
     assert engine_cpu_binding(0, 4, cpus=[4, 5]) == "4|5|4|5"
+
+
+def test_handle_calls_route_with_the_deployments_policy_through_its_adapter() -> None:
+    from routers.serve_adapters import ConsistentHashRequestRouter
+
+    options = ReplicaDeploymentConfig(
+        handle_policy="consistent_hash", handle_policy_kwargs={"num_fallback_replicas": 1}
+    )
+    router = options.serve_options()["request_router_config"]
+    # Serve keeps the class as its import path, which each handle owner imports.
+    assert (
+        router.request_router_class
+        == f"{ConsistentHashRequestRouter.__module__}.{ConsistentHashRequestRouter.__name__}"
+    )
+    assert router.request_router_kwargs == {"num_fallback_replicas": 1}
+    assert "request_router_config" not in ReplicaDeploymentConfig().serve_options()
+    with pytest.raises(ValidationError, match="invalid consistent_hash kwargs"):
+        ReplicaDeploymentConfig(handle_policy="consistent_hash", handle_policy_kwargs={"load_factor": 0.5})
