@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import signal
 import sys
 import threading
@@ -157,6 +159,21 @@ def _on_cluster(args: argparse.Namespace) -> int:
         return 1
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from loadtests.replay import RecordingError, load_recording, replay, report
+
+    try:
+        recording = load_recording(Path(args.recording))
+    except (OSError, RecordingError) as error:
+        print(error, file=sys.stderr)
+        return 1
+    targets = [args.target.rstrip("/"), *([args.compare.rstrip("/")] if args.compare else [])]
+    answers = asyncio.run(replay(recording, targets, speed=args.speed))
+    summary, clean = report(answers, recording)
+    print(json.dumps(summary, indent=2))
+    return 0 if clean else 1
+
+
 def _bench_replica(args: argparse.Namespace) -> int:
     from base.tiny_model import ensure_built
     from sluice.bench import run_replica_bench
@@ -249,6 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
     hash_key = api_key_commands.add_parser("hash", help="the key file line of a key read from standard input")
     hash_key.add_argument("--label", default="")
     hash_key.set_defaults(func=_api_key_hash)
+
+    replay_command = commands.add_parser(
+        "replay", help="send recorded requests (JSONL) to a path, or to two and compare"
+    )
+    replay_command.add_argument("recording")
+    replay_command.add_argument("--target", required=True, help="base URL of the path, e.g. http://127.0.0.1:8000")
+    replay_command.add_argument("--compare", help="a second base URL: send every request to both and compare")
+    replay_command.add_argument("--speed", type=float, default=1.0, help="replay faster (>1) or slower than recorded")
+    replay_command.set_defaults(func=_replay)
 
     bench = commands.add_parser("bench", help="benchmarks (not tests)")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

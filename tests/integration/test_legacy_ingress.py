@@ -1,14 +1,18 @@
 """The retained legacy ingress in front of the session's LLM app: a Python Serve replica relaying each request
 through a streaming DeploymentHandle call to the LLM replica's `stream()`. Same answers as the replica's own
 port, marked `x-serve-path: legacy`; bad input answered as vLLM answers it; a client that leaves aborts the
-engine request."""
+engine request; `sluice replay --compare` finds the direct path (HAProxy + router) and the legacy path identical."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +21,7 @@ from ray import serve
 from base.contracts import REPLICA_HEADER, SERVE_PATH_HEADER
 from services.legacy_ingress import LEGACY_PATH, LegacyIngressSettings, legacy_ingress_application
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
-from tests.integration.conftest import LLMCluster
+from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -77,3 +81,41 @@ def test_a_client_that_leaves_aborts_the_engine_request(legacy_url: str, llm_clu
     while _in_flight(llm_cluster) > 0:
         assert time.monotonic() - left < 1.0, "the engine still runs the request 1 s after the client left"
         time.sleep(0.02)
+
+
+def test_replay_compare_finds_the_direct_and_the_legacy_path_identical(
+    legacy_url: str, llm_cluster: LLMCluster, tmp_path: Path
+) -> None:
+    lines = []
+    for i in range(50):
+        words = " ".join(["ka", "lo", "mi", "tessa", "ren"][: 1 + i % 5])
+        if i % 2:
+            path, body = "/v1/completions", {"prompt": f"{words} {i}", "max_tokens": 8, "temperature": 0}
+        else:
+            messages = [{"role": "user", "content": f"{words} {i}"}]
+            path, body = "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0}
+        body["stream"] = i % 3 != 0
+        headers = {"x-session-id": f"user-{i % 7}"}
+        lines.append(json.dumps({"at_s": i * 0.02, "path": path, "headers": headers, "body": body}))
+    recording = tmp_path / "recording.jsonl"
+    recording.write_text("\n".join(lines) + "\n")
+    with direct_stack(llm_cluster) as stack:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sluice.cli",
+                "replay",
+                str(recording),
+                "--target",
+                stack.url,
+                "--compare",
+                legacy_url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    summary = json.loads(result.stdout)
+    assert result.returncode == 0, summary
+    assert summary == {"requests": 50, "statuses": [200], "unanswered": 0, "identical": 50, "differences": []}
