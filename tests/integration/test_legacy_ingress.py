@@ -1,7 +1,8 @@
 """The retained legacy ingress in front of the session's LLM app: a Python Serve replica relaying each request
 through a streaming DeploymentHandle call to the LLM replica's `stream()`. Same answers as the replica's own
 port, marked `x-serve-path: legacy`; bad input answered as vLLM answers it; a client that leaves aborts the
-engine request; `sluice replay --compare` finds the direct path (HAProxy + router) and the legacy path identical."""
+engine request; `sluice replay --compare` finds the direct path (HAProxy + router) and the legacy path identical;
+with capacity_queue, every token the handle's adapter takes is released once, whether the client stays or leaves."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
 from ray import serve
 
 from base.contracts import REPLICA_HEADER, SERVE_PATH_HEADER
+from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
 from services.legacy_ingress import LEGACY_PATH, LegacyIngressSettings, legacy_ingress_application
+from services.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
-from tests.integration.conftest import LLMCluster, direct_stack
+from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.integration.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -119,3 +123,63 @@ def test_replay_compare_finds_the_direct_and_the_legacy_path_identical(
     summary = json.loads(result.stdout)
     assert result.returncode == 0, summary
     assert summary == {"requests": 50, "statuses": [200], "unanswered": 0, "identical": 50, "differences": []}
+
+
+CQ_APP = "legacy-cq-llm"
+CQ_LEGACY_APP = "legacy-cq"
+
+
+@pytest.fixture(scope="module")
+def capacity_queue_legacy(ray_cluster: None, tiny_model_dir: Path) -> Iterator[tuple[str, str]]:
+    """An LLM app whose handle calls take capacity tokens (capacity_queue), and a legacy ingress in front of it:
+    (the legacy URL, the ledger actor's name)."""
+    deployment = ReplicaDeploymentConfig(
+        name="CQReplica", num_replicas=1, capacity_ledger=True, handle_policy="capacity_queue"
+    )
+    deploy_llm_app(CQ_APP, tiny_model_dir, deployment, route_prefix=f"/{CQ_APP}")
+    settings = LegacyIngressSettings(target_app=CQ_APP, target_deployment=deployment.name)
+    serve.run(
+        legacy_ingress_application(settings), name=CQ_LEGACY_APP, route_prefix=f"/{CQ_LEGACY_APP}", blocking=False
+    )
+    try:
+        wait_for_endpoints(CQ_APP, 1, timeout_s=300)
+        [endpoint] = wait_for_endpoints(CQ_LEGACY_APP, 1, timeout_s=120)
+        yield f"{endpoint.url}/{CQ_LEGACY_APP}", ledger_actor_name(CQ_APP, deployment.name)
+    finally:
+        serve.delete(CQ_LEGACY_APP)
+        serve.delete(CQ_APP)
+
+
+def test_capacity_tokens_of_the_legacy_path_are_released_once_even_when_clients_leave(
+    capacity_queue_legacy: tuple[str, str],
+) -> None:
+    url, ledger_name = capacity_queue_legacy
+    ledger = ray.get_actor(ledger_name, namespace=LEDGER_NAMESPACE)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {**GREEDY, "max_tokens": 24, "ignore_eos": True}
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            if i % 4 == 0:  # 50 of the 200 leave after their first chunk
+                await anext(line async for line in lines if line.startswith("data: "))
+                return
+            assert [line async for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+
+    async def run() -> None:
+        limit = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(timeout=60) as client:
+
+            async def bounded(i: int) -> None:
+                async with limit:
+                    await one(client, i)
+
+            await asyncio.gather(*(bounded(i) for i in range(200)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while (snapshot := ray.get(ledger.snapshot.remote(), timeout=10))["outstanding"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert snapshot["outstanding"] == 0 and all(r["in_flight"] == 0 for r in snapshot["replicas"].values())
+    assert snapshot["granted"] == snapshot["released"] >= 200, snapshot
+    assert snapshot["double_releases"] == snapshot["unknown_releases"] == snapshot["reaped"] == 0, snapshot
