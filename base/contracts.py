@@ -19,8 +19,10 @@ FALLBACK_RANK_HEADER = "x-serve-fallback-rank"
 # Sent by the frontend on every route call: which frontend (HAProxy) asks, so the router ranks only the
 # replicas that frontend can route to.
 FRONTEND_HEADER = "x-sluice-frontend"
-# On every response: which path served it, `direct` (HAProxy -> replica) or `legacy` (the Python ingress).
+# On every response a path served: which one, `direct` (HAProxy -> replica) or `legacy` (the Python ingress).
 SERVE_PATH_HEADER = "x-serve-path"
+DIRECT_PATH = "direct"
+LEGACY_PATH = "legacy"
 # Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection.
 RANKED_HEADER = "x-sluice-ranked"
 INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")

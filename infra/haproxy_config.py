@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from base.contracts import (
     DATA_PARALLEL_RANK_HEADER,
     DEFAULT_BIND_HOST,
+    DIRECT_PATH,
     FALLBACK_RANK_HEADER,
     FALLBACK_REASONS,
     HAPROXY_ERROR_REASONS,
@@ -55,6 +56,7 @@ from base.contracts import (
     REQUEST_ID_HEADER,
     ROUTE_TIMEOUT_S_DEFAULT,
     SERVE_FALLBACK_HEADER,
+    SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
 )
@@ -375,6 +377,7 @@ def _replica_backend_lines(name: str, retry_addr: str) -> list[str]:
         f"    use-server %[var({VAR_SERVER})] if {{ var({VAR_SERVER}) -m found }}",
         f"    http-response set-header {SERVE_REASON_HEADER} {REASON_REPLICA_ERROR}"
         f" if {{ status ge 500 }} !{{ res.hdr({SERVE_REASON_HEADER}) -m found }}",
+        f"    http-response set-header {SERVE_PATH_HEADER} {DIRECT_PATH}",
         *(f"    server {server} {retry_addr}" for server in RETRY_SERVERS),
         "",
     ]

@@ -24,7 +24,7 @@ from ray.serve.deployment import Application
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from base.contracts import REASON_REPLICA_FAILED, SERVE_PATH_HEADER
+from base.contracts import LEGACY_PATH, REASON_REPLICA_FAILED, SERVE_PATH_HEADER
 from base.rollout import config_version
 from services.asgi_call import ResponseStart, read_body, route_path, send_openai_error
 from services.llm_config import LLM_DEPLOYMENT_NAME
@@ -32,7 +32,6 @@ from services.replica_headers import Receive, Scope, Send
 from services.serve_internals import with_rollout_version
 
 LEGACY_DEPLOYMENT_NAME = "LegacyIngress"
-LEGACY_PATH = "legacy"
 _PATH_STAMP = (SERVE_PATH_HEADER.encode(), LEGACY_PATH.encode())
 # Headers of the client's request that belong to its connection, not to the request the replica runs.
 _HOP_BY_HOP = frozenset({"host", "connection", "content-length", "transfer-encoding", "keep-alive", "upgrade"})

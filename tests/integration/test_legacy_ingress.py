@@ -20,9 +20,9 @@ import pytest
 import ray
 from ray import serve
 
-from base.contracts import REPLICA_HEADER, SERVE_PATH_HEADER
+from base.contracts import LEGACY_PATH, REPLICA_HEADER, SERVE_PATH_HEADER
 from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
-from services.legacy_ingress import LEGACY_PATH, LegacyIngressSettings, legacy_ingress_application
+from services.legacy_ingress import LegacyIngressSettings, legacy_ingress_application
 from services.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack

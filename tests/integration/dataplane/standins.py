@@ -19,12 +19,14 @@ import httpx
 import uvicorn
 
 from base.contracts import (
+    DIRECT_PATH,
     HEALTH_PATH,
     MEMBERSHIP_PATH,
     REASON_NO_REPLICA,
     REPLICA_HEADER,
     REQUEST_ID_HEADER,
     ROUTE_PATH,
+    SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
 )
 from base.route_wire import Membership, RouteRefusal, RouteReply
@@ -338,11 +340,13 @@ def first_event(response: httpx.Response) -> dict[str, Any]:
 
 
 def assert_pinned(response: httpx.Response, behavior: RouterBehavior) -> str:
+    """The replica the router chose served the response, on the direct path; returns its id."""
     assert response.status_code == 200, (response.status_code, response.headers, response.text[:300])
     request_id = response.headers[REQUEST_ID_HEADER]
     served = response.headers[REPLICA_HEADER]
     assert served == behavior.decisions[request_id], "served by a replica the router did not choose"
     assert first_event(response)["replica"] == served
+    assert response.headers[SERVE_PATH_HEADER] == DIRECT_PATH
     return served
 
 
