@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -66,3 +67,10 @@ def apply_process_env() -> dict[str, str]:
     for key in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME"):
         Path(env[key]).mkdir(parents=True, exist_ok=True)
     return env
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on `host` now (the kernel's pick; whoever binds it next should do so soon)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

@@ -25,12 +25,11 @@ from base.contracts import (
 )
 from base.runtime import cache_dir
 from infra.frontend_protection import FrontendProtection
+from infra.haproxy_apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
 from infra.haproxy_config import (
-    BODY_BUFFER_BYTES_DEFAULT,
     CHECK_INTER_S_DEFAULT,
     REPLICA_BACKEND,
     ROUTER_BACKEND,
-    AppRoute,
     HAProxySettings,
     is_internal_server,
 )

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 
 from builders.plan_types import PlannedModel, ServeApp, import_path, model_path
-from infra.haproxy_config import AppRoute, replica_backend, router_backend
+from infra.haproxy_apps import AppRoute
+from infra.haproxy_config import replica_backend, router_backend
 from services.llm_config import (
     DataParallelEngine,
     EngineConfig,

@@ -15,7 +15,7 @@ from typing import Any
 
 from builders.model_apps import openai_model_apps, prefill_decode_model_apps
 from builders.plan_types import PlannedModel, ServeApp, StackPlan, import_path, model_path
-from infra.haproxy_config import AppRoute
+from infra.haproxy_apps import AppRoute
 from services.frontend_app import FrontendArgs, ServedApp, build_frontend_application
 from topologies.problems import SpecError, SpecProblem
 from topologies.spec import PrefillDecodeModel, StackBase

@@ -58,13 +58,12 @@ from base.contracts import (
     SERVE_FALLBACK_HEADER,
     SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
-    SESSION_HEADER_DEFAULT,
 )
 from base.runtime import LOOPBACK
 from infra.frontend_protection import REFUSAL_TABLE, FrontendProtection, protection_lines, protection_tables
+from infra.haproxy_apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
 from infra.haproxy_format import haproxy_time, openai_error_body
 from infra.haproxy_models import (
-    MODEL_NAME_PATTERN,
     capture_model_header_line,
     model_refusal_lines,
     models_list_line,
@@ -98,7 +97,6 @@ SLUICE_METRICS_PATH = "/sluice/metrics"
 # A server name is the replica (or router) id: what HAProxy accepts in a name, starting with a letter or digit.
 SERVER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,255}$")
 # Defaults shared with `builders.direct_stream.DirectStreamSpec`.
-BODY_BUFFER_BYTES_DEFAULT = 262144
 CHECK_INTER_S_DEFAULT = 5.0
 # Room in the request buffer beyond a maximal request: HAProxy's own headers and HTX's bookkeeping.
 HEADER_HEADROOM_BYTES = 32768
@@ -112,68 +110,6 @@ LUA_URL_PATTERN = "^http://[%w%-.]+:%d+[/%w%-_.]*$"
 MAX_ID_LENGTH = 256
 # Unix socket paths must fit `sun_path` (108 bytes on Linux, including the NUL).
 MAX_SOCKET_PATH_BYTES = 103
-
-_HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-_APP_NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")
-
-
-class AppRoute(BaseModel):
-    """How the frontend routes one app's requests through its router pool."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    # The served model name that selects this app on a frontend with several apps (`infra.haproxy_models`).
-    model: str | None = None
-    # Fail-open: a request the router could not place is load-balanced normally and the response carries
-    # `x-serve-fallback: <reason>`. Off by default: fail closed with a 503.
-    fail_open: bool = False
-    # Send the client body (up to body_buffer_bytes) to the router; needed by body-aware policies only.
-    forward_body: bool = False
-    body_buffer_bytes: int = Field(BODY_BUFFER_BYTES_DEFAULT, ge=1024, le=64 * 1024 * 1024)
-    session_header: str = SESSION_HEADER_DEFAULT
-    # Route prefix of the router deployment: the route call goes to `<prefix>/internal/route` ("" = at the root).
-    router_route_prefix: str = ""
-    # Route prefix of the LLM app: a replica serves vLLM's paths under it, so the frontend prepends it.
-    replica_route_prefix: str = ""
-
-    @field_validator("router_route_prefix", "replica_route_prefix")
-    @classmethod
-    def _route_prefix(cls, value: str) -> str:
-        value = value.rstrip("/")
-        if value and not re.match(r"^(/[A-Za-z0-9._~-]+)+$", value):
-            raise ValueError(f"route prefix {value!r} must look like /name[/name...]")
-        return value
-
-    @field_validator("model")
-    @classmethod
-    def _model_name(cls, value: str | None) -> str | None:
-        if value is not None and not MODEL_NAME_PATTERN.match(value):
-            raise ValueError(f"model {value!r} is not a served model name: letters, digits and . _ : / - only")
-        return value
-
-    @field_validator("name")
-    @classmethod
-    def _app_name(cls, value: str) -> str:
-        if not _APP_NAME.match(value):
-            raise ValueError(f"app name {value!r} must match {_APP_NAME.pattern}")
-        return value
-
-    @field_validator("session_header")
-    @classmethod
-    def _session_header(cls, value: str) -> str:
-        return session_header_name(value)
-
-
-def session_header_name(value: str) -> str:
-    """A session header as the frontend compares it (lower case); refuses what is no header name or what the
-    frontend strips."""
-    value = value.lower()
-    if not _HEADER_NAME.match(value):
-        raise ValueError(f"session header {value!r} is not a header name: use letters, digits and '-'")
-    if value.startswith(INTERNAL_HEADER_PREFIXES):
-        raise ValueError(f"session header {value!r} uses an internal prefix the frontend strips: pick another name")
-    return value
 
 
 class HAProxySettings(BaseModel):

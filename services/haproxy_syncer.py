@@ -31,9 +31,9 @@ import httpx
 
 from base.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
 from base.route_wire import Membership
+from infra.haproxy_apps import AppRoute
 from infra.haproxy_config import (
     SERVER_NAME_PATTERN,
-    AppRoute,
     HAProxySettings,
     is_internal_server,
     replica_backend,

@@ -18,7 +18,6 @@ starts), and a decode replica runs every completion's prefill on the prefill rep
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +26,7 @@ import ray
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
+from base.runtime import free_port
 from routers.ledger_actor import ledger_actor_name
 from services.asgi_call import ResponseStart, stream_asgi
 from services.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
@@ -112,10 +112,7 @@ def kv_side_channel_env() -> dict[str, str]:
     """This replica's NIXL side channel (where decode engines ask for its blocks' layout): the node's address and a
     port free now. Read by vLLM when the engine starts, so set before."""
     host = ray.util.get_node_ip_address()
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
-    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(host))}
 
 
 def engine_cpu_binding(local_rank: int, ranks: int, cpus: list[int] | None = None) -> str:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import ray
 from ray import serve
 from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
+from base.runtime import free_port
 from services.llm_config import EngineArgValue
 
 GANG_KEY_PREFIX = "sluice/dp-gang/"
@@ -31,12 +31,6 @@ _POLL_S = 0.25
 
 def _key(gang_id: str) -> bytes:
     return (GANG_KEY_PREFIX + gang_id).encode()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 class RankGang:
@@ -54,7 +48,7 @@ class RankGang:
         """vLLM's external-DP flags for this rank: rank 0 publishes the rendezvous, the others read it."""
         if self.rank == 0:
             host = ray.util.get_node_ip_address()
-            address = {"host": host, "port": _free_port(host)}
+            address = {"host": host, "port": free_port(host)}
             _internal_kv_put(_key(self.gang_id), json.dumps(address).encode(), overwrite=True)
         else:
             address = await self._published(timeout_s)

@@ -57,12 +57,10 @@ prefills the request itself, saying so in its response.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -82,16 +80,15 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.rollout import config_version
-from base.route_wire import Membership, RouteRefusal, RouteReply, endpoint_id
+from base.route_wire import Membership, RouteRefusal, RouteReply
 from routers.capacity_queue import LedgerClient
 from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
 from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
 from routers.ledger_actor import capacity_queue_policy
 from services.frontend_membership import FrontendMembership
+from services.live_replicas import LiveReplicas
 from services.llm_config import LLM_DEPLOYMENT_NAME
-from services.serve_internals import ReplicaEndpoint, list_replica_endpoints, with_rollout_version
-
-logger = logging.getLogger(__name__)
+from services.serve_internals import list_replica_endpoints, with_rollout_version
 
 METRICS_PATH = "/metrics"
 ROUTER_DEPLOYMENT_NAME = "Router"
@@ -336,70 +333,6 @@ def build_router_app(
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-class LiveReplicas:
-    """The target app's replicas as views, kept fresh by polling `source` in the background."""
-
-    def __init__(
-        self,
-        source: Callable[[], Awaitable[Sequence[ReplicaEndpoint]]],
-        capacity: int,
-        refresh_interval_s: float,
-        ranks: int = 1,
-    ) -> None:
-        self._source = source
-        self._capacity = capacity
-        self._ranks = ranks
-        self.refresh_interval_s = refresh_interval_s
-        self._endpoints: tuple[ReplicaEndpoint, ...] = ()
-        self._views: tuple[ReplicaView, ...] = ()
-        self._poll_failing = False
-        self._task: asyncio.Task | None = None
-
-    def views(self) -> tuple[ReplicaView, ...]:
-        return self._views
-
-    async def start(self) -> None:
-        """Return once the set is known and non-empty; keep polling in the background after that."""
-        while not self._views:
-            await self._refresh()
-            if not self._views:
-                await asyncio.sleep(self.refresh_interval_s)
-        self._task = asyncio.get_running_loop().create_task(self._poll())
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_interval_s)
-            await self._refresh()
-
-    def _rank_capacities(self) -> list[tuple[int | None, int]]:
-        """(engine rank, its share of the replica's capacity); one unranked view without data parallelism."""
-        if self._ranks == 1:
-            return [(None, self._capacity)]
-        return [(rank, max(1, self._capacity // self._ranks)) for rank in range(self._ranks)]
-
-    async def _refresh(self) -> None:
-        try:
-            endpoints = tuple(await self._source())
-        except Exception:
-            if not self._poll_failing:
-                logger.warning("listing the target replicas failed; keeping the last known set", exc_info=True)
-            self._poll_failing = True
-            return
-        self._poll_failing = False
-        if endpoints != self._endpoints:
-            self._endpoints = endpoints
-            self._views = tuple(
-                ReplicaView(replica_id=endpoint_id(e.replica_id, rank), endpoint=e.url, capacity=capacity)
-                for e in endpoints
-                for rank, capacity in self._rank_capacities()
-            )
-            logger.info("target replicas: %s", [e.replica_id for e in endpoints])
 
 
 @serve.ingress()

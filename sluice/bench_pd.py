@@ -9,25 +9,19 @@ TTFT is request sent to first token at the client; ITL is the gap between consec
 from __future__ import annotations
 
 import asyncio
-import socket
 import statistics
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from base.runtime import free_port
 from loadtests.stream_probe import StreamResult, one_stream
 
 TEAMS = Path(__file__).resolve().parents[1] / "topologies" / "teams"
 PROMPT_LENGTHS = (32, 256, 768)
 # Token ids well inside the tiny model's 2,048-token vocabulary.
 _FIRST_TOKEN_ID = 100
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _stack(team_file: str, name: str, **model_overrides: Any) -> tuple[Any, Any]:
@@ -38,7 +32,7 @@ def _stack(team_file: str, name: str, **model_overrides: Any) -> tuple[Any, Any]
 
     data = yaml.safe_load((TEAMS / team_file).read_text())
     data["name"] = name
-    data["frontend"].update(port=_free_port(), metrics_port=_free_port())
+    data["frontend"].update(port=free_port(), metrics_port=free_port())
     data["models"][0].update(model_overrides)
     spec = parse_spec(data, team_file)
     return spec, build_plan(spec)

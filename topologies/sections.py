@@ -16,7 +16,7 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from infra.frontend_protection import FrontendProtection
-from infra.haproxy_config import BODY_BUFFER_BYTES_DEFAULT, session_header_name
+from infra.haproxy_apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
 from routers.config import PolicyConfigError, PolicyName, validate_settings
 from services.llm_config import EngineArgValue
 

@@ -24,7 +24,8 @@ from infra.api_keys import (
     render_acl,
 )
 from infra.frontend_protection import ClientLimits, FrontendProtection, protection_lines
-from infra.haproxy_config import AppRoute, HAProxySettings
+from infra.haproxy_apps import AppRoute
+from infra.haproxy_config import HAProxySettings
 from services.api_key_watcher import ApiKeyWatcher
 from sluice.cli import build_parser, main, serve_spec
 

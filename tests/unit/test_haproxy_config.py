@@ -15,11 +15,11 @@ from base import contracts
 from infra import frontend_protection, haproxy_config
 from infra.api_keys import ApiKeySource, key_digest, key_hash_line
 from infra.frontend_protection import ClientLimits, FrontendProtection
+from infra.haproxy_apps import AppRoute
 from infra.haproxy_config import (
     REPLICA_BACKEND,
     RETRY_SERVERS,
     ROUTER_BACKEND,
-    AppRoute,
     HAProxySettings,
     render_config,
     replica_server_options,

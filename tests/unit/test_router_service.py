@@ -19,9 +19,9 @@ from routers.capacity_queue import LocalLedgerClient
 from routers.config import build_stateless_policy
 from routers.core import ReplicaView, RouteRequest
 from services.frontend_membership import FrontendMembership
+from services.live_replicas import LiveReplicas
 from services.router_service import (
     METRICS_PATH,
-    LiveReplicas,
     PrefillChooser,
     PrefillTarget,
     RouterSettings,

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from infra.frontend_protection import FrontendProtection
-from infra.haproxy_config import AppRoute, HAProxySettings
+from infra.haproxy_apps import AppRoute
+from infra.haproxy_config import HAProxySettings
 from infra.haproxy_process import HAProxyProcess, pid_alive
 from infra.runtime_api import RuntimeAPI
 from services.api_key_watcher import ApiKeyWatcher

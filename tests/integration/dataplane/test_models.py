@@ -23,7 +23,8 @@ from base.contracts import (
     ROUTE_PATH,
     SERVE_REASON_HEADER,
 )
-from infra.haproxy_config import AppRoute, HAProxySettings, replica_backend
+from infra.haproxy_apps import AppRoute
+from infra.haproxy_config import HAProxySettings, replica_backend
 from infra.haproxy_process import HAProxyProcess
 from services.haproxy_syncer import AppSources, HAProxySyncer
 from services.serve_internals import ReplicaEndpoint

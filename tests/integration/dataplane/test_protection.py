@@ -23,7 +23,7 @@ from base.contracts import (
 )
 from infra.api_keys import ApiKeySource, key_hash_line
 from infra.frontend_protection import ClientLimits, FrontendProtection
-from infra.haproxy_config import AppRoute
+from infra.haproxy_apps import AppRoute
 from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import APP, CHAT_PATH, first_event, wait_until
 from tests.integration.frontend_contract import assert_frontend_error, assert_refused
