@@ -23,6 +23,7 @@ FRONTEND_HEADER = "x-sluice-frontend"
 SERVE_PATH_HEADER = "x-serve-path"
 DIRECT_PATH = "direct"
 LEGACY_PATH = "legacy"
+SERVE_PATHS = (DIRECT_PATH, LEGACY_PATH)
 # Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection.
 RANKED_HEADER = "x-sluice-ranked"
 INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")
@@ -92,6 +93,15 @@ FALLBACK_ABSENT = "absent"  # not (or no longer) in the frontend's server set
 FALLBACK_DOWN = "down"  # DOWN by health check or observed connection errors, or leaving (maintenance)
 FALLBACK_REFUSED = "refused"  # the connection failed before any byte was sent
 FALLBACK_REASONS = (FALLBACK_ABSENT, FALLBACK_DOWN, FALLBACK_REFUSED)
+
+# The canary between the paths. A client that retries with the `x-request-id` of a request still running gets 409
+# with this reason (on either path) instead of a second generation.
+REASON_DUPLICATE_REQUEST = "duplicate_request"
+# Staging only: a router made to fail answers every route call with this reason (503 at the frontend).
+REASON_INJECTED_FAULT = "injected_fault"
+FAULT_PATH = "/internal/fault"
+# Share of sessions on the direct path, in percent (the canary weight).
+DIRECT_WEIGHT_MAX = 100
 
 # Replica defaults.
 HEALTH_PATH = "/-/healthz"

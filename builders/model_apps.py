@@ -1,10 +1,11 @@
 """Each kind's Serve apps for one model of a spec: its LLM app(s), its router app, and how the frontend routes to
 them (`AppRoute`).
 
-- `openai`: an LLM app (the model's replicas) and a router app with the model's policy.
-- `data_parallel`: the same, with vLLM data parallelism in the LLM app: `in_engine` runs `size` engine ranks per
-  replica (`data_parallel_size`); `ranks` makes every replica one rank of a gang of `size` replicas that Serve
-  schedules and restarts together (`replicas` counts gangs).
+- `openai`: an LLM app (the model's replicas) and a router app with the model's policy; when the stack retains
+  the legacy path (`ingress.mode` legacy or both), a legacy ingress app in front of the same LLM deployment.
+- `data_parallel`: the same (legacy ingress included), with vLLM data parallelism in the LLM app: `in_engine` runs
+  `size` engine ranks per replica (`data_parallel_size`); `ranks` makes every replica one rank of a gang of `size`
+  replicas that Serve schedules and restarts together (`replicas` counts gangs).
 - `prefill_decode`: a prefill app (KV producer) and a decode app (KV consumer, the replicas HAProxy pins to), joined
   by the model's KV connector; the router app chooses from both, each side with its own policy.
 """
@@ -16,6 +17,7 @@ import json
 from builders.plan_types import PlannedModel, ServeApp, import_path, model_path
 from infra.haproxy_apps import AppRoute
 from infra.haproxy_config import replica_backend, router_backend
+from services.legacy_ingress import LegacyIngressSettings, build_legacy_ingress_application
 from services.llm_config import (
     DataParallelEngine,
     EngineConfig,
@@ -77,8 +79,20 @@ def _router_serve_app(name: str, settings: RouterSettings, routers: int) -> Serv
     )
 
 
-def _route(model: ModelBase, llm_app: str, router_app: str, routing: Routing) -> AppRoute:
+def _legacy_serve_app(name: str, llm_app: str, replicas: int) -> ServeApp:
+    return ServeApp(
+        name=name,
+        route_prefix=f"/{name}",
+        import_path=import_path(build_legacy_ingress_application),
+        args=LegacyIngressSettings(target_app=llm_app, num_replicas=replicas).model_dump(mode="json"),
+    )
+
+
+def _route(
+    model: ModelBase, llm_app: str, router_app: str, routing: Routing, legacy_app: str | None = None
+) -> AppRoute:
     return AppRoute(
+        legacy_route_prefix=f"/{legacy_app}" if legacy_app is not None else None,
         name=llm_app,
         model=model.name,
         fail_open=routing.fail_mode == "open",
@@ -104,8 +118,11 @@ def _planned(
     )
 
 
-def _router_settings(llm_app: str, scaling: Scaling, routing: Routing, **extra: object) -> RouterSettings:
+def _router_settings(
+    llm_app: str, scaling: Scaling, routing: Routing, staging: bool, **extra: object
+) -> RouterSettings:
     return RouterSettings(
+        fault_injection=staging,
         target_app=llm_app,
         target_capacity=scaling.max_ongoing_requests,
         policy=routing.policy,
@@ -117,7 +134,7 @@ def _router_settings(llm_app: str, scaling: Scaling, routing: Routing, **extra: 
 
 def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str) -> ModelApps:
     """A model's LLM app and router app (data parallel when the model says so)."""
-    llm_app, router_app = f"{stem}-llm", f"{stem}-router"
+    llm_app, router_app, legacy_app = f"{stem}-llm", f"{stem}-router", f"{stem}-legacy"
     routing = spec.routing.overridden(model.routing)
     engine = model.engine_config(model_path(model.source), gpus=model.resources.gpus > 0)
     data_parallel = None
@@ -140,16 +157,20 @@ def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str
         min_replicas=_min_replicas(model) * (gang_size or 1),
         data_parallel=data_parallel.mode if data_parallel else None,
         data_parallel_size=data_parallel.size if data_parallel else 1,
+        legacy_app=legacy_app,
+        legacy_deployed=spec.ingress.retains_legacy,
     )
     apps = [
         _llm_serve_app(llm_app, llm),
         _router_serve_app(
             router_app,
-            _router_settings(llm_app, model, routing, data_parallel_size=in_engine_ranks),
+            _router_settings(llm_app, model, routing, spec.staging, data_parallel_size=in_engine_ranks),
             spec.frontend.routers,
         ),
     ]
-    return apps, _route(model, llm_app, router_app, routing), planned
+    if spec.ingress.retains_legacy:
+        apps.append(_legacy_serve_app(legacy_app, llm_app, spec.ingress.legacy_replicas))
+    return apps, _route(model, llm_app, router_app, routing, legacy_app), planned
 
 
 def kv_transfer_config(kv: KVTransfer, role: str) -> str:
@@ -200,7 +221,7 @@ def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeM
         policy=prefill_routing.policy,
         policy_kwargs=prefill_routing.policy_kwargs,
     )
-    router = _router_settings(decode_app, model.decode, decode_routing, prefill=target)
+    router = _router_settings(decode_app, model.decode, decode_routing, spec.staging, prefill=target)
     planned = _planned(
         spec,
         index,

@@ -16,7 +16,7 @@ from typing import Any
 from builders.model_apps import openai_model_apps, prefill_decode_model_apps
 from builders.plan_types import PlannedModel, ServeApp, StackPlan, import_path, model_path
 from infra.haproxy_apps import AppRoute
-from services.frontend_app import FrontendArgs, ServedApp, build_frontend_application
+from services.frontend_app import FRONTEND_DEPLOYMENT_NAME, FrontendArgs, ServedApp, build_frontend_application
 from topologies.problems import SpecError, SpecProblem
 from topologies.spec import PrefillDecodeModel, StackBase
 
@@ -64,8 +64,10 @@ def build_plan(spec: StackBase) -> StackPlan:
         "route_timeout_s": spec.routing.route_timeout_s,
         "protection": frontend.protection.model_dump(mode="json"),
     }
-    served = [ServedApp(llm_app=model.llm_app, router_app=model.router_app) for model in models]
-    frontend_args = FrontendArgs(stack=stack, apps=served, haproxy=haproxy)
+    served = [
+        ServedApp(llm_app=model.llm_app, router_app=model.router_app, legacy_app=model.legacy_app) for model in models
+    ]
+    frontend_args = FrontendArgs(stack=stack, apps=served, haproxy=haproxy, ingress=spec.ingress.config())
     apps.append(
         ServeApp(
             name=f"{stack}-frontend",
@@ -77,15 +79,20 @@ def build_plan(spec: StackBase) -> StackPlan:
     return StackPlan(stack=stack, apps=apps, models=models, url=f"http://127.0.0.1:{frontend.port}")
 
 
+def _serve_config_app(app: ServeApp, frontend: bool) -> dict[str, Any]:
+    entry = {"name": app.name, "route_prefix": app.route_prefix, "import_path": app.import_path, "args": app.args}
+    if frontend:
+        # The declared ingress is the Frontend deployment's user_config: changing it reconfigures the running replica.
+        args = dict(app.args)
+        ingress = args.pop("ingress")
+        entry |= {"args": args, "deployments": [{"name": FRONTEND_DEPLOYMENT_NAME, "user_config": ingress}]}
+    return entry
+
+
 def serve_config(plan: StackPlan) -> dict[str, Any]:
     """The plan as a Serve config file (`serve deploy`, KubeRay's `serveConfigV2`), checked with Ray's own schema."""
     from ray.serve.schema import ServeDeploySchema
 
-    config = {
-        "applications": [
-            {"name": app.name, "route_prefix": app.route_prefix, "import_path": app.import_path, "args": app.args}
-            for app in plan.apps
-        ]
-    }
+    config = {"applications": [_serve_config_app(app, app.name == plan.frontend_app) for app in plan.apps]}
     ServeDeploySchema.model_validate(config)
     return config

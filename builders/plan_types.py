@@ -43,6 +43,9 @@ class PlannedModel(BaseModel):
     # Data parallel: `in_engine` or `ranks`, and the ranks per replica (or per gang).
     data_parallel: str | None = None
     data_parallel_size: int = 1
+    # The model's legacy ingress app (None: no legacy path), and whether the plan deploys it.
+    legacy_app: str | None = None
+    legacy_deployed: bool = False
 
 
 class StackPlan(BaseModel):

@@ -36,10 +36,14 @@ class AppRoute(BaseModel):
     router_route_prefix: str = ""
     # Route prefix of the LLM app: a replica serves vLLM's paths under it, so the frontend prepends it.
     replica_route_prefix: str = ""
+    # Route prefix of the app's retained legacy ingress (None: the app has no legacy path, e.g. prefill/decode).
+    legacy_route_prefix: str | None = None
 
-    @field_validator("router_route_prefix", "replica_route_prefix")
+    @field_validator("router_route_prefix", "replica_route_prefix", "legacy_route_prefix")
     @classmethod
-    def _route_prefix(cls, value: str) -> str:
+    def _route_prefix(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         value = value.rstrip("/")
         if value and not re.match(r"^(/[A-Za-z0-9._~-]+)+$", value):
             raise ValueError(f"route prefix {value!r} must look like /name[/name...]")

@@ -44,24 +44,37 @@ from base.contracts import (
     DATA_PARALLEL_RANK_HEADER,
     DEFAULT_BIND_HOST,
     DIRECT_PATH,
+    DIRECT_WEIGHT_MAX,
     FALLBACK_RANK_HEADER,
     FALLBACK_REASONS,
     HAPROXY_ERROR_REASONS,
     HAPROXY_PORT_DEFAULT,
     HAPROXY_PROMETHEUS_PORT_DEFAULT,
-    HEALTH_PATH,
     INTERNAL_HEADER_PREFIXES,
-    REASON_REPLICA_ERROR,
+    LEGACY_PATH,
     REASON_ROUTER_UNREACHABLE,
     REQUEST_ID_HEADER,
     ROUTE_TIMEOUT_S_DEFAULT,
     SERVE_FALLBACK_HEADER,
-    SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
 )
 from base.runtime import LOOPBACK
 from infra.frontend_protection import REFUSAL_TABLE, FrontendProtection, protection_lines, protection_tables
 from infra.haproxy_apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
+from infra.haproxy_canary import (
+    LOG_SOCKET,
+    STICK_COUNTERS,
+    VAR_PATH,
+    WEIGHTS_MAP,
+    duplicate_lines,
+    health_check_lines,
+    legacy_backend,
+    legacy_backend_lines,
+    log_format,
+    running_table_lines,
+    served_path_lines,
+    served_replica_line,
+)
 from infra.haproxy_format import haproxy_time, openai_error_body
 from infra.haproxy_models import (
     capture_model_header_line,
@@ -148,6 +161,8 @@ class HAProxySettings(BaseModel):
     nbthread: int | None = Field(None, ge=1)
     tune_maxrewrite: int = Field(8192, ge=1024)
     protection: FrontendProtection = FrontendProtection()
+    # Share of sessions on the direct path at start (the rest go to each app's legacy backend); changed at run time.
+    direct_weight: int = Field(DIRECT_WEIGHT_MAX, ge=0, le=DIRECT_WEIGHT_MAX)
 
     @field_validator("workdir")
     @classmethod
@@ -156,7 +171,7 @@ class HAProxySettings(BaseModel):
 
     @model_validator(mode="after")
     def _socket_path_fits(self) -> HAProxySettings:
-        for path in (self.socket_path, self.retry_socket_path):
+        for path in (self.socket_path, self.retry_socket_path, self.log_socket_path):
             if len(str(path).encode()) > MAX_SOCKET_PATH_BYTES:
                 raise ValueError(f"unix socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         if self.prometheus_port == self.port:
@@ -197,6 +212,16 @@ class HAProxySettings(BaseModel):
     def retry_socket_path(self) -> Path:
         """Where frontend `sluice_retry` listens for the requests whose pinned replica refused the connection."""
         return self.workdir / "retry.sock"
+
+    @property
+    def weights_map_path(self) -> Path:
+        """Each app's direct weight (`infra.haproxy_canary`), read at start and changed at run time."""
+        return self.workdir / WEIGHTS_MAP
+
+    @property
+    def log_socket_path(self) -> Path:
+        """Where the frontend replica reads HAProxy's request log."""
+        return self.workdir / LOG_SOCKET
 
     @property
     def frontend_id(self) -> str:
@@ -276,10 +301,6 @@ def router_server_options(settings: HAProxySettings) -> list[str]:
     return _check_options(settings)
 
 
-def _health_check_lines() -> list[str]:
-    return [f"    option httpchk GET {HEALTH_PATH}", "    http-check expect status 200"]
-
-
 def _fail_closed_line(reason: str) -> str:
     body = openai_error_body(f"sluice could not route the request: {reason}", 503)
     return (
@@ -309,11 +330,9 @@ def _replica_backend_lines(name: str, retry_addr: str) -> list[str]:
         "    balance roundrobin",
         "    retries 1",
         "    option redispatch 1",
-        *_health_check_lines(),
+        *health_check_lines(),
         f"    use-server %[var({VAR_SERVER})] if {{ var({VAR_SERVER}) -m found }}",
-        f"    http-response set-header {SERVE_REASON_HEADER} {REASON_REPLICA_ERROR}"
-        f" if {{ status ge 500 }} !{{ res.hdr({SERVE_REASON_HEADER}) -m found }}",
-        f"    http-response set-header {SERVE_PATH_HEADER} {DIRECT_PATH}",
+        *served_path_lines(DIRECT_PATH),
         *(f"    server {server} {retry_addr}" for server in RETRY_SERVERS),
         "",
     ]
@@ -342,6 +361,8 @@ def render_config(settings: HAProxySettings) -> str:
         f"    maxconn {settings.maxconn}",
         f"    lua-load-per-thread {settings.lua_path}",
         f"    tune.maxrewrite {settings.tune_maxrewrite}",
+        f"    tune.stick-counters {STICK_COUNTERS}",
+        f"    log unix@{settings.log_socket_path} format raw local0",
     ]
     if settings.nbthread is not None:
         lines.append(f"    nbthread {settings.nbthread}")
@@ -377,6 +398,9 @@ def render_config(settings: HAProxySettings) -> str:
         f"frontend {FRONTEND}",
         f"    bind {settings.bind_host}:{settings.port}",
         "    unique-id-format %[uuid()]",
+        "    # One line per finished request to the frontend replica (the canary guard measures both paths).",
+        "    log global",
+        f'    log-format "{log_format(VAR_REQUEST_ID)}"',
     ]
     if settings.multi_model:
         lines += [
@@ -393,6 +417,8 @@ def render_config(settings: HAProxySettings) -> str:
         f"    http-after-response set-header {REQUEST_ID_HEADER} %[var({VAR_REQUEST_ID})]"
         f" if {{ var({VAR_REQUEST_ID}) -m found }}",
         *protection_lines(settings.protection, str(settings.keys_acl_path)),
+        *duplicate_lines(VAR_REQUEST_ID),
+        served_replica_line(),
     ]
     if settings.multi_model:
         lines += ["    # Every model of this frontend.", models_list_line([app.model or "" for app in settings.apps])]
@@ -400,9 +426,10 @@ def render_config(settings: HAProxySettings) -> str:
         "    # Any method but GET/HEAD asks its app's router pool; GET/HEAD rotate over the app's routable replicas.",
         f"    http-request lua.{LUA_ACTION}",
         *(model_refusal_lines(VAR_REASON, REFUSAL_TABLE) if settings.multi_model else []),
-        "    # Backstop: a request with neither a replica nor a reason (Lua error) fails like an unreachable router.",
+        "    # Backstop: a direct request with neither a replica nor a reason (Lua error) fails like an unreachable",
+        "    # router.",
         f"    http-request set-var({VAR_REASON}) str({REASON_ROUTER_UNREACHABLE})"
-        f" unless {served} || {{ var({VAR_REASON}) -m found }}",
+        f" unless {served} || {{ var({VAR_REASON}) -m found }} || {{ var({VAR_PATH}) -m str {LEGACY_PATH} }}",
         _count_fallback_line(),
         "    # Fail closed: never send a routed request to a replica the router did not rank. An app that fails open",
         "    # had the action rotate over its routable replicas instead, and the response says why.",
@@ -426,10 +453,11 @@ def render_config(settings: HAProxySettings) -> str:
     ]
     for index in range(len(settings.apps)):
         lines += _replica_backend_lines(replica_backend(index), retry_addr)
+        lines += legacy_backend_lines(legacy_backend(index), health_check_lines())
         lines += [
             f"backend {router_backend(index)}",
             "    # Health-checked router pool; the Lua action calls the UP ones itself (never proxied to).",
-            *_health_check_lines(),
+            *health_check_lines(),
             "",
         ]
     lines += [
@@ -438,5 +466,6 @@ def render_config(settings: HAProxySettings) -> str:
         f"    stick-table type string len 32 size {len(FALLBACK_REASONS) * 4} store http_req_cnt",
         "",
         *protection_tables(settings.protection),
+        *running_table_lines(),
     ]
     return "\n".join(lines)

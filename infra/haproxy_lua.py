@@ -18,11 +18,14 @@ from base.contracts import (
     BODY_TRUNCATED_HEADER,
     CAPACITY_TOKEN_HEADER,
     DATA_PARALLEL_RANK_HEADER,
+    DIRECT_PATH,
+    DIRECT_WEIGHT_MAX,
     FALLBACK_ABSENT,
     FALLBACK_DOWN,
     FALLBACK_REASONS,
     FALLBACK_REFUSED,
     FRONTEND_HEADER,
+    LEGACY_PATH,
     MODEL_HEADER,
     PREFILL_REPLICA_HEADER,
     PREFILL_URL_HEADER,
@@ -41,6 +44,7 @@ from base.contracts import (
 )
 from base.route_wire import RouteRefusal, RouteReply
 from infra.frontend_protection import COUNTED_REASONS, REFUSAL_TABLE
+from infra.haproxy_canary import VAR_APP, VAR_PATH, legacy_backend
 from infra.haproxy_config import (
     FALLBACK_TABLE,
     INTERNAL_SERVER_PREFIX,
@@ -102,7 +106,10 @@ def _lua_apps(settings: HAProxySettings) -> str:
             "forward_body": _lua_bool(app.forward_body),
             "fail_open": _lua_bool(app.fail_open),
             "body_buffer_bytes": str(app.body_buffer_bytes),
+            "legacy_backend": _lua_str(legacy_backend(index)),
         }
+        if app.legacy_route_prefix is not None:
+            fields["legacy_prefix"] = _lua_str(app.legacy_route_prefix)
         if app.model is not None:
             fields["model"] = _lua_str(app.model)
         entries.append("    {" + ", ".join(f"{key} = {value}" for key, value in fields.items()) + "},")
@@ -117,6 +124,12 @@ def render_lua(settings: HAProxySettings) -> str:
     """The Lua route action, with every constant rendered in from the contracts and the settings."""
     return LUA_TEMPLATE.substitute(
         route_path=ROUTE_PATH,
+        weights_map_path=_lua_str(str(settings.weights_map_path)),
+        direct_weight_max=str(DIRECT_WEIGHT_MAX),
+        direct_path=_lua_str(DIRECT_PATH),
+        legacy_path=_lua_str(LEGACY_PATH),
+        var_path=_lua_str(VAR_PATH),
+        var_app=_lua_str(VAR_APP),
         apps=_lua_apps(settings),
         model_lookup_bytes=str(settings.model_lookup_bytes),
         model_json_path=_lua_str(MODEL_JSON_PATH),

@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import NoReturn
 
 from infra.api_keys import render_acl
+from infra.haproxy_canary import weights_map
 from infra.haproxy_config import HAProxySettings, render_config
 from infra.haproxy_lua import render_lua
 from infra.runtime_api import RuntimeAPI, RuntimeAPIError
@@ -104,6 +105,7 @@ def write_files(settings: HAProxySettings) -> None:
     settings.lua_path.write_text(render_lua(settings))
     keys = settings.protection.api_keys
     settings.keys_acl_path.write_text(render_acl(keys.digests()) if keys is not None else "")
+    settings.weights_map_path.write_text(weights_map([app.name for app in settings.apps], settings.direct_weight))
     settings.config_path.write_text(render_config(settings))
 
 

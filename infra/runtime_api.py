@@ -135,6 +135,20 @@ class RuntimeAPI:
             self.checked(f"add acl @{version} {acl_file} {pattern}")
         self.checked(f"commit acl @{version} {acl_file}")
 
+    def set_map(self, map_file: Path | str, key: str, value: str) -> None:
+        """Set one key of a map (it must exist in the file HAProxy loaded)."""
+        for token in (str(map_file), key, value):
+            _check_token(token)
+        self.checked(f"set map {map_file} {key} {value}")
+
+    def show_map(self, map_file: Path | str) -> dict[str, str]:
+        """A map's keys and values as HAProxy holds them now."""
+        _check_token(str(map_file))
+        reply = self.command(f"show map {map_file}")
+        if reply.startswith("Unknown"):
+            raise RuntimeAPIError(f"show map {map_file}", reply)
+        return dict(line.split(" ", 2)[1:] for line in reply.splitlines() if line.count(" ") >= 2)
+
     def show_acl(self, acl_file: Path | str) -> list[str]:
         """The patterns an ACL's file holds now."""
         _check_token(str(acl_file))

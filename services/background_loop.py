@@ -41,6 +41,10 @@ class BackgroundLoop:
         self._main = self._loop.create_task(self._run_all())
         self._thread.start()
 
+    def submit(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+        """Run `coroutine` on this loop; await the returned future from any other loop."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._loop))
+
     def stop(self) -> None:
         if self._main is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._main.cancel)

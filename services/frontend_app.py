@@ -1,15 +1,20 @@
 """The frontend as a Serve application, so a stack outlives the CLI that deployed it.
 
 One replica supervises HAProxy and runs its syncer (and the API key watcher when the stack uses a key file) on a
-background loop of its own. HAProxy is started from that loop's thread with PR_SET_PDEATHSIG, so it dies with
-the replica; if HAProxy dies alone, the supervisor starts a new one at once and a fresh syncer adds every server
-again (no LLM replica is touched). `check_health` fails while HAProxy is down, and `status()` tells the CLI what
-the frontend sees: HAProxy's PIDs, its restarts, and its server map.
+background loop of its own, with the ingress controller (the canary weight, draining moves between the direct
+path and the legacy ingress, the guard: `services.ingress_control`) and the request log it measures both paths
+from (`services.path_log`). The declared ingress is the deployment's `user_config`: changing it reconfigures the
+running replica, HAProxy and every stream included (no restart). HAProxy is started from that loop's thread with
+PR_SET_PDEATHSIG, so it dies with the replica; if HAProxy dies alone, the supervisor starts a new one at once and a
+fresh syncer adds every server again (no LLM replica is touched). `check_health` fails while HAProxy is down, and
+`status()` tells the CLI what the frontend sees: HAProxy's PIDs, its restarts, and its server map.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -19,13 +24,18 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
 
+from base.rollout import config_version
 from base.runtime import cache_dir
+from infra.haproxy_canary import legacy_backend
 from infra.haproxy_config import HAProxySettings, is_internal_server
 from infra.haproxy_process import HAProxyProcess, HAProxyStartError
+from infra.runtime_api import RuntimeAPI
 from services.api_key_watcher import ApiKeyWatcher
 from services.background_loop import BackgroundLoop
 from services.haproxy_syncer import AppSources, HAProxySyncer
-from services.serve_internals import list_replica_endpoints
+from services.ingress_control import IngressConfig, IngressController
+from services.path_log import PathLog
+from services.serve_internals import list_replica_endpoints, with_rollout_version
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +52,8 @@ class ServedApp(BaseModel):
 
     llm_app: str
     router_app: str
+    # The app's retained legacy ingress (served while deployed; None: the app has no legacy path).
+    legacy_app: str | None = None
 
 
 class FrontendArgs(BaseModel):
@@ -54,6 +66,8 @@ class FrontendArgs(BaseModel):
     apps: list[ServedApp]
     # HAProxySettings without `workdir` (chosen on the node the replica runs on).
     haproxy: dict[str, Any]
+    # The declared ingress: becomes the deployment's `user_config`.
+    ingress: IngressConfig = IngressConfig()
 
 
 class FrontendReplica:
@@ -66,11 +80,47 @@ class FrontendReplica:
         self._syncer: HAProxySyncer | None = None
         self.restarts = 0
         self._first_start = threading.Event()
-        self._loop = BackgroundLoop([self._supervise])
+        self._log = PathLog()
+        self._ingress = IngressController(
+            self._settings,
+            self._runtime,
+            self._log,
+            self._live_replicas,
+            self._legacy_up,
+            f"sluice/ingress/{parsed.stack}",
+        )
+        self._loop = BackgroundLoop([self._listen, self._supervise, self._ingress.guard])
         self._loop.start()
         # Serve checks the replica's health as soon as it is constructed: HAProxy must be up by then.
         if not self._first_start.wait(FIRST_START_TIMEOUT_S):
             raise RuntimeError(f"HAProxy did not start within {FIRST_START_TIMEOUT_S} s")
+
+    def _runtime(self) -> RuntimeAPI | None:
+        return self._haproxy.runtime if self._running() and self._haproxy is not None else None
+
+    def _live_replicas(self) -> dict[str, list[str]]:
+        if self._syncer is None:
+            return {}
+        return {pools.app.name: sorted(pools.replicas.live) for pools in self._syncer.apps}
+
+    def _legacy_up(self) -> bool:
+        """Whether every app with a legacy path has a legacy ingress server UP in HAProxy."""
+        runtime = self._runtime()
+        if runtime is None:
+            return False
+        stats = runtime.show_stat()
+        return all(
+            any(b == legacy_backend(i) and s.up and not is_internal_server(n) for (b, n), s in stats.items())
+            for i, app in enumerate(self._settings.apps)
+            if app.legacy_route_prefix is not None
+        )
+
+    async def _listen(self) -> None:
+        transport = await self._log.listen(self._settings.log_socket_path)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            transport.close()
 
     def _running(self) -> bool:
         return self._haproxy is not None and self._haproxy.process is not None and self._haproxy.process.poll() is None
@@ -100,7 +150,9 @@ class FrontendReplica:
         """A new HAProxy, retried while the old one's port is still held (its worker exits after its master)."""
         while True:
             try:
-                return HAProxyProcess(self._settings, die_with_parent=True).start()
+                # A new HAProxy starts with the weight in force, not the one it was first declared with.
+                settings = self._settings.model_copy(update={"direct_weight": self._ingress.weight})
+                return HAProxyProcess(settings, die_with_parent=True).start()
             except HAProxyStartError as error:
                 logger.error("HAProxy did not start, retrying: %s", error)
                 await asyncio.sleep(SUPERVISE_INTERVAL_S)
@@ -108,6 +160,27 @@ class FrontendReplica:
     async def check_health(self) -> None:
         if not self._running():
             raise RuntimeError("HAProxy is not running (the supervisor is starting a new one)")
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """The declared ingress (Serve calls this at start and whenever the deployment's `user_config` changes)."""
+        await self._loop.submit(self._ingress.declare(IngressConfig.model_validate(user_config)))
+
+    async def shift(self, weight: int, wait: bool = False) -> dict[str, Any]:
+        """Set the direct weight now (`sluice canary`, `sluice rollback`); with `wait`, return once a path that lost
+        all its traffic has drained (or its deadline passed)."""
+        self._ingress.abort = None
+        await self._loop.submit(self._ingress.shift(weight))
+        if wait:
+            await self._loop.submit(self._ingress.wait_drained())
+        return self._ingress.status().model_dump(mode="json")
+
+    async def ingress(self) -> dict[str, Any]:
+        """The weight, the last drain, the last abort and both paths' measures."""
+        return self._ingress.status().model_dump(mode="json")
+
+    async def requests(self, request_ids: list[str]) -> list[dict[str, Any]]:
+        """The log records of these request ids (finished requests only)."""
+        return [dataclasses.asdict(record) for record in self._log.find(set(request_ids))]
 
     async def status(self) -> dict[str, Any]:
         """HAProxy's PIDs and restarts, and each replica and router server with its state."""
@@ -129,9 +202,14 @@ class FrontendReplica:
             # Per app: how many replicas all its routers were last told about.
             "published": [app.published_replicas() for app in self._syncer.apps] if self._syncer is not None else [],
             "servers": servers,
+            "direct_weight": self._ingress.weight,
         }
 
     def __del__(self) -> None:
+        ingress = getattr(self, "_ingress", None)
+        if ingress is not None:
+            with contextlib.suppress(Exception):  # Ray may be gone already when the process exits
+                ingress.forget()
         loop = getattr(self, "_loop", None)
         if loop is not None:
             loop.stop()
@@ -141,16 +219,26 @@ class FrontendReplica:
 
 
 def _sources(app: ServedApp) -> AppSources:
+    legacy_app = app.legacy_app
     return AppSources(
-        replicas=lambda: list_replica_endpoints(app.llm_app), routers=lambda: list_replica_endpoints(app.router_app)
+        replicas=lambda: list_replica_endpoints(app.llm_app),
+        routers=lambda: list_replica_endpoints(app.router_app),
+        legacy=(lambda: list_replica_endpoints(legacy_app)) if legacy_app is not None else None,
     )
 
 
 def build_frontend_application(args: dict[str, Any]) -> Application:
     """Serve's application builder (`import_path: services.frontend_app:build_frontend_application`).
 
-    One replica, no CPU reserved (HAProxy and the syncer mostly wait), never an HTTP ingress."""
+    One replica, no CPU reserved (HAProxy and the syncer mostly wait), never an HTTP ingress. Its version is its
+    args: a redeploy that changes only the ingress (`user_config`) reconfigures the running replica."""
+    parsed = FrontendArgs.model_validate(args)
     deployment = serve.deployment(FrontendReplica).options(
-        name=FRONTEND_DEPLOYMENT_NAME, num_replicas=1, max_ongoing_requests=8, ray_actor_options={"num_cpus": 0}
+        name=FRONTEND_DEPLOYMENT_NAME,
+        num_replicas=1,
+        max_ongoing_requests=8,
+        ray_actor_options={"num_cpus": 0},
+        user_config=parsed.ingress.model_dump(mode="json"),
     )
-    return deployment.bind(FrontendArgs.model_validate(args).model_dump())
+    version = config_version([parsed.model_dump(mode="json", exclude={"ingress"}), FRONTEND_DEPLOYMENT_NAME])
+    return with_rollout_version(deployment, version).bind(parsed.model_dump(exclude={"ingress"}))

@@ -5,7 +5,8 @@ No reload, no restart, no slot limit: each replica is a server named by its repl
 (`add server`, health checks on, `state ready`) and, when it leaves, put in maintenance at once (the Lua action
 pins nothing new to it; its in-flight streams go on) and deleted once it holds no stream or after the drain
 grace (`shutdown sessions`, then `del server`). A replica on a new address under the same id is moved in
-place (`set server addr`). Routers get the same treatment.
+place (`set server addr`). Routers and the legacy ingress replicas (`infra.haproxy_canary`) get the same
+treatment.
 
 A frontend with several apps (one per model) has a replica backend and a router pool per app; each is kept the
 same way, from its own sources.
@@ -32,6 +33,7 @@ import httpx
 from base.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
 from base.route_wire import Membership
 from infra.haproxy_apps import AppRoute
+from infra.haproxy_canary import legacy_backend
 from infra.haproxy_config import (
     SERVER_NAME_PATTERN,
     HAProxySettings,
@@ -103,6 +105,8 @@ class AppSources:
 
     replicas: EndpointSource
     routers: EndpointSource
+    # The app's legacy ingress replicas (an app without a legacy path has none).
+    legacy: EndpointSource | None = None
 
 
 class AppPools:
@@ -113,6 +117,7 @@ class AppPools:
         self.sources = sources
         self.replicas = ServerPool(replica_backend(index), replica_server_options(settings))
         self.routers = ServerPool(router_backend(index), router_server_options(settings))
+        self.legacy = ServerPool(legacy_backend(index), router_server_options(settings))
         # Router id -> (the set last published to it, when).
         self.published: dict[str, tuple[tuple[str, ...], float]] = {}
 
@@ -128,7 +133,8 @@ def _same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:
     return (a.host, a.port) == (b.host, b.port)
 
 
-Endpoints = list[tuple[list[ReplicaEndpoint], list[ReplicaEndpoint]]]
+# Per app: its replicas, routers and legacy ingress replicas.
+Endpoints = list[tuple[list[ReplicaEndpoint], list[ReplicaEndpoint], list[ReplicaEndpoint]]]
 
 
 class HAProxySyncer:
@@ -159,7 +165,14 @@ class HAProxySyncer:
     async def sync_once(self) -> SyncReport:
         """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is (the error
         propagates)."""
-        endpoints = [(await app.sources.replicas(), await app.sources.routers()) for app in self.apps]
+        endpoints = [
+            (
+                await app.sources.replicas(),
+                await app.sources.routers(),
+                await app.sources.legacy() if app.sources.legacy is not None else [],
+            )
+            for app in self.apps
+        ]
         report = await asyncio.to_thread(self._sync, endpoints)
         for app, routable in zip(self.apps, report.routable_by_app, strict=True):
             await self._publish(app, tuple(routable))
@@ -183,8 +196,8 @@ class HAProxySyncer:
             self._adopt(stats, endpoints)
             self._adopted = True
         report = SyncReport()
-        for app, (replicas, routers) in zip(self.apps, endpoints, strict=True):
-            for pool, wanted in ((app.replicas, replicas), (app.routers, routers)):
+        for app, (replicas, routers, legacy) in zip(self.apps, endpoints, strict=True):
+            for pool, wanted in ((app.replicas, replicas), (app.routers, routers), (app.legacy, legacy)):
                 self._sync_pool(pool, wanted, stats, report)
             # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
             backend = app.replicas.backend
@@ -269,8 +282,8 @@ class HAProxySyncer:
         now = self.clock()
         pools = [
             (pool, wanted)
-            for app, (replicas, routers) in zip(self.apps, endpoints, strict=True)
-            for pool, wanted in ((app.replicas, replicas), (app.routers, routers))
+            for app, (replicas, routers, legacy) in zip(self.apps, endpoints, strict=True)
+            for pool, wanted in ((app.replicas, replicas), (app.routers, routers), (app.legacy, legacy))
         ]
         for pool, endpoints_of_pool in pools:
             wanted = {e.replica_id: e for e in endpoints_of_pool}

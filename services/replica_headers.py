@@ -1,4 +1,6 @@
-"""ASGI middleware: stamp every response with the serving replica and the request id.
+"""ASGI middleware: stamp every response with the serving replica and the request id, and send its headers with its
+first bytes of body: a streamed completion's headers then leave with its first token, so the time to the headers
+that the frontend logs on either path is the time to the first token.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so SSE chunks pass through unbuffered and a client
 disconnect still reaches vLLM, which then aborts the engine request.
@@ -56,6 +58,8 @@ class ReplicaHeadersMiddleware:
         scope["headers"] = [*headers, (_REQUEST_ID, request_id)]
         rank = self.data_parallel_rank or next((v for k, v in headers if k.lower() == _RANK), None)
 
+        held: list[Message] = []
+
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 stamped = (_REQUEST_ID, _REPLICA) if self.echo_request_id else (_REPLICA,)
@@ -66,6 +70,12 @@ class ReplicaHeadersMiddleware:
                 if self.echo_request_id:
                     kept.append((_REQUEST_ID, request_id))
                 message["headers"] = kept
+                held.append(message)
+                return
+            if held and message["type"] == "http.response.body":
+                if not message.get("body") and message.get("more_body", False):
+                    return  # an empty flush before the first bytes: the headers wait for them
+                await send(held.pop())
             await send(message)
 
         await self.app(scope, receive, send_with_headers)

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -72,8 +73,10 @@ from ray.serve.deployment import Application
 from base.contracts import (
     BODY_TRUNCATED_HEADER,
     DEFAULT_MAX_ONGOING_REQUESTS,
+    FAULT_PATH,
     FRONTEND_HEADER,
     MEMBERSHIP_PATH,
+    REASON_INJECTED_FAULT,
     REASON_NO_PREFILL_REPLICA,
     REQUEST_ID_HEADER,
     ROUTE_PATH,
@@ -165,6 +168,8 @@ class RouterSettings(PolicyChoice):
     prefill: PrefillTarget | None = None
     # In-engine data parallelism: each target replica runs this many engine ranks, ranked as `<replica>:<rank>`.
     data_parallel_size: int = Field(1, ge=1)
+    # Staging stacks only: `POST <prefix>/internal/fault {"seconds": s}` makes every route call fail for s seconds.
+    fault_injection: bool = False
 
     @field_validator("session_header")
     @classmethod
@@ -286,6 +291,22 @@ class PrefillChooser:
         return PrefillPick(replica_id=view.replica_id, url=view.endpoint + self._route_prefix)
 
 
+class InjectedFault:
+    """A staging router made to fail: every route call until `until` answers 500 `injected_fault`."""
+
+    class Request(BaseModel):
+        seconds: float = Field(ge=0, le=3600)
+
+    def __init__(self) -> None:
+        self.until = 0.0
+
+    def arm(self, seconds: float) -> None:
+        self.until = time.monotonic() + seconds
+
+    def active(self) -> bool:
+        return time.monotonic() < self.until
+
+
 def build_router_app(
     settings: RouterSettings,
     policy: RoutingPolicy,
@@ -300,9 +321,13 @@ def build_router_app(
     truncated_bodies = TRUNCATED_TOTAL.labels(settings.target_app)
     membership_updates = MEMBERSHIP_UPDATES_TOTAL.labels(settings.target_app)
     membership = FrontendMembership()
+    fault = InjectedFault()
 
     @app.post(ROUTE_PATH)
     async def route(request: Request) -> Response:
+        if fault.active():
+            refusal = RouteRefusal(reason=REASON_INJECTED_FAULT).model_dump_json()
+            return Response(refusal, status_code=500, media_type=_JSON)
         route_request = route_request_from(request.headers, await request.body(), settings.session_header)
         if route_request.body_truncated:
             truncated_bodies.inc()
@@ -327,6 +352,16 @@ def build_router_app(
         membership.publish(published)
         membership_updates.inc()
         return Response(status_code=204)
+
+    if settings.fault_injection:
+
+        @app.post(FAULT_PATH)
+        async def inject_fault(request: Request) -> Response:
+            try:
+                fault.arm(InjectedFault.Request.model_validate_json(await request.body()).seconds)
+            except ValidationError as error:
+                return Response(error.json(include_url=False), status_code=422, media_type=_JSON)
+            return Response(status_code=204)
 
     @app.get(METRICS_PATH)
     async def metrics() -> Response:

@@ -159,6 +159,32 @@ def _on_cluster(args: argparse.Namespace) -> int:
         return 1
 
 
+def _ingress(args: argparse.Namespace) -> int:
+    """`sluice canary | rollback`: move a deployed stack's traffic between the paths."""
+    from sluice import deploy, ingress_cli
+    from topologies.problems import SpecError
+
+    try:
+        if args.command == "canary":
+            return ingress_cli.canary(args.file, args.address, args.weight, args.watch)
+        return ingress_cli.rollback(args.file, args.address)
+    except (SpecError, deploy.NoClusterError) as error:
+        print(error, file=sys.stderr)
+        return 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    from sluice import deploy
+    from sluice.check import check
+    from topologies.problems import SpecError
+
+    try:
+        return check(args.file or str(EMBEDDED_SPEC), args.target, args.address, args.json)
+    except (SpecError, deploy.NoClusterError) as error:
+        print(error, file=sys.stderr)
+        return 1
+
+
 def _replay(args: argparse.Namespace) -> int:
     from loadtests.replay import RecordingError, load_recording, replay, report
 
@@ -257,6 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             command.add_argument("--json", action="store_true")
         command.set_defaults(func=_on_cluster)
+
+    canary = commands.add_parser("canary", help="set a deployed stack's share of sessions on the direct path")
+    canary.add_argument("file")
+    canary.add_argument("--weight", type=int, required=True, choices=range(0, 101), metavar="0..100")
+    canary.add_argument("--watch", type=float, default=0.0, help="follow both paths' measures for this many seconds")
+    rollback = commands.add_parser("rollback", help="every new request to the legacy path; drain the direct one")
+    rollback.add_argument("file")
+    for command in (canary, rollback):
+        command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS or local)")
+        command.set_defaults(func=_ingress)
+    check = commands.add_parser("check", help="the adoption checklist of a deployed stack (or of a URL)")
+    check.add_argument("file", nargs="?", help="the stack's spec (default: the embedded one)")
+    check.add_argument("--target", help="check only what this frontend URL shows")
+    check.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS or local)")
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=_check)
 
     api_key = commands.add_parser("api-key", help="team API keys: the key file holds their hashes only")
     api_key_commands = api_key.add_subparsers(dest="api_key_command", required=True)

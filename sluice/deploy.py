@@ -48,7 +48,7 @@ class NoClusterError(RuntimeError):
     pass
 
 
-def _connect(address: str) -> None:
+def connect(address: str) -> None:
     apply_process_env()
     import ray
 
@@ -106,10 +106,35 @@ def apply_plan(spec: Any, plan: StackPlan) -> bool:
             if all(published >= n for published, n in zip(status["published"], wanted, strict=True)):
                 for model in plan.models:
                     say(f"frontend: {model.name}: {model.min_replicas} replica(s) UP and published to its routers")
+                settle_ingress(spec, plan, say)
                 return True
         time.sleep(0.5)
     print(f"the frontend did not have every replica UP within {READY_TIMEOUT_S:.0f} s", file=sys.stderr)
     return False
+
+
+def settle_ingress(spec: Any, plan: StackPlan, say: Any) -> None:
+    """Wait for the declared ingress: the frontend reconfigured to its weight, a path that lost its traffic drained;
+    then remove a legacy ingress the spec no longer retains."""
+    from ray import serve
+
+    frontend = serve.get_app_handle(plan.frontend_app)
+    deadline = time.monotonic() + spec.ingress.drain_deadline_s + 30
+    while True:
+        ingress = frontend.ingress.remote().result(timeout_s=30)
+        drain = ingress["drain"]
+        drained = drain is None or drain["done"] or bool(drain["still_running"])
+        if ingress["direct_weight"] == spec.ingress.direct_weight and drained or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    say(f"frontend: direct weight {ingress['direct_weight']}% (ingress mode {spec.ingress.mode})")
+    if drain is not None:
+        state = "drained" if drain["done"] else f"still streaming at the deadline: {drain['still_running']}"
+        say(f"frontend: the {drain['path']} path {state}")
+    for model in plan.models:
+        if model.legacy_app and not model.legacy_deployed and model.legacy_app in serve.status().applications:
+            serve.delete(model.legacy_app)
+            say(f"{model.legacy_app}: deleted (the spec retains no legacy path)")
 
 
 def serving_lines(spec: Any, plan: StackPlan) -> list[str]:
@@ -141,7 +166,7 @@ def delete_plan(plan: StackPlan) -> None:
 def deploy(path: str, address: str) -> int:
     spec, plan = plan_of(path)
     ensure_models(spec)
-    _connect(address)
+    connect(address)
     if not apply_plan(spec, plan):
         return 1
     print("\n".join(serving_lines(spec, plan)))
@@ -195,6 +220,8 @@ def app_roles(plan: StackPlan) -> dict[str, str]:
     roles = {plan.frontend_app: "HAProxy and its syncer"}
     for model in plan.models:
         roles[model.router_app] = f"routers of {model.name}"
+        if model.legacy_deployed and model.legacy_app is not None:
+            roles[model.legacy_app] = f"legacy ingress of {model.name} (the retained Python path)"
         if model.prefill_app is not None:
             roles[model.prefill_app] = f"prefill replicas of {model.name} (KV producers)"
             roles[model.llm_app] = f"decode replicas of {model.name} (KV consumers, pinned by HAProxy)"
@@ -249,7 +276,7 @@ def _pairs_report(model: PlannedModel, endpoints: list[Any]) -> list[dict[str, A
 
 def status(path: str, address: str, as_json: bool = False) -> int:
     spec, plan = plan_of(path)
-    _connect(address)
+    connect(address)
     from ray import serve
 
     from services.serve_internals import list_replica_endpoints
@@ -294,6 +321,7 @@ def status(path: str, address: str, as_json: bool = False) -> int:
             print(f"    replica {replica}")
     frontend = report["frontend"] or {}
     if frontend.get("running"):
+        print(f"  ingress mode {spec.ingress.mode}: direct weight {frontend['direct_weight']}%")
         print(f"  HAProxy {frontend['url']} (master {frontend['master_pid']}, restarts {frontend['restarts']}):")
         for server in frontend["servers"]:
             print(f"    {server['backend']}/{server['server']} {server['addr']} {server['status']}")
@@ -302,6 +330,6 @@ def status(path: str, address: str, as_json: bool = False) -> int:
 
 def down(path: str, address: str) -> int:
     _, plan = plan_of(path)
-    _connect(address)
+    connect(address)
     delete_plan(plan)
     return 0

@@ -18,6 +18,8 @@ from base.contracts import (
 from infra.frontend_protection import FrontendProtection
 from infra.haproxy_apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
 from routers.config import PolicyConfigError, PolicyName, validate_settings
+from services.canary_guard import AbortCriteria
+from services.ingress_control import DRAIN_DEADLINE_S_DEFAULT, IngressConfig
 from services.llm_config import EngineArgValue
 
 # Names that become Serve app names, HAProxy identifiers and metric labels.
@@ -145,6 +147,31 @@ class Frontend(Section):
         if self.metrics_port == self.port:
             raise ValueError(f"metrics_port equals port ({self.port}): give HAProxy's metrics another port")
         return self
+
+
+class Ingress(Section):
+    """Which path serves the stack: `direct` (HAProxy -> replica), `legacy` (the retained Python ingress; a file with
+    it is the rollback manifest), or `both`: a canary, `canary_weight` percent of sessions on the direct path, rolled
+    back by itself when the direct path breaches an `abort` criterion. `legacy` and `both` deploy the legacy
+    ingress."""
+
+    mode: Literal["direct", "legacy", "both"] = "direct"
+    canary_weight: int = Field(10, ge=0, le=100)
+    legacy_replicas: int = Field(1, ge=1)
+    # How long a path that lost its traffic may take to finish its streams before they are listed.
+    drain_deadline_s: float = Field(DRAIN_DEADLINE_S_DEFAULT, gt=0)
+    abort: AbortCriteria = AbortCriteria()
+
+    @property
+    def retains_legacy(self) -> bool:
+        return self.mode != "direct"
+
+    @property
+    def direct_weight(self) -> int:
+        return {"direct": 100, "legacy": 0, "both": self.canary_weight}[self.mode]
+
+    def config(self) -> IngressConfig:
+        return IngressConfig(direct_weight=self.direct_weight, abort=self.abort, drain_deadline_s=self.drain_deadline_s)
 
 
 EngineArgs = dict[str, EngineArgValue]

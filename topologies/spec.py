@@ -26,6 +26,7 @@ from topologies.sections import (
     NAME_PATTERN,
     EngineArgs,
     Frontend,
+    Ingress,
     Routing,
     RoutingOverride,
     Scaling,
@@ -104,6 +105,9 @@ class StackBase(Section):
     name: str
     routing: Routing = Routing()
     frontend: Frontend = Frontend()
+    ingress: Ingress = Ingress()
+    # A staging stack's routers accept fault injection (`sluice check` makes one fail on purpose).
+    staging: bool = False
 
     @field_validator("team", "name")
     @classmethod
@@ -165,6 +169,13 @@ def _cross_field_problems(spec: StackBase) -> list[SpecProblem]:
                 SpecProblem(
                     f"models[{i}].autoscaling",
                     "data_parallel mode `ranks` is a gang of fixed size: give replicas (gangs), not autoscaling",
+                )
+            )
+        if isinstance(model, PrefillDecodeModel) and spec.ingress.retains_legacy:
+            problems.append(
+                SpecProblem(
+                    "ingress.mode",
+                    "the legacy ingress cannot pair a prefill and a decode replica: prefill_decode stacks are direct",
                 )
             )
         if isinstance(model, PrefillDecodeModel):

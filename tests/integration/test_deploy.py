@@ -98,6 +98,16 @@ def test_status_shows_replicas_routers_and_the_server_map(stack: Deployed) -> No
     assert len([s for s in servers if s["backend"] == "sluice_routers" and s["status"] == "UP"]) == 1
 
 
+def test_sluice_check_passes_on_the_embedded_default(stack: Deployed) -> None:
+    result = _sluice("check", str(stack.spec), "--address", stack.address, "--json", timeout_s=300)
+    verdict = json.loads(result.stdout)
+    assert result.returncode == 0 and verdict["verdict"] == "pass", verdict
+    outcome = {item["item"]: item["ok"] for item in verdict["items"]}
+    assert outcome["server map"] and outcome["API contract"] and outcome["disconnect frees the engine"]
+    # Not a staging stack, no legacy path retained: those items are skipped, not passed.
+    assert outcome["fault injection"] is None and outcome["legacy path, same texts (sluice-tiny)"] is None
+
+
 def test_a_killed_haproxy_is_replaced_without_touching_a_replica(stack: Deployed) -> None:
     before = _status(stack)
     replicas = before["apps"][stack.llm_app]["replicas"]

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
+from sluice.check_items import WEATHER_SCHEMA, forced_tool_call
 from tests.integration.conftest import LLMCluster
 from tests.integration.sse import chunks, data_lines
 
@@ -26,23 +27,7 @@ CHAT = {
     "ignore_eos": True,
 }
 COMPLETION = {"model": MODEL, "prompt": "ka lo mi", "max_tokens": 12, "ignore_eos": True}
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "unit": {"enum": ["c", "f"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        "alerts": {"type": "boolean"},
-    },
-    "required": ["unit", "days", "alerts"],
-    "additionalProperties": False,
-}
-WEATHER_TOOL_REQUEST = {
-    "model": MODEL,
-    "messages": [{"role": "user", "content": "weather for the week?"}],
-    "max_tokens": 300,
-    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}],
-    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-}
+WEATHER_TOOL_REQUEST = forced_tool_call(MODEL)
 
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["replica0", "replica1"])

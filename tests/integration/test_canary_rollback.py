@@ -1,0 +1,294 @@
+"""The canary between the direct path and the retained legacy ingress, on a real stack (canary-cpu: the tiny model's
+two vLLM replicas, a router, the legacy ingress, HAProxy): sticky weighted split, connection-draining rollback and
+its reverse under streaming load, automatic rollback on an injected router fault, one generation per request id on
+either path, and `sluice check` passing, then failing by name when a router is broken or a replica is out of
+HAProxy's map."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from ray import serve
+
+from base.contracts import (
+    DIRECT_PATH,
+    FAULT_PATH,
+    LEGACY_PATH,
+    REASON_DUPLICATE_REQUEST,
+    REASON_INJECTED_FAULT,
+    REQUEST_ID_HEADER,
+    SERVE_PATH_HEADER,
+    SERVE_REASON_HEADER,
+    SESSION_HEADER_DEFAULT,
+)
+from base.runtime import cache_dir
+from infra.runtime_api import RuntimeAPI
+from sluice.check import report, run_checks
+from tests.integration.sse import DONE, data_payloads
+from tests.integration.team_stack import TeamStack, team_stack
+from tests.integration.vllm_metrics import engine_requests
+
+pytestmark = pytest.mark.integration
+
+COMPLETION = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 2, "temperature": 0}
+STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 48, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeamStack]:
+    with team_stack("canary-cpu.yaml", "canary-test", tmp_path_factory.mktemp("canary")) as deployed:
+        yield deployed
+
+
+def _frontend(stack: TeamStack):
+    return serve.get_app_handle(stack.plan.frontend_app)
+
+
+def _shift(stack: TeamStack, weight: int, wait: bool = False) -> dict:
+    return _frontend(stack).shift.remote(weight, wait).result(timeout_s=180)
+
+
+def _ingress(stack: TeamStack) -> dict:
+    return _frontend(stack).ingress.remote().result(timeout_s=30)
+
+
+def _routers(stack: TeamStack) -> list[str]:
+    status = _frontend(stack).status.remote().result(timeout_s=30)
+    model = stack.plan.models[0]
+    return [
+        f"http://{s['addr']}/{model.router_app}{FAULT_PATH}"
+        for s in status["servers"]
+        if s["backend"] == model.router_backend
+    ]
+
+
+@contextlib.contextmanager
+def _router_fault(stack: TeamStack, seconds: float = 120) -> Iterator[None]:
+    urls = _routers(stack)
+    assert urls
+    for url in urls:
+        assert httpx.post(url, json={"seconds": seconds}).status_code == 204
+    try:
+        yield
+    finally:
+        for url in urls:
+            httpx.post(url, json={"seconds": 0})
+
+
+def _completion(client: httpx.Client, url: str, session: str, request_id: str | None = None) -> httpx.Response:
+    headers = {SESSION_HEADER_DEFAULT: session}
+    if request_id is not None:
+        headers[REQUEST_ID_HEADER] = request_id
+    return client.post(f"{url}/v1/completions", json=COMPLETION, headers=headers)
+
+
+def test_the_stack_passes_sluice_check(stack: TeamStack) -> None:
+    assert _ingress(stack)["direct_weight"] == stack.spec.ingress.canary_weight == 30  # as declared
+    _shift(stack, 100, wait=True)  # the check's injected fault would count against a running canary
+    items = run_checks(stack.spec, stack.plan, stack.url)
+    failed = [(i.item, i.detail) for i in items if i.ok is False]
+    assert not failed
+    ran = {i.item for i in items if i.ok}
+    assert {"server map", "served replica is the chosen one", "fault injection", "API contract"} <= ran
+    assert "legacy path, same texts (sluice-tiny)" in ran
+
+
+def test_an_injected_router_fault_rolls_the_canary_back_naming_the_criterion(stack: TeamStack) -> None:
+    _shift(stack, 50)
+    paths = []
+    with _router_fault(stack), httpx.Client(timeout=60) as client:
+        for i in range(60):
+            response = _completion(client, stack.url, f"fault-{i}")
+            paths.append((response.headers.get(SERVE_PATH_HEADER), response.status_code))
+            if response.status_code == 503:
+                assert response.headers[SERVE_REASON_HEADER] == REASON_INJECTED_FAULT
+        deadline = time.monotonic() + 15
+        while _ingress(stack)["abort"] is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert (LEGACY_PATH, 200) in paths and any(status == 503 for _, status in paths)
+    ingress = _ingress(stack)
+    abort = ingress["abort"]
+    assert abort is not None, ingress
+    assert abort["breach"]["criterion"] == "ratio_503"
+    assert abort["breach"]["value"] > abort["breach"]["threshold"] == stack.spec.ingress.abort.max_503_ratio
+    assert abort["weight_before"] == 50
+    assert ingress["direct_weight"] == 0
+    with httpx.Client(timeout=60) as client:  # rolled back: every session is served by the legacy path
+        answers = [_completion(client, stack.url, f"after-{i}") for i in range(10)]
+    assert {(r.headers[SERVE_PATH_HEADER], r.status_code) for r in answers} == {(LEGACY_PATH, 200)}
+
+
+async def _session(client: httpx.AsyncClient, url: str, session: str, requests: int) -> list[str]:
+    paths = []
+    for _ in range(requests):
+        response = await client.post(
+            f"{url}/v1/completions", json=COMPLETION, headers={SESSION_HEADER_DEFAULT: session}
+        )
+        assert response.status_code == 200, response.text
+        paths.append(response.headers[SERVE_PATH_HEADER])
+    return paths
+
+
+async def _sessions(url: str, sessions: list[str], requests: int) -> dict[str, list[str]]:
+    limits = httpx.Limits(max_connections=16)
+    semaphore = asyncio.Semaphore(16)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def one(session: str) -> list[str]:
+            async with semaphore:
+                return await _session(client, url, session, requests)
+
+        results = await asyncio.gather(*(one(s) for s in sessions))
+    return dict(zip(sessions, results, strict=True))
+
+
+def test_a_canary_at_weight_30_sends_30_percent_of_600_sessions_direct_each_on_one_path(stack: TeamStack) -> None:
+    _shift(stack, 30)
+    sessions = [f"user-{random.getrandbits(64):016x}" for _ in range(600)]
+    seen = asyncio.run(_sessions(stack.url, sessions, requests=2))
+    assert all(len(set(paths)) == 1 for paths in seen.values()), "a session saw both paths"
+    direct = sum(paths[0] == DIRECT_PATH for paths in seen.values()) / len(seen)
+    assert 0.25 <= direct <= 0.35, direct
+    # Moving the weight moves only the sessions between the two weights: every direct session stays direct.
+    _shift(stack, 60)
+    was_direct = [s for s, paths in seen.items() if paths[0] == DIRECT_PATH][:50]
+    again = asyncio.run(_sessions(stack.url, was_direct, requests=1))
+    assert all(paths == [DIRECT_PATH] for paths in again.values())
+
+
+@dataclass
+class Stream:
+    started: float
+    path: str | None = None
+    status: int = 0
+    done: bool = False
+
+
+async def _streaming_users(url: str, users: int, run_s: float) -> list[Stream]:
+    """`users` clients, each streaming one completion after another for `run_s` seconds (bounded)."""
+    streams: list[Stream] = []
+    stop = time.monotonic() + run_s
+
+    async def user(client: httpx.AsyncClient, index: int) -> None:
+        turn = 0
+        while time.monotonic() < stop and turn < 200:
+            turn += 1
+            stream = Stream(started=time.monotonic())
+            streams.append(stream)
+            headers = {SESSION_HEADER_DEFAULT: f"stream-{index}-{turn}"}
+            async with client.stream("POST", f"{url}/v1/completions", json=STREAM, headers=headers) as response:
+                stream.status, stream.path = response.status_code, response.headers.get(SERVE_PATH_HEADER)
+                body = (await response.aread()).decode()
+            stream.done = data_payloads(body)[-1:] == [DONE]
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=users)) as client:
+        await asyncio.gather(*(user(client, i) for i in range(users)))
+    return streams
+
+
+def _move_under_load(stack: TeamStack, weight: int) -> tuple[list[Stream], float, float, dict]:
+    """16 streaming users; the weight moves 3 s in. (streams, when the move began, when it returned, drain)."""
+    moments: dict[str, float] = {}
+
+    async def run() -> list[Stream]:
+        users = asyncio.create_task(_streaming_users(stack.url, 16, run_s=9))
+        await asyncio.sleep(3)
+        moments["began"] = time.monotonic()
+        await asyncio.to_thread(_shift, stack, weight)
+        moments["returned"] = time.monotonic()
+        return await users
+
+    streams = asyncio.run(run())
+    deadline = time.monotonic() + 60
+    while not (_ingress(stack)["drain"] or {}).get("done") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return streams, moments["began"], moments["returned"], _ingress(stack)["drain"]
+
+
+@pytest.mark.parametrize(
+    ("start", "to", "old_path", "new_path"),
+    [(100, 0, DIRECT_PATH, LEGACY_PATH), (0, 100, LEGACY_PATH, DIRECT_PATH)],
+    ids=["rollback", "reverse"],
+)
+def test_a_move_under_16_streaming_users_cuts_nothing(stack: TeamStack, start, to, old_path, new_path) -> None:
+    _shift(stack, start, wait=True)
+    streams, began, returned, drain = _move_under_load(stack, to)
+    assert streams and all(s.status == 200 for s in streams), {s.status for s in streams}
+    assert all(s.done for s in streams), f"{sum(not s.done for s in streams)} streams were cut"
+    assert all(s.path == new_path for s in streams if s.started > returned)
+    before = [s for s in streams if s.started < began]
+    assert before and all(s.path == old_path for s in before)
+    assert drain["path"] == old_path and drain["done"] and not drain["still_running"]
+
+
+def _generation(stack: TeamStack, weight: int, request_id: str) -> tuple[float, httpx.Response, httpx.Response]:
+    """While a stream with `request_id` runs, a retry with the same id; (engine requests added, retry, retry after)."""
+    _shift(stack, weight, wait=True)
+    model = stack.plan.models[0]
+    before = engine_requests(model.llm_app, f"/{model.llm_app}")
+    long_stream = {**STREAM, "max_tokens": 256}
+    headers = {REQUEST_ID_HEADER: request_id}
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{stack.url}/v1/completions", json=long_stream, headers=headers) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            retry = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers=headers)
+            assert data_payloads("\n".join(lines))[-1] == DONE
+        time.sleep(1)
+        after = engine_requests(model.llm_app, f"/{model.llm_app}")
+        again = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers=headers)
+    return after - before, retry, again
+
+
+@pytest.mark.parametrize(("weight", "path"), [(100, DIRECT_PATH), (0, LEGACY_PATH)])
+def test_a_retry_with_a_running_request_id_starts_no_second_generation(stack: TeamStack, weight, path) -> None:
+    request_id = f"retry-{path}-{random.getrandbits(32):08x}"
+    generated, retry, again = _generation(stack, weight, request_id)
+    assert generated == 1
+    assert retry.status_code == 409
+    assert retry.headers[SERVE_REASON_HEADER] == REASON_DUPLICATE_REQUEST
+    assert request_id in retry.json()["error"]["message"]
+    assert again.status_code == 200 and again.headers[SERVE_PATH_HEADER] == path  # the first one has ended
+
+
+def _verdict(stack: TeamStack) -> tuple[int, dict]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = report(run_checks(stack.spec, stack.plan, stack.url), as_json=True)
+    return code, json.loads(out.getvalue())
+
+
+def test_sluice_check_fails_naming_the_item_when_a_router_is_broken(stack: TeamStack) -> None:
+    _shift(stack, 100, wait=True)
+    with _router_fault(stack):
+        code, verdict = _verdict(stack)
+    assert code == 1 and verdict["verdict"] == "fail"
+    assert "direct streaming (sluice-tiny)" in verdict["failed"]
+    item = next(i for i in verdict["items"] if i["item"] == "direct streaming (sluice-tiny)")
+    assert REASON_INJECTED_FAULT in item["detail"]
+
+
+def test_sluice_check_fails_naming_the_item_when_a_replica_is_missing_from_haproxys_map(stack: TeamStack) -> None:
+    runtime = RuntimeAPI(cache_dir() / f"frontend-{stack.plan.stack}" / "haproxy.sock")
+    model = stack.plan.models[0]
+    status = _frontend(stack).status.remote().result(timeout_s=30)
+    replica = next(s["server"] for s in status["servers"] if s["backend"] == model.replica_backend)
+    runtime.set_server_state(model.replica_backend, replica, "maint")
+    try:
+        code, verdict = _verdict(stack)
+    finally:
+        runtime.set_server_state(model.replica_backend, replica, "ready")
+    assert code == 1 and verdict["failed"] == ["server map"]
+    item = next(i for i in verdict["items"] if i["item"] == "server map")
+    assert replica in item["detail"]

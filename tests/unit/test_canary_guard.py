@@ -1,0 +1,104 @@
+"""The canary guard's measures and abort criteria, and the request log line they are read from."""
+
+from __future__ import annotations
+
+import pytest
+
+from base.contracts import DIRECT_PATH, LEGACY_PATH
+from infra.haproxy_canary import log_format
+from services.canary_guard import AbortCriteria, RequestRecord, evaluate, measure, percentile
+from services.path_log import PathLog, parse_record
+
+CRITERIA = AbortCriteria(min_requests=10)
+LIVE = ["r1", "r2"]
+
+
+def record(
+    path: str = DIRECT_PATH, status: int = 200, ttft_s: float = 0.05, termination: str = "--", **kw
+) -> RequestRecord:
+    fields = {"at": 0.0, "app": "a", "server": "r1", "served_replica": "r1", "request_id": "x"} | kw
+    return RequestRecord(path=path, status=status, ttft_s=ttft_s, termination=termination, **fields)
+
+
+def balanced(n: int, path: str = DIRECT_PATH, **kw) -> list[RequestRecord]:
+    return [record(path, served_replica=LIVE[i % 2], **kw) for i in range(n)]
+
+
+def test_a_healthy_direct_path_breaches_nothing_and_both_paths_are_measured() -> None:
+    breach, direct, legacy = evaluate(CRITERIA, balanced(20) + balanced(8, LEGACY_PATH), LIVE)
+    assert breach is None
+    assert (direct.requests, legacy.requests) == (20, 8)
+    assert direct.replica_imbalance == 1.0 and direct.ratio_503 == 0.0
+
+
+@pytest.mark.parametrize(
+    ("bad", "criterion"),
+    [
+        (dict(status=503, ttft_s=None, served_replica=None), "ratio_503"),
+        (dict(ttft_s=30.0), "ttft_p99_s"),
+        (dict(termination="SD"), "stream_error_ratio"),
+    ],
+)
+def test_each_criterion_breaches_on_the_direct_path_with_its_value_and_threshold(bad: dict, criterion: str) -> None:
+    records = balanced(18) + [record(**bad) for _ in range(2)]
+    breach, _, _ = evaluate(CRITERIA, records, LIVE)
+    assert breach is not None and breach.criterion == criterion
+    assert breach.value > breach.threshold == CRITERIA.threshold(criterion)
+    assert criterion in breach.describe()
+
+
+def test_replica_imbalance_counts_live_replicas_that_served_nothing() -> None:
+    records = [record(served_replica="r1") for _ in range(20)]
+    breach, direct, _ = evaluate(AbortCriteria(min_requests=10, max_replica_imbalance=1.5), records, ["r1", "r2", "r3"])
+    assert direct.replica_imbalance == 3.0
+    assert breach is not None and breach.criterion == "replica_imbalance"
+
+
+def test_the_legacy_path_and_too_few_requests_never_breach() -> None:
+    assert evaluate(CRITERIA, [record(LEGACY_PATH, status=503) for _ in range(50)], LIVE)[0] is None
+    assert evaluate(CRITERIA, [record(status=503) for _ in range(9)], LIVE)[0] is None
+
+
+def test_a_client_leaving_is_no_stream_error() -> None:
+    assert measure(DIRECT_PATH, [record(termination="CD") for _ in range(10)], LIVE).stream_error_ratio == 0.0
+    assert measure(DIRECT_PATH, [record(termination="SD") for _ in range(10)], LIVE).stream_error_ratio == 1.0
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 99) == 0.0
+    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    assert percentile([1.0, 5.0], 99) == 5.0
+
+
+def test_a_log_line_in_the_rendered_format_parses_into_a_record() -> None:
+    # The format's fields, in order, as HAProxy fills them in.
+    fields = ["app-llm", "direct", "200", "42", "1200", "--", "r1", "r1", "req 1"]
+    line = log_format("txn.id").split(" ")[0] + " " + " ".join(fields)
+    assert len(log_format("txn.id").split(" ")) == len(fields) + 1
+    parsed = parse_record(line + "\n", at=5.0)
+    assert parsed == RequestRecord(
+        at=5.0,
+        app="app-llm",
+        path="direct",
+        status=200,
+        ttft_s=0.042,
+        termination="--",
+        server="r1",
+        served_replica="r1",
+        request_id="req 1",
+    )
+
+
+@pytest.mark.parametrize("line", ["", "garbage", "sluice a - 200 1 1 -- r r id", "sluice a direct x 1 1 -- r r id"])
+def test_lines_that_are_no_path_record_are_ignored(line: str) -> None:
+    assert parse_record(line, at=0.0) is None
+
+
+def test_the_log_keeps_records_by_age() -> None:
+    now = [0.0]
+    log = PathLog(clock=lambda: now[0])
+    for t in (1.0, 2.0, 3.0):
+        now[0] = t
+        log.datagram_received(f"sluice a direct 200 1 1 -- r r id{t}".encode(), None)
+    assert [r.request_id for r in log.records_since(2.0)] == ["id3.0", "id2.0"]
+    assert [r.at for r in log.find({"id1.0"})] == [1.0]
