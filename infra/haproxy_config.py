@@ -26,6 +26,10 @@ Shape of the rendered config:
   (`x-sluice-ranked`) — never to a replica the router did not rank.
 - backend `sluice_routers`: one server per router replica, health-checked; never proxied to, the Lua action
   reads the UP ones and calls them itself with `core.tcp`.
+- per app, a legacy backend and the canary around it (`infra.haproxy_canary`): the action sends a request to the
+  direct path or to the app's retained legacy ingress by the run-time direct weight, sticky per session; a request
+  whose `x-request-id` is still running is refused with 409; every finished request is logged to the frontend
+  replica, which measures both paths.
 - every error HAProxy produces itself once a request exists (408 and every 5xx) carries `x-serve-reason` and an
   OpenAI-style JSON body (`http-error`), and a replica's own 5xx without one gets `replica_error`.
 - frontend `sluice_prometheus` on 127.0.0.1:prometheus_port: HAProxy's exporter on `/metrics`, sluice's
@@ -103,8 +107,6 @@ VAR_PREFIX = "txn.sluice_prefix"
 # Servers of sluice's own (the retry loop) start with "_"; replica and router ids may not.
 RETRY_SERVERS = ("_retry1", "_retry2")
 INTERNAL_SERVER_PREFIX = "_"
-# How long an unneeded idle connection to a replica is kept (HAProxy's default is 5 s).
-IDLE_PURGE_S = 1.0
 PROMETHEUS_PATH = "/metrics"
 SLUICE_METRICS_PATH = "/sluice/metrics"
 # A server name is the replica (or router) id: what HAProxy accepts in a name, starting with a letter or digit.
@@ -258,47 +260,6 @@ def router_backend(index: int) -> str:
 
 def is_internal_server(name: str) -> bool:
     return name.startswith(INTERNAL_SERVER_PREFIX)
-
-
-def _check_options(settings: HAProxySettings) -> list[str]:
-    # Dynamic servers do not inherit `default-server`: every check setting goes on the server itself.
-    return [
-        "check",
-        "inter",
-        haproxy_time(settings.check_inter_s),
-        "fastinter",
-        haproxy_time(settings.check_fastinter_s),
-        "downinter",
-        haproxy_time(settings.check_downinter_s),
-        "fall",
-        str(settings.check_fall),
-        "rise",
-        str(settings.check_rise),
-    ]
-
-
-def replica_server_options(settings: HAProxySettings) -> list[str]:
-    """`add server` keywords of a replica: weight 0 (reached only when pinned), health-checked, and DOWN at the
-    first failed connection so the next request goes straight to a fallback. Idle keep-alive connections are
-    purged within `IDLE_PURGE_S` of no longer being needed: HAProxy deletes a server only without connections,
-    and a leaving replica's last streams hand theirs back to the idle pool after it went to maintenance."""
-    return [
-        "weight",
-        "0",
-        *_check_options(settings),
-        "observe",
-        "layer4",
-        "error-limit",
-        "1",
-        "on-error",
-        "mark-down",
-        "pool-purge-delay",
-        haproxy_time(IDLE_PURGE_S),
-    ]
-
-
-def router_server_options(settings: HAProxySettings) -> list[str]:
-    return _check_options(settings)
 
 
 def _fail_closed_line(reason: str) -> str:

@@ -39,10 +39,9 @@ from infra.haproxy_config import (
     HAProxySettings,
     is_internal_server,
     replica_backend,
-    replica_server_options,
     router_backend,
-    router_server_options,
 )
+from infra.haproxy_servers import legacy_server_options, replica_server_options, router_server_options
 from infra.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
 from services.serve_internals import ReplicaEndpoint
 
@@ -117,7 +116,7 @@ class AppPools:
         self.sources = sources
         self.replicas = ServerPool(replica_backend(index), replica_server_options(settings))
         self.routers = ServerPool(router_backend(index), router_server_options(settings))
-        self.legacy = ServerPool(legacy_backend(index), router_server_options(settings))
+        self.legacy = ServerPool(legacy_backend(index), legacy_server_options(settings))
         # Router id -> (the set last published to it, when).
         self.published: dict[str, tuple[tuple[str, ...], float]] = {}
 

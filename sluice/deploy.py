@@ -23,6 +23,7 @@ import yaml
 from base.contracts import SERVED_RANK_HEADER
 from base.runtime import apply_process_env
 from builders.plan import PlannedModel, StackPlan, build_plan, model_path, serve_config
+from infra.haproxy_canary import legacy_backend
 from services.remote_prefill import PREFILL_REQUESTS_METRIC
 from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, load_spec
 
@@ -198,7 +199,7 @@ def degraded_reasons(spec: Any, plan: StackPlan, report: dict[str, Any]) -> list
     up: dict[str, int] = {}
     for server in frontend["servers"]:
         up[server["backend"]] = up.get(server["backend"], 0) + (server["status"] == "UP")
-    for model in plan.models:
+    for index, model in enumerate(plan.models):
         llm, routers = (len(report["apps"][app]["replicas"]) for app in (model.llm_app, model.router_app))
         if up.get(model.replica_backend, 0) < llm:
             reasons.append(
@@ -208,6 +209,13 @@ def degraded_reasons(spec: Any, plan: StackPlan, report: dict[str, Any]) -> list
             reasons.append(
                 f"{_of(model, several)}HAProxy has {up.get(model.router_backend, 0)} of {max(1, routers)} routers UP"
             )
+        if model.legacy_deployed and model.legacy_app is not None:
+            legacy = len(report["apps"][model.legacy_app]["replicas"])
+            if up.get(legacy_backend(index), 0) < max(1, legacy):
+                reasons.append(
+                    f"{_of(model, several)}HAProxy has {up.get(legacy_backend(index), 0)} of {max(1, legacy)} "
+                    "legacy ingress replicas UP"
+                )
     return reasons
 
 

@@ -22,10 +22,10 @@ from infra.haproxy_config import (
     ROUTER_BACKEND,
     HAProxySettings,
     render_config,
-    replica_server_options,
 )
 from infra.haproxy_lua import LUA_TEMPLATE, render_lua
 from infra.haproxy_process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
+from infra.haproxy_servers import replica_server_options
 from infra.runtime_api import RuntimeAPIError, ServerStat
 from services.haproxy_syncer import AppSources, HAProxySyncer
 from services.serve_internals import ReplicaEndpoint
