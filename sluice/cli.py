@@ -185,6 +185,58 @@ def _check(args: argparse.Namespace) -> int:
         return 1
 
 
+def _load(args: argparse.Namespace) -> int:
+    """`sluice load WORKLOAD --target URL`: a Locust campaign; exit 1 when a gate is breached."""
+    from loadtests.campaign import Campaign, gates_from_spec, run
+    from loadtests.metrics import SLO
+
+    if args.workload == "routing":
+        return _routing_suite(args)
+    if not args.target:
+        print("--target is required for a workload campaign", file=sys.stderr)
+        return 1
+    gates = gates_from_spec(Path(args.spec)) if args.spec else {}
+    for gate in args.gate:
+        name, _, value = gate.partition("=")
+        gates[name] = float(value)
+    campaign = Campaign(
+        workload=args.workload,
+        target=args.target.rstrip("/"),
+        out=Path(args.out or f"load-{args.workload}"),
+        tokenizer=Path(args.tokenizer or default_model_dir() / "tokenizer.json"),
+        duration_s=args.duration,
+        users=args.users,
+        rate=args.rate,
+        burstiness=args.burstiness,
+        workers=args.workers,
+        model=args.model,
+        slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms),
+        gates=gates,
+    )
+    try:
+        summary, breached = run(campaign)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"{summary.ok}/{summary.requests} requests ok; rows, summary.json and report.html in {campaign.out}")
+    for breach in breached:
+        print(f"gate breached: {breach}", file=sys.stderr)
+    return 1 if breached else 0
+
+
+def _routing_suite(args: argparse.Namespace) -> int:
+    from sluice.deploy import connect
+    from sluice.routing_suite import routing_suite
+
+    connect(args.address)
+    tokenizer = Path(args.tokenizer or default_model_dir() / "tokenizer.json")
+    figures = routing_suite(
+        Path(args.spec or EMBEDDED_SPEC), Path(args.out or "load-routing"), tokenizer, args.duration
+    )
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     from loadtests.replay import RecordingError, load_recording, replay, report
 
@@ -308,6 +360,25 @@ def build_parser() -> argparse.ArgumentParser:
     hash_key = api_key_commands.add_parser("hash", help="the key file line of a key read from standard input")
     hash_key.add_argument("--label", default="")
     hash_key.set_defaults(func=_api_key_hash)
+
+    load = commands.add_parser("load", help="a Locust load campaign against a frontend (rows, summary, report)")
+    load.add_argument("workload", help="short_long, long_short, mixed, bursts, step, multi_turn, or the suite routing")
+    load.add_argument("--target", help="the frontend's base URL, e.g. http://127.0.0.1:8000 (not for routing)")
+    load.add_argument("--address", default="auto", help="routing: the Ray cluster to deploy the suite's stacks on")
+    load.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    load.add_argument("--users", type=int, default=8, help="concurrent users (closed loop; open loop: senders)")
+    load.add_argument("--rate", type=float, default=4.0, help="open loop (bursts, step): requests per second")
+    load.add_argument("--burstiness", type=float, default=1.0, help="bursts: the gamma shape (1 = Poisson)")
+    load.add_argument("--workers", type=int, default=0, help="Locust workers under a master (0: one process)")
+    load.add_argument("--out", help="the output folder (default: load-<workload>)")
+    load.add_argument("--model", help="the served model (default: the target's first)")
+    load.add_argument("--tokenizer", help="the served model's tokenizer.json (default: the tiny model's)")
+    load.add_argument("--spec", help="a stack's spec: its ingress.abort criteria become gates; routing: the stack")
+    load.add_argument("--gate", action="append", default=[], metavar="NAME=LIMIT", help="e.g. ttft_p99_ms=500")
+    load.add_argument("--slo-ttft-ms", type=float, help="goodput SLO: TTFT")
+    load.add_argument("--slo-tpot-ms", type=float, help="goodput SLO: TPOT")
+    load.add_argument("--slo-e2el-ms", type=float, help="goodput SLO: end-to-end latency")
+    load.set_defaults(func=_load)
 
     replay_command = commands.add_parser(
         "replay", help="send recorded requests (JSONL) to a path, or to two and compare"

@@ -1,0 +1,178 @@
+"""`sluice load WORKLOAD --target URL`: one campaign, Locust in processes of its own, then the rows, the summary,
+the report and the gates.
+
+Locust runs headless (its progress table on the terminal), as one process, or with `workers` as a master and that
+many workers on 127.0.0.1 (Locust's distributed mode) for rates one process cannot drive; an open-loop rate is
+split evenly between the workers. Every process writes its rows; the campaign merges them into `rows.csv`, writes
+`summary.json` and `report.html` (with its plots) into the output folder, then checks the gates: each is a
+measured value and a limit (`ttft_p99_ms`, `tpot_p99_ms`, `itl_p99_ms`, `e2el_p99_ms`, `error_ratio`,
+`ratio_503`, `min_goodput`), from the command line or the stack's spec (`ingress.abort`). A breach names the gate,
+the value and the limit, and the command exits 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from loadtests.metrics import SLO, Summary, summarize
+from loadtests.report import write_report
+from loadtests.sse_timing import StreamRow
+from loadtests.workloads import WORKLOADS
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+GATES = ("ttft_p99_ms", "tpot_p99_ms", "itl_p99_ms", "e2el_p99_ms", "error_ratio", "ratio_503", "min_goodput")
+# Seconds Locust may take beyond the run time to stop its users and write its rows.
+STOP_TIMEOUT_S = 30
+
+
+class Campaign(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    workload: str
+    target: str
+    out: Path
+    tokenizer: Path
+    duration_s: float = Field(60.0, gt=0, le=3600)
+    users: int = Field(8, ge=1)
+    rate: float = Field(4.0, gt=0)
+    burstiness: float = Field(1.0, gt=0)
+    workers: int = Field(0, ge=0)
+    model: str | None = None
+    session_header: str = "x-session-id"
+    slo: SLO = SLO()
+    gates: dict[str, float] = Field(default_factory=dict)
+    seed: int = 0
+
+
+def gates_from_spec(path: Path) -> dict[str, float]:
+    """The abort criteria of a stack's spec as gates."""
+    from topologies.spec import load_spec
+
+    abort = load_spec(path).ingress.abort
+    return {"ratio_503": abort.max_503_ratio, "ttft_p99_ms": abort.max_ttft_p99_s * 1000}
+
+
+def measured(summary: Summary, gate: str) -> float:
+    distributions = {"ttft": summary.ttft, "tpot": summary.tpot, "itl": summary.itl, "e2el": summary.e2el}
+    if gate.endswith("_p99_ms"):
+        found = distributions[gate.removesuffix("_p99_ms")]
+        return found.p99_ms if found is not None else float("inf")
+    if gate == "error_ratio":
+        return (summary.requests - summary.ok) / summary.requests if summary.requests else 1.0
+    if gate == "ratio_503":
+        count = sum(n for key, n in summary.errors.items() if key.startswith("503"))
+        return count / summary.requests if summary.requests else 0.0
+    return summary.goodput
+
+
+def breaches(summary: Summary, gates: dict[str, float]) -> list[str]:
+    """Each breached gate as `name: measured V, limit L`."""
+    found = []
+    for gate, limit in sorted(gates.items()):
+        if gate not in GATES:
+            raise ValueError(f"unknown gate {gate!r}: one of {', '.join(GATES)}")
+        value = measured(summary, gate)
+        if value < limit if gate == "min_goodput" else value > limit:
+            found.append(f"{gate}: measured {value:.4g}, limit {limit:.4g}")
+    return found
+
+
+def _served_model(target: str) -> str:
+    return httpx.get(f"{target}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
+    """Run Locust (one process, or a master and its workers) and merge the rows every process wrote."""
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    for stale in rows_dir.glob("rows-*.csv"):
+        stale.unlink()
+    env = os.environ | {
+        "SLUICE_LOAD_WORKLOAD": campaign.workload,
+        "SLUICE_LOAD_MODEL": campaign.model or _served_model(campaign.target),
+        "SLUICE_LOAD_TOKENIZER": str(campaign.tokenizer),
+        "SLUICE_LOAD_ROWS_DIR": str(rows_dir),
+        "SLUICE_LOAD_RATE": str(campaign.rate / max(campaign.workers, 1)),
+        "SLUICE_LOAD_BURSTINESS": str(campaign.burstiness),
+        "SLUICE_LOAD_DURATION_S": str(campaign.duration_s),
+        "SLUICE_LOAD_SESSION_HEADER": campaign.session_header,
+        "SLUICE_LOAD_SEED": str(campaign.seed),
+    }
+    locust = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", campaign.target]
+    run = [
+        "--users",
+        str(campaign.users),
+        "--spawn-rate",
+        str(campaign.users),
+        "--run-time",
+        f"{campaign.duration_s:g}s",
+        "--stop-timeout",
+        str(STOP_TIMEOUT_S),
+    ]
+    timeout = campaign.duration_s + 2 * STOP_TIMEOUT_S + 60
+    if not campaign.workers:
+        subprocess.run([*locust, *run], env=env, timeout=timeout, check=False)
+    else:
+        from base.runtime import free_port
+
+        port = free_port("127.0.0.1")
+        master = subprocess.Popen(
+            [
+                *locust,
+                *run,
+                "--master",
+                "--expect-workers",
+                str(campaign.workers),
+                "--master-bind-host",
+                "127.0.0.1",
+                "--master-bind-port",
+                str(port),
+            ],
+            env=env,
+        )
+        workers = [
+            subprocess.Popen([*locust, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)], env=env)
+            for _ in range(campaign.workers)
+        ]
+        try:
+            master.wait(timeout=timeout)
+            for worker in workers:
+                worker.wait(timeout=STOP_TIMEOUT_S)
+        finally:
+            for process in (master, *workers):
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    rows = []
+    for path in sorted(rows_dir.glob("rows-*.csv")):
+        with path.open() as handle:
+            rows += [StreamRow.from_csv(row) for row in csv.DictReader(handle)]
+    return rows
+
+
+def run(campaign: Campaign) -> tuple[Summary, list[str]]:
+    """The campaign, its files in `campaign.out`; (summary, breached gates)."""
+    if campaign.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {campaign.workload!r}: one of {', '.join(WORKLOADS)}")
+    campaign.out.mkdir(parents=True, exist_ok=True)
+    rows = run_locust(campaign, campaign.out / "rows")
+    rows.sort(key=lambda r: r.sent_at)
+    with (campaign.out / "rows.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0].csv_row()) if rows else ["workload"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row.csv_row())
+    open_loop = campaign.workload in ("bursts", "step")
+    summary = summarize(rows, campaign.slo, open_loop=open_loop)
+    breached = breaches(summary, campaign.gates)
+    payload = {"campaign": campaign.model_dump(mode="json"), "summary": summary.model_dump(), "breached": breached}
+    (campaign.out / "summary.json").write_text(json.dumps(payload, indent=2))
+    write_report(f"sluice load {campaign.workload} -> {campaign.target}", summary, rows, campaign.out)
+    return summary, breached

@@ -1,0 +1,125 @@
+"""A campaign's HTML report: the summary table and plots drawn from the raw rows (PNG files beside the HTML).
+
+Plots: latency CDFs (TTFT, E2EL, time to headers), the ITL histogram, per-replica load, throughput and errors over
+time, and, for the routing suite, the prefix-cache hit rate per policy.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from pathlib import Path
+
+from loadtests.metrics import Summary
+from loadtests.sse_timing import StreamRow
+
+BUCKET_S = 1.0
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(ax, seconds: Sequence[float], label: str) -> None:  # type: ignore[no-untyped-def]
+    if seconds:
+        ordered = sorted(s * 1000 for s in seconds)
+        ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
+
+
+def latency_cdfs(rows: Sequence[StreamRow], out: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ok = [r for r in rows if r.ok]
+    _cdf(ax, [r.ttft_s for r in ok if r.ttft_s is not None], "TTFT")
+    _cdf(ax, [r.headers_s for r in ok if r.headers_s is not None], "time to headers")
+    _cdf(ax, [r.e2el_s for r in ok if r.e2el_s is not None], "E2EL")
+    ax.set_xscale("log")
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of requests")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    return _save(plt, fig, out / "latency_cdf.png")
+
+
+def itl_histogram(rows: Sequence[StreamRow], out: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    gaps = [g * 1000 for r in rows if r.ok for g in r.gaps_s]
+    ax.hist(gaps or [0.0], bins=60)
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("gaps")
+    return _save(plt, fig, out / "itl_histogram.png")
+
+
+def replica_load(summary: Summary, out: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    replicas = sorted(summary.per_replica)
+    ax.bar(range(len(replicas)), [summary.per_replica[r] for r in replicas])
+    ax.set_xticks(range(len(replicas)), [r[:12] for r in replicas], rotation=30)
+    ax.set_ylabel("requests served")
+    return _save(plt, fig, out / "replica_load.png")
+
+
+def over_time(rows: Sequence[StreamRow], out: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    start = min((r.sent_at for r in rows), default=0.0)
+    done: dict[int, int] = {}
+    failed: dict[int, int] = {}
+    for row in rows:
+        bucket = int((row.sent_at + (row.e2el_s or 0.0) - start) // BUCKET_S)
+        target = done if row.ok else failed
+        target[bucket] = target.get(bucket, 0) + 1
+    buckets = range(max([*done, *failed], default=0) + 1)
+    ax.plot(list(buckets), [done.get(b, 0) / BUCKET_S for b in buckets], label="completed / s")
+    ax.plot(list(buckets), [failed.get(b, 0) / BUCKET_S for b in buckets], label="errors / s")
+    ax.set_xlabel("s since start")
+    ax.legend()
+    return _save(plt, fig, out / "throughput_errors.png")
+
+
+def prefix_cache_rates(rates: dict[str, float], ideal: float, out: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    policies = sorted(rates)
+    ax.bar(range(len(policies)), [rates[p] * 100 for p in policies])
+    ax.axhline(ideal * 100, linestyle="--", label="ideal for the workload")
+    ax.set_xticks(range(len(policies)), policies)
+    ax.set_ylabel("prefix-cache hit rate (%)")
+    ax.legend()
+    return _save(plt, fig, out / "prefix_cache.png")
+
+
+def _save(plt, fig, path: Path) -> Path:  # type: ignore[no-untyped-def]
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_report(
+    title: str, summary: Summary, rows: Sequence[StreamRow], out: Path, extra_plots: Sequence[Path] = ()
+) -> Path:
+    """`report.html` in `out`, with its plots."""
+    plots = [latency_cdfs(rows, out), itl_histogram(rows, out), replica_load(summary, out), over_time(rows, out)]
+    table = "".join(
+        f"<tr><th>{html.escape(key)}</th><td>{html.escape(str(value))}</td></tr>"
+        for key, value in summary.model_dump().items()
+    )
+    images = "".join(
+        f'<figure><img src="{p.name}" alt="{p.stem}"><figcaption>{p.stem}</figcaption></figure>'
+        for p in [*plots, *extra_plots]
+    )
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+        f"<h1>{html.escape(title)}</h1><table>{table}</table>{images}</body></html>"
+    )
+    path = out / "report.html"
+    path.write_text(page)
+    return path

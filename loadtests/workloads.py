@@ -1,0 +1,151 @@
+"""The campaign workloads: what each simulated user sends, and when.
+
+- `short_long`: 16-token prompts, 256-token decodes; `long_short`: 512-token prompts, 8-token decodes; `mixed`:
+  either, at random per request. Closed loop: each user sends its next request when the last one ended.
+- `bursts`: open loop, arrivals with gamma-distributed gaps at `rate` per second; `burstiness` is the gamma shape
+  (1 = Poisson; below 1 burstier, above 1 steadier), as in `vllm bench serve`.
+- `step`: open loop, Poisson at 1x the rate for a third of the run, 4x for a third, 1x again.
+- `multi_turn`: conversations of `turns` chat turns; each turn resends the whole conversation, so consecutive
+  requests of a session share a growing prefix (what prefix caching and session affinity are for). One session
+  header per conversation.
+
+Prompt lengths are exact in tokens of the served model's tokenizer: a prompt is a sequence of words the tokenizer
+holds as single tokens (its byte-level pre-tokenizer never merges across a space), checked by encoding it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+WORKLOADS = ("short_long", "long_short", "mixed", "bursts", "step", "multi_turn")
+SHORT_PROMPT, LONG_DECODE = 16, 256
+LONG_PROMPT, SHORT_DECODE = 512, 8
+TURN_PROMPT, TURN_DECODE = 48, 32
+STEP_FACTORS = (1.0, 4.0, 1.0)
+
+
+class PromptMaker:
+    """Prompts of an exact token count for a tokenizer (`tokenizer.json` of the served model)."""
+
+    def __init__(self, tokenizer_file: Path, seed: int = 0) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.random = random.Random(seed)
+
+    @cached_property
+    def words(self) -> list[str]:
+        """Lower-case words the tokenizer holds as one token with their leading space."""
+        spaced = sorted(t[1:] for t in self.tokenizer.get_vocab() if re.fullmatch(r"Ġ[a-z]{2,}", t))
+        if len(spaced) < 16:
+            raise ValueError("the tokenizer has too few single-token words to build exact prompts")
+        return spaced
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def prompt(self, tokens: int) -> str:
+        text = "".join(" " + self.random.choice(self.words) for _ in range(tokens))
+        if self.count(text) != tokens:
+            raise ValueError(f"a {tokens}-token prompt encoded to {self.count(text)} tokens")
+        return text
+
+
+@dataclass
+class Request:
+    """One request a user sends: the OpenAI path and body, and the session it belongs to."""
+
+    path: str
+    body: dict[str, Any]
+    session: str
+
+
+@dataclass
+class Conversation:
+    session: str
+    turns_left: int
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+class Workload:
+    """Requests for one workload; `arrivals()` for open-loop workloads (planned offsets from the start, s)."""
+
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        prompts: PromptMaker,
+        rate: float = 4.0,
+        burstiness: float = 1.0,
+        duration_s: float = 60.0,
+        turns: int = 4,
+        seed: int = 0,
+    ) -> None:
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
+        self.name, self.model, self.prompts = name, model, prompts
+        self.rate, self.burstiness, self.duration_s, self.turns = rate, burstiness, duration_s, turns
+        self.random = random.Random(seed)
+        self._sessions = 0
+
+    @property
+    def loop(self) -> Literal["open", "closed"]:
+        return "open" if self.name in ("bursts", "step") else "closed"
+
+    def arrivals(self) -> Iterator[float]:
+        """Planned send offsets (s) within the duration: gamma gaps (`bursts`) or a Poisson step (`step`)."""
+        at = 0.0
+        while True:
+            if self.name == "bursts":
+                shape = self.burstiness
+                at += self.random.gammavariate(shape, 1.0 / (self.rate * shape))
+            else:
+                third = min(int(at / (self.duration_s / 3)), 2)
+                at += self.random.expovariate(self.rate * STEP_FACTORS[third])
+            if at >= self.duration_s:
+                return
+            yield at
+
+    def _session(self) -> str:
+        self._sessions += 1
+        return f"{self.name}-{self.random.getrandbits(48):012x}-{self._sessions}"
+
+    def _completion(self, prompt_tokens: int, max_tokens: int) -> Request:
+        body = {
+            "model": self.model,
+            "prompt": self.prompts.prompt(prompt_tokens),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        return Request("/v1/completions", body, self._session())
+
+    def next_request(self, conversation: Conversation | None = None) -> Request:
+        """The next request; a multi-turn user passes its conversation (updated here, one turn per call)."""
+        if self.name == "multi_turn":
+            assert conversation is not None
+            conversation.messages.append({"role": "user", "content": self.prompts.prompt(TURN_PROMPT)})
+            conversation.turns_left -= 1
+            body = {
+                "model": self.model,
+                "messages": list(conversation.messages),
+                "max_tokens": TURN_DECODE,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            return Request("/v1/chat/completions", body, conversation.session)
+        short = self.name == "short_long" or (self.name != "long_short" and self.random.random() < 0.5)
+        if short or self.name in ("bursts", "step"):
+            return self._completion(SHORT_PROMPT, LONG_DECODE if self.loop == "closed" else 64)
+        return self._completion(LONG_PROMPT, SHORT_DECODE)
+
+    def new_conversation(self) -> Conversation:
+        return Conversation(self._session(), self.turns)

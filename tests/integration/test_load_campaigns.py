@@ -1,0 +1,66 @@
+"""Every campaign workload against the embedded default (local-cpu: HAProxy, a router, two real vLLM replicas of
+the tiny model), Locust in processes of its own: rows, summary and an HTML report whose plots are real images."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from loadtests.campaign import Campaign, run
+from loadtests.workloads import LONG_PROMPT, SHORT_PROMPT, WORKLOADS
+from tests.integration.team_stack import TeamStack, team_stack
+
+pytestmark = pytest.mark.integration
+
+DURATION_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeamStack]:
+    with team_stack("local-cpu.yaml", "load-test", tmp_path_factory.mktemp("load")) as deployed:
+        yield deployed
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_each_workload_writes_rows_a_summary_and_a_report_with_real_plots(
+    stack: TeamStack, workload: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    campaign = Campaign(
+        workload=workload,
+        target=stack.url,
+        out=tmp_path,
+        tokenizer=tiny_model_dir / "tokenizer.json",
+        duration_s=DURATION_S,
+        users=4,
+        rate=3,
+    )
+    summary, breached = run(campaign)
+    assert not breached and summary.ok >= 3 and summary.ok == summary.requests, summary.errors
+    with (tmp_path / "rows.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == summary.requests
+    assert set(summary.per_replica) == {row["replica"] for row in rows} and len(summary.per_replica) == 2
+    prompts = {int(row["prompt_tokens"]) for row in rows}
+    if workload == "short_long":
+        assert prompts == {SHORT_PROMPT}  # exact in the served model's tokens
+    if workload == "long_short":
+        assert prompts == {LONG_PROMPT}
+    if workload == "multi_turn":  # a session resends its conversation: its prompts grow
+        sessions: dict[str, list[int]] = {}
+        for row in rows:
+            sessions.setdefault(row["session"], []).append(int(row["prompt_tokens"]))
+        assert any(len(p) >= 2 and p == sorted(p) and p[0] < p[-1] for p in sessions.values())
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["summary"]["ttft"]["p50_ms"] > 0 and saved["summary"]["itl"]["count"] > 0
+    page = (tmp_path / "report.html").read_text()
+    images = re.findall(r'<img src="([^"]+)"', page)
+    assert len(images) >= 4
+    for image in images:
+        pixels = imread(tmp_path / image)
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0  # drawn, not blank

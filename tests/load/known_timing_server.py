@@ -1,0 +1,90 @@
+"""An SSE test server with known timing, to check the campaign's measuring code only (never a model server).
+
+Every POST streams `tokens` completion tokens: the first event `ttft_ms` after the request arrived, then one every
+`gap_ms` (`--record FILE` writes down when each event actually left); with `merge` > 1 each event carries that many
+tokens (what a proxy merging chunks would show). A final
+event carries `usage`, then `[DONE]`. `GET /v1/models` names one model. Run: `python -m tests.load.known_timing_server
+--port P [--ttft-ms 50] [--gap-ms 20] [--tokens 16] [--merge 1]`; it binds 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+MODEL = "known-timing"
+
+
+def _chunk(text: str) -> bytes:
+    """One chunk of a chunked body (how uvicorn and HAProxy send a stream)."""
+    data = text.encode()
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, args: argparse.Namespace) -> None:
+    """Requests of one keep-alive connection, one after another."""
+    try:
+        while True:
+            await _answer(reader, writer, args)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, args: argparse.Namespace) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    loop = asyncio.get_running_loop()
+    arrived = loop.time()
+    lines = head.decode("latin-1").split("\r\n")
+    method = lines[0].split(" ")[0]
+    length = next((int(v) for k, _, v in (h.partition(": ") for h in lines[1:]) if k.lower() == "content-length"), 0)
+    await reader.readexactly(length)
+    if method == "GET":
+        body = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        return
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-serve-replica: known-1\r\n"
+        b"x-serve-path: direct\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    await writer.drain()
+    sent = []
+    for index in range((args.tokens + args.merge - 1) // args.merge):
+        due = arrived + (args.ttft_ms + index * args.gap_ms) / 1000
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        event = {"choices": [{"index": 0, "text": " ka" * args.merge, "finish_reason": None}]}
+        writer.write(_chunk(f"data: {json.dumps(event)}\n\n"))
+        sent.append(loop.time() - arrived)
+        await writer.drain()
+    if args.record:
+        # What the server actually did (a timer may fire late on a busy machine): the truth the client is held to.
+        with open(args.record, "a") as record:
+            gaps = [b - a for a, b in zip(sent, sent[1:], strict=False)]
+            record.write(json.dumps({"ttft_s": sent[0], "gaps_s": gaps}) + "\n")
+    usage = {"prompt_tokens": 16, "completion_tokens": args.tokens, "total_tokens": 16 + args.tokens}
+    writer.write(_chunk(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n") + b"0\r\n\r\n")
+    await writer.drain()
+
+
+async def main(args: argparse.Namespace) -> None:
+    server = await asyncio.start_server(lambda r, w: _serve(r, w, args), "127.0.0.1", args.port)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ttft-ms", type=float, default=50.0)
+    parser.add_argument("--gap-ms", type=float, default=20.0)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--merge", type=int, default=1)
+    parser.add_argument("--record", help="append each stream's actual event times (JSONL) to this file")
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,138 @@
+"""The campaign's measuring code against an SSE test server with known timing (TTFT 50 ms, a token every 20 ms):
+Locust in processes of its own, as `sluice load` runs it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from base.runtime import free_port
+from loadtests.campaign import Campaign, run
+
+ROOT = Path(__file__).resolve().parents[2]
+TTFT_MS, GAP_MS = 50.0, 20.0
+
+
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port("127.0.0.1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.load.known_timing_server", "--port", str(port), *flags], cwd=ROOT
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("the known-timing server did not start")
+
+
+@pytest.fixture(scope="module")
+def truth(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("truth") / "events.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(truth: Path) -> Iterator[str]:
+    process, url = start_server("--ttft-ms", str(TTFT_MS), "--gap-ms", str(GAP_MS), "--record", str(truth))
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def campaign(url: str, out: Path, tiny_model_dir: Path, **settings) -> Campaign:
+    return Campaign(target=url, out=out, tokenizer=tiny_model_dir / "tokenizer.json", **settings)
+
+
+def test_ttft_and_itl_are_measured_within_2_ms(server: str, truth: Path, tmp_path: Path, tiny_model_dir: Path) -> None:
+    truth.write_text("")
+    summary, breached = run(campaign(server, tmp_path, tiny_model_dir, workload="short_long", users=2, duration_s=6))
+    assert summary.ok >= 10 and not breached
+    streams = [json.loads(line) for line in truth.read_text().splitlines()]
+    assert len(streams) == summary.requests
+    true_ttft_ms = 1000 * statistics.median(s["ttft_s"] for s in streams)
+    true_itl_ms = 1000 * statistics.median(g for s in streams for g in s["gaps_s"])
+    assert abs(true_ttft_ms - TTFT_MS) < 5 and abs(true_itl_ms - GAP_MS) < 5  # the server kept (about) its timing
+    assert abs(summary.ttft.p50_ms - true_ttft_ms) <= 2, (summary.ttft, true_ttft_ms)
+    assert abs(summary.itl.p50_ms - true_itl_ms) <= 2, (summary.itl, true_itl_ms)
+    assert summary.chunks_per_token == 1.0
+    # Locust's own notion (the time to the headers) is not TTFT: the headers come at once.
+    assert summary.time_to_headers.p50_ms < TTFT_MS / 2
+    assert set(summary.per_replica) == {"known-1"} and summary.per_path == {"direct": summary.ok}
+
+
+def test_merged_chunks_are_detected(tmp_path: Path, tiny_model_dir: Path) -> None:
+    process, url = start_server("--merge", "2")
+    try:
+        summary, _ = run(campaign(url, tmp_path, tiny_model_dir, workload="short_long", users=1, duration_s=3))
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+    assert summary.ok >= 3
+    assert summary.chunks_per_token == 0.5
+
+
+def test_a_starved_open_loop_generator_reports_schedule_lag(server: str, tmp_path: Path, tiny_model_dir: Path) -> None:
+    # One sender for 40 planned requests a second of ~0.35 s each: the schedule cannot be kept.
+    starved = campaign(server, tmp_path, tiny_model_dir, workload="bursts", users=1, rate=40, duration_s=4)
+    summary, _ = run(starved)
+    assert summary.schedule_lag is not None and summary.schedule_lag.p99_ms > 500
+    assert summary.lag_windows_flagged
+    # Enough senders keep it.
+    kept, _ = run(starved.model_copy(update={"users": 64, "rate": 10, "out": tmp_path / "kept"}))
+    assert kept.schedule_lag is not None and kept.schedule_lag.p50_ms < 20
+
+
+def test_two_workers_run_under_a_master_and_their_rows_are_merged(
+    server: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    summary, _ = run(
+        campaign(server, tmp_path, tiny_model_dir, workload="short_long", users=4, workers=2, duration_s=5)
+    )
+    rows = (tmp_path / "rows.csv").read_text().splitlines()
+    workers = {line.split(",")[-1] for line in rows[1:]}
+    assert len(workers) == 2 and len(list((tmp_path / "rows").glob("rows-*.csv"))) == 2
+    assert summary.requests == len(rows) - 1 >= 8
+
+
+def test_a_breached_gate_fails_the_command_and_names_it(server: str, tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sluice.cli",
+            "load",
+            "short_long",
+            "--target",
+            server,
+            "--duration",
+            "3",
+            "--users",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--tokenizer",
+            str(tiny_model_dir / "tokenizer.json"),
+            "--gate",
+            "ttft_p99_ms=10",
+            "--gate",
+            "error_ratio=0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert result.returncode == 1
+    assert "gate breached: ttft_p99_ms" in result.stderr and "error_ratio" not in result.stderr
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "report.html").exists()
