@@ -5,7 +5,8 @@ unless given) in the variants it needs, drives the scale changes itself, and rep
   (the multi-turn campaign);
 - remap fraction: the share of sessions whose replica changes when the deployment scales out 2 -> 3 (ideal 1/3)
   and back in 3 -> 2;
-- header-less uniformity: the coefficient of variation of per-replica counts over requests with no session header;
+- header-less uniformity: the coefficient of variation of per-replica counts over requests with no session header
+  (round_robin, 3 replicas);
 - prefix-cache reuse per policy: the multi-turn campaign on 3 replicas under round_robin and consistent_hash, with
   vLLM's own prefix-cache counters read from every replica's /metrics before and after, and the ideal rate the
   workload allows (every token a session resends was computed before).
@@ -137,9 +138,6 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
     try:
         rows = _campaign(plan, out / "affinity", tokenizer, duration_s)
         figures["affinity"] = affinity(rows)
-        served = asyncio.run(_probe(plan.url, model, [None] * PROBES))
-        figures["headerless_cv"] = cv(list(Counter(served).values()))
-        figures["headerless_per_replica"] = dict(Counter(served))
         sessions = [f"remap-{i}" for i in range(REMAP_SESSIONS)]
         on_two = asyncio.run(_probe(plan.url, model, sessions))
         plan = _deploy(data, "consistent_hash", 3)
@@ -151,6 +149,9 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
         for policy in ("consistent_hash", "round_robin"):
             if policy == "round_robin":
                 plan = _deploy(data, "round_robin", 3)
+                served = asyncio.run(_probe(plan.url, model, [None] * PROBES))
+                figures["headerless_cv"] = cv(list(Counter(served).values()))
+                figures["headerless_per_replica"] = dict(Counter(served))
             before = _prefix_counters(plan)
             rows = _campaign(plan, out / f"prefix-{policy}", tokenizer, duration_s)
             after = _prefix_counters(plan)
