@@ -7,6 +7,8 @@ unless given) in the variants it needs, drives the scale changes itself, and rep
   and back in 3 -> 2;
 - header-less uniformity: the coefficient of variation of per-replica counts over requests with no session header
   (round_robin, 3 replicas);
+- bodies over the forwarding buffer (forward_body on, a 1 KiB buffer): still served, each session on one replica;
+- `num_fallback_replicas` 2 (the default) versus 0: rejections and p99 latency while a replica is killed;
 - prefix-cache reuse per policy: the multi-turn campaign on 3 replicas under round_robin and consistent_hash, with
   vLLM's own prefix-cache counters read from every replica's /metrics before and after, and the ideal rate the
   workload allows (every token a session resends was computed before).
@@ -20,6 +22,7 @@ import asyncio
 import json
 import re
 import statistics
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,16 +40,18 @@ from loadtests.sse_timing import StreamRow
 PROBES = 600
 REMAP_SESSIONS = 300
 PROBE_CONCURRENCY = 8
+FALLBACK_REQUESTS = 400
+OVER_BUFFER_BYTES = 1024
 _PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} (\S+)$", re.M)
 
 
-def _deploy(data: dict[str, Any], policy: str, replicas: int) -> Any:
+def _deploy(data: dict[str, Any], policy: str, replicas: int, **routing: Any) -> Any:
     from builders.plan import build_plan
     from sluice.deploy import apply_plan
     from topologies.spec import parse_spec
 
     variant = json.loads(json.dumps(data))
-    variant["routing"] = {**variant.get("routing", {}), "policy": policy, "policy_kwargs": {}}
+    variant["routing"] = {**variant.get("routing", {}), "policy": policy, "policy_kwargs": {}, **routing}
     for model in variant["models"]:
         model.pop("autoscaling", None)
         model["replicas"] = replicas
@@ -72,6 +77,57 @@ async def _probe(url: str, model: str, sessions: list[str | None]) -> list[str]:
                 return response.headers[REPLICA_HEADER]
 
         return await asyncio.gather(*(one(s) for s in sessions))
+
+
+async def _outcomes(url: str, model: str, requests: list[tuple[str, str]]) -> list[tuple[int, float, str]]:
+    """(status, latency s, replica) of one 1-token completion per (session, prompt); status 0: no response."""
+    semaphore = asyncio.Semaphore(PROBE_CONCURRENCY)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def one(session: str, prompt: str) -> tuple[int, float, str]:
+            async with semaphore:
+                started = time.perf_counter()
+                body = {"model": model, "prompt": prompt, "max_tokens": 1}
+                try:
+                    response = await client.post(f"{url}/v1/completions", json=body, headers={"x-session-id": session})
+                except httpx.HTTPError:  # the connection failed or was cut: a rejection as the client sees it
+                    return 0, time.perf_counter() - started, ""
+                return response.status_code, time.perf_counter() - started, response.headers.get(REPLICA_HEADER, "")
+
+        return await asyncio.gather(*(one(s, p) for s, p in requests))
+
+
+def _kill_one_replica(plan: Any) -> str:
+    """SIGKILL-like end of one LLM replica actor (Serve starts a new one)."""
+    import ray
+
+    from services.serve_internals import list_replica_endpoints
+
+    model = plan.models[0]
+    victim = asyncio.run(list_replica_endpoints(model.llm_app))[0]
+    name = f"SERVE_REPLICA::{model.llm_app}#{victim.deployment}#{victim.replica_id}"
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return victim.replica_id
+
+
+def fallback_run(plan: Any, model: str) -> dict[str, Any]:
+    """Requests of 16 sessions while one replica is killed 1 s in: rejections and p99 latency."""
+    requests = [(f"fallback-{i % 16}", "ka lo") for i in range(FALLBACK_REQUESTS)]
+    box: dict[str, list[tuple[int, float, str]]] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("out", asyncio.run(_outcomes(plan.url, model, requests))))
+    runner.start()
+    time.sleep(1.0)
+    killed = _kill_one_replica(plan)
+    runner.join(timeout=300)
+    outcomes = box["out"]
+    latencies = sorted(latency for _, latency, _ in outcomes)
+    return {
+        "requests": len(outcomes),
+        "rejections": sum(status >= 500 or status == 0 for status, _, _ in outcomes),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "killed": killed,
+    }
 
 
 def _prefix_counters(plan: Any) -> tuple[float, float]:
@@ -165,6 +221,23 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
                 figures["remap_in_3_to_2"] = sum(a != b for a, b in zip(on_three, back, strict=True)) / len(sessions)
         figures["prefix_cache_hit_rate"] = prefix
         figures["prefix_cache_ideal_rate"] = ideal
+        # Bodies over the forwarding buffer: routed by their session all the same (the router sees a cut body).
+        plan = _deploy(data, "consistent_hash", 2, forward_body=True, body_buffer_bytes=OVER_BUFFER_BYTES)
+        long_prompt = " ka lo mi" * (OVER_BUFFER_BYTES // 5)  # ~1.8 KB, within the model's context
+        outcomes = asyncio.run(_outcomes(plan.url, model, [(f"big-{i % 20}", long_prompt) for i in range(100)]))
+        by_session: dict[str, set[str]] = {}
+        for (status, _, replica), i in zip(outcomes, range(100), strict=True):
+            if status == 200:
+                by_session.setdefault(f"big-{i % 20}", set()).add(replica)
+        figures["over_buffer"] = {
+            "requests": len(outcomes),
+            "ok": sum(status == 200 for status, _, _ in outcomes),
+            "sessions_on_one_replica": sum(len(r) == 1 for r in by_session.values()) / max(len(by_session), 1),
+        }
+        # num_fallback_replicas 2 (the default) versus 0, each while a replica is killed.
+        figures["fallbacks"] = {"2": fallback_run(plan, model)}
+        plan = _deploy(data, "consistent_hash", 2, policy_kwargs={"num_fallback_replicas": 0})
+        figures["fallbacks"]["0"] = fallback_run(plan, model)
     finally:
         from sluice.deploy import delete_plan
 

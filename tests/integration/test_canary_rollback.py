@@ -119,6 +119,9 @@ def test_an_injected_router_fault_rolls_the_canary_back_naming_the_criterion(sta
     ingress = _ingress(stack)
     abort = ingress["abort"]
     assert abort is not None, ingress
+    print(
+        f"auto rollback: {abort['breach']['criterion']} {abort['breach']['value']:.3f} > {abort['breach']['threshold']}"
+    )
     assert abort["breach"]["criterion"] == "ratio_503"
     assert abort["breach"]["value"] > abort["breach"]["threshold"] == stack.spec.ingress.abort.max_503_ratio
     assert abort["weight_before"] == 50
@@ -158,6 +161,7 @@ def test_a_canary_at_weight_30_sends_30_percent_of_600_sessions_direct_each_on_o
     seen = asyncio.run(_sessions(stack.url, sessions, requests=2))
     assert all(len(set(paths)) == 1 for paths in seen.values()), "a session saw both paths"
     direct = sum(paths[0] == DIRECT_PATH for paths in seen.values()) / len(seen)
+    print(f"canary at weight 30: {direct:.1%} of {len(seen)} sessions on the direct path")
     assert 0.25 <= direct <= 0.35, direct
     # Moving the weight moves only the sessions between the two weights: every direct session stays direct.
     _shift(stack, 60)
@@ -223,6 +227,7 @@ def _move_under_load(stack: TeamStack, weight: int) -> tuple[list[Stream], float
 def test_a_move_under_16_streaming_users_cuts_nothing(stack: TeamStack, start, to, old_path, new_path) -> None:
     _shift(stack, start, wait=True)
     streams, began, returned, drain = _move_under_load(stack, to)
+    print(f"{old_path} -> {new_path} under 16 users: {len(streams)} streams, drained in {drain['waited_s']} s")
     assert streams and all(s.status == 200 for s in streams), {s.status for s in streams}
     assert all(s.done for s in streams), f"{sum(not s.done for s in streams)} streams were cut"
     assert all(s.path == new_path for s in streams if s.started > returned)

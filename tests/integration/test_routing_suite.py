@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 
 
-def test_the_routing_suite_measures_affinity_remapping_uniformity_and_prefix_cache_reuse(
+def test_the_routing_suite_measures_affinity_remapping_uniformity_buffers_fallbacks_and_prefix_cache_reuse(
     ray_cluster: None, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     data = yaml.safe_load((TEAMS / "local-cpu.yaml").read_text())
@@ -36,4 +36,7 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_and_prefix_cac
     rates = figures["prefix_cache_hit_rate"]
     assert rates["consistent_hash"] >= rates["round_robin"] + 0.15
     assert 0 < figures["prefix_cache_ideal_rate"]["consistent_hash"] <= 1
+    assert figures["over_buffer"]["ok"] == figures["over_buffer"]["requests"] == 100
+    assert figures["over_buffer"]["sessions_on_one_replica"] == 1.0
+    assert {n: run["requests"] for n, run in figures["fallbacks"].items()} == {"2": 400, "0": 400}
     assert (tmp_path / "out" / "prefix_cache.png").stat().st_size > 0 and (tmp_path / "out" / "report.html").exists()
