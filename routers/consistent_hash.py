@@ -122,7 +122,7 @@ class ConsistentHash(RoutingPolicy):
         return [primary, *islice(after, self.num_fallback_replicas)], pos != natural_pos
 
     def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
-        views = {r.replica_id: r for r in replicas}
+        views = self.views_by_id
         eligible = None
         if self.load_factor is not None:
             load = {replica_id: self.live_in_flight(view) for replica_id, view in views.items()}

@@ -158,6 +158,11 @@ class RoutingPolicy(ABC):
         self.counts = DecisionCounts(self.name)
         self.tracker = InFlightTracker()
         self._replica_ids: frozenset[str] = frozenset()
+        # The last views tuple seen, its routable views and those by id: a caller that passes the same tuple
+        # again (a tuple cannot change) pays nothing per decision for the replica set (`_routable`).
+        self._seen: tuple[ReplicaView, ...] | None = None
+        self._seen_routable: list[ReplicaView] = []
+        self.views_by_id: dict[str, ReplicaView] = {}
 
     def live_in_flight(self, view: ReplicaView) -> int:
         return max(view.in_flight, self.tracker.count(view.replica_id))
@@ -166,11 +171,10 @@ class RoutingPolicy(ABC):
         """Ranked tiers over the routable replicas; raises `NoReplicaAvailable` when there are none.
 
         The primary is counted in flight for this request until `on_completed`."""
-        routable = [r for r in replicas if r.routable]
+        routable = self._routable(replicas)
         if not routable:
             self.counts.record(REASON_NO_REPLICA)
             raise NoReplicaAvailable(REASON_NO_REPLICA)
-        self._sync_replica_set(routable)
         ranking, reason = self._rank(routable, request)
         self.counts.record(reason)
         self.tracker.place(request.request_id, _ranked_ids(ranking))
@@ -197,6 +201,21 @@ class RoutingPolicy(ABC):
 
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
         """The replica set changed; the default keeps nothing per set."""
+
+    def _routable(self, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """The routable views (and `views_by_id`, and the replica set synced): O(N) for a new sequence, O(1) for
+        the tuple of the last call, so a decision's cost does not grow with the replica count."""
+        if replicas is self._seen:
+            return self._seen_routable
+        routable = [r for r in replicas if r.routable]
+        self.views_by_id = {r.replica_id: r for r in routable}
+        if routable:
+            self._sync_replica_set(routable)
+        if isinstance(replicas, tuple):
+            self._seen, self._seen_routable = replicas, routable
+        else:
+            self._seen = None
+        return routable
 
     def _sync_replica_set(self, routable: Sequence[ReplicaView]) -> None:
         ids = frozenset(r.replica_id for r in routable)

@@ -3,8 +3,9 @@
 Algorithm: one cursor over the replica ids in sorted order; each decision takes the id under the
 cursor as primary and advances it, so consecutive decisions cycle strictly through the set. The
 next `DEFAULT_NUM_FALLBACK_REPLICAS` replicas in cyclic order follow as single-replica fallback tiers.
-The sort runs only when the replica set changes (O(N log N)); a decision is O(1) beyond reading the
-views. It ignores load and sessions by design (use PowerOfTwo or ConsistentHash for those).
+The sort runs only when the replica set changes (O(N log N)); a decision is O(1) (the views by id come from
+`RoutingPolicy`, built once per views snapshot). It ignores load and sessions by design (use PowerOfTwo or
+ConsistentHash for those).
 `DEFAULT_NUM_FALLBACK_REPLICAS` = 2 (`routers.core`, also ConsistentHash's default): enough to ride
 out a rejecting replica without ranking the whole set on every decision.
 """
@@ -30,7 +31,7 @@ class RoundRobin(RoutingPolicy):
         self._cursor %= max(len(self._ordered), 1)
 
     def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
-        views = {r.replica_id: r for r in replicas}
+        views = self.views_by_id
         count = len(self._ordered)
         start = self._cursor % count
         self._cursor = start + 1

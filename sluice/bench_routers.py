@@ -27,8 +27,9 @@ def _per_call_us(fn: Callable[[int], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _views(n: int) -> list[ReplicaView]:
-    return [ReplicaView(replica_id=f"replica-{i:05d}", capacity=1_000_000) for i in range(n)]
+def _views(n: int) -> tuple[ReplicaView, ...]:
+    """One views snapshot, a tuple as the router service hands its policy between refreshes."""
+    return tuple(ReplicaView(replica_id=f"replica-{i:05d}", capacity=1_000_000) for i in range(n))
 
 
 def decision_us(policy: RoutingPolicy, n: int, sessions: bool) -> float:
