@@ -5,7 +5,7 @@ No reload, no restart, no slot limit: each replica is a server named by its repl
 (`add server`, health checks on, `state ready`) and, when it leaves, put in maintenance at once (the Lua action
 pins nothing new to it; its in-flight streams go on) and deleted once it holds no stream or after the drain
 grace (`shutdown sessions`, then `del server`). A replica on a new address under the same id is moved in
-place (`set server addr`). Routers and the legacy ingress replicas (`infra.haproxy_canary`) get the same
+place (`set server addr`); a live one whose server went missing (deleted by hand) is added again. Routers and the legacy ingress replicas (`infra.haproxy_canary`) get the same
 treatment.
 
 A frontend with several apps (one per model) has a replica backend and a router pool per app; each is kept the
@@ -230,6 +230,11 @@ class HAProxySyncer:
         #    Members that stayed but moved: the new address in place.
         for name, member in sorted(pool.members.items()):
             live = wanted.get(name)
+            if live is not None and member.leaving_since is None and (pool.backend, name) not in stats:
+                # Deleted behind the syncer's back (by hand, or a lost command): added again below.
+                logger.warning("%s/%s was missing from HAProxy: adding it again", pool.backend, name)
+                del pool.members[name]
+                continue
             if live is None:
                 if member.leaving_since is None:
                     self.runtime.set_server_state(pool.backend, name, "maint")

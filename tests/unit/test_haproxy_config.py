@@ -423,6 +423,16 @@ def test_syncer_drain_grace_moved_replica_and_adoption(tmp_path: Path) -> None:
     assert set(again.apps[0].replicas.live) == {"b"} and set(again.apps[0].routers.live) == {"r"}
 
 
+def test_syncer_adds_again_a_live_replica_deleted_behind_its_back(tmp_path: Path) -> None:
+    runtime = FakeRuntime()
+    live = [endpoint("a", 1001), endpoint("b", 1002)]
+    syncer = make_syncer(tmp_path, runtime, live, [], [0.0])
+    asyncio.run(syncer.sync_once())
+    del runtime.servers[(REPLICA_BACKEND, "a")]
+    report = asyncio.run(syncer.sync_once())
+    assert report.added == ["a"] and runtime.servers[(REPLICA_BACKEND, "a")]["addr"] == "127.0.0.1:1001"
+
+
 def test_syncer_refuses_ids_that_cannot_name_a_server(tmp_path: Path) -> None:
     runtime = FakeRuntime()
     live = [endpoint("ok-1", 1001), endpoint("_retry1", 1002), endpoint("bad id", 1003)]
