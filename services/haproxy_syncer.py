@@ -5,8 +5,8 @@ No reload, no restart, no slot limit: each replica is a server named by its repl
 (`add server`, health checks on, `state ready`) and, when it leaves, put in maintenance at once (the Lua action
 pins nothing new to it; its in-flight streams go on) and deleted once it holds no stream or after the drain
 grace (`shutdown sessions`, then `del server`). A replica on a new address under the same id is moved in
-place (`set server addr`); a live one whose server went missing (deleted by hand) is added again. Routers and the legacy ingress replicas (`infra.haproxy_canary`) get the same
-treatment.
+place (`set server addr`); a live one whose server went missing (deleted by hand) is added again. Routers and
+the legacy ingress replicas (`infra.haproxy_canary`) get the same treatment.
 
 A frontend with several apps (one per model) has a replica backend and a router pool per app; each is kept the
 same way, from its own sources.
