@@ -187,6 +187,7 @@ class FrontendReplica:
         if not self._running() or self._haproxy is None:
             return {"running": False, "restarts": self.restarts}
         stats = await asyncio.to_thread(self._haproxy.runtime.show_stat)
+        weights = await asyncio.to_thread(self._haproxy.runtime.show_map, self._settings.weights_map_path)
         servers = [
             {"backend": backend, "server": name, "status": stat.status, "addr": stat.addr, "sessions": stat.scur}
             for (backend, name), stat in sorted(stats.items())
@@ -203,6 +204,8 @@ class FrontendReplica:
             "published": [app.published_replicas() for app in self._syncer.apps] if self._syncer is not None else [],
             "servers": servers,
             "direct_weight": self._ingress.weight,
+            # Each app's direct weight as HAProxy holds it (what the Lua action reads).
+            "haproxy_weights": {app: int(weight) for app, weight in weights.items()},
         }
 
     def __del__(self) -> None:

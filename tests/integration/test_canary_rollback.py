@@ -157,6 +157,8 @@ async def _sessions(url: str, sessions: list[str], requests: int) -> dict[str, l
 
 def test_a_canary_at_weight_30_sends_30_percent_of_600_sessions_direct_each_on_one_path(stack: TeamStack) -> None:
     _shift(stack, 30)
+    status = _frontend(stack).status.remote().result(timeout_s=30)
+    assert status["haproxy_weights"] == {stack.plan.models[0].llm_app: 30}  # HAProxy's own map, read back
     sessions = [f"user-{random.getrandbits(64):016x}" for _ in range(600)]
     seen = asyncio.run(_sessions(stack.url, sessions, requests=2))
     assert all(len(set(paths)) == 1 for paths in seen.values()), "a session saw both paths"
