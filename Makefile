@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(VENV)/bin/sluice bench replica
 	$(VENV)/bin/sluice bench direct
 	$(VENV)/bin/sluice bench pd
+	$(VENV)/bin/sluice bench paths
 
 bench-routers: $(STAMP)
 	$(VENV)/bin/sluice bench routers

@@ -18,6 +18,8 @@ DEFAULT_PROMPT = "ka lo mi ne ru"
 
 
 class StreamResult(BaseModel):
+    # Send to the response headers (what a generic HTTP tool reports) and to the first token.
+    headers_s: float = 0.0
     ttft_s: float
     total_s: float
     completion_tokens: int
@@ -58,6 +60,7 @@ async def one_stream(
     gaps: list[float] = []
     tokens = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        headers_at = time.perf_counter()
         response.raise_for_status()
         async for line in response.aiter_lines():
             now = time.perf_counter()
@@ -75,7 +78,13 @@ async def one_stream(
     end = time.perf_counter()
     if first_token_at is None:
         raise RuntimeError(f"{url}: stream carried no tokens")
-    return StreamResult(ttft_s=first_token_at - start, total_s=end - start, completion_tokens=tokens, token_gaps_s=gaps)
+    return StreamResult(
+        headers_s=headers_at - start,
+        ttft_s=first_token_at - start,
+        total_s=end - start,
+        completion_tokens=tokens,
+        token_gaps_s=gaps,
+    )
 
 
 async def probe(urls: list[str], model: str, streams: int, max_tokens: int, timeout_s: float = 300) -> ProbeReport:

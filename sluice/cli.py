@@ -275,6 +275,13 @@ def _bench_pd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_paths(args: argparse.Namespace) -> int:
+    from sluice.bench_paths import run_paths_bench
+
+    run_paths_bench(Path(args.out))
+    return 0
+
+
 def _bench_routers(args: argparse.Namespace) -> int:
     from sluice.bench_routers import run_router_bench
 
@@ -401,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd = bench_commands.add_parser("pd", help="TTFT and ITL of prefill/decode versus the plain topology")
     pd.add_argument("--samples", type=int, default=30, help="streams per stack and prompt length")
     pd.set_defaults(func=_bench_pd)
+    paths = bench_commands.add_parser("paths", help="replica port, direct, legacy, Serve proxy: side by side")
+    paths.add_argument("--out", default=".cache/bench", help="where paths.json and paths.png go")
+    paths.set_defaults(func=_bench_paths)
     routers = bench_commands.add_parser("routers", help="policy decision time, ring rebuild, ledger round trip")
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
     routers.set_defaults(func=_bench_routers)

@@ -1,0 +1,26 @@
+"""`sluice bench paths`' summary: medians with min and max per figure, ratios to the replica port, and a table."""
+
+from __future__ import annotations
+
+from sluice.bench_paths import FIGURES, summarize, table
+
+
+def rounds_of(tokens_per_s: list[float], ttft_ms: list[float]) -> list[dict[str, float]]:
+    return [
+        {figure: (t if figure == "tokens_per_s" else f) for figure in FIGURES}
+        for t, f in zip(tokens_per_s, ttft_ms, strict=True)
+    ]
+
+
+def test_medians_min_max_and_ratios_to_the_replica_port() -> None:
+    rounds = {
+        "replica_port": {16: rounds_of([100, 120, 110], [10, 12, 11])},
+        "direct": {16: rounds_of([99, 90, 105], [12, 13, 30])},
+    }
+    summary = summarize(rounds)
+    direct = summary["direct"]["16"]
+    assert direct["tokens_per_s"] == {"median": 99, "min": 90, "max": 105, "ratio": 0.9}
+    assert direct["ttft_p50_ms"]["median"] == 13 and direct["ttft_p50_ms"]["ratio"] == 13 / 11
+    assert summary["replica_port"]["16"]["tokens_per_s"]["ratio"] == 1.0
+    rendered = table(summary)
+    assert "direct" in rendered and "x0.90" in rendered
