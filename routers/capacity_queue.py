@@ -7,9 +7,10 @@ replicas full: the request queues in the ledger, in slices of at most `WAIT_SLIC
 is handed to it (reason `waited`) or `max_wait_s` has passed (`NoReplicaAvailable
 ("capacity_timeout")`). The ranking puts the token's replica first, alone in its tier, then
 `DEFAULT_NUM_FALLBACK_REPLICAS` (2, from `routers.core`) other replicas, each in its own tier,
-least loaded (live in-flight / capacity) first, ties at random. If the caller ends up on a
-fallback tier the token still counts against the primary until released: the error is on the safe
-side. The caller releases the token exactly once when the request ends.
+least loaded (live in-flight / capacity) first, ties at random, chosen among at most `FALLBACK_SAMPLE` (8)
+random others, so ranking does not grow with the replica count (with up to 9 replicas: among all of them). If
+the caller ends up on a fallback tier the token still counts against the primary until released: the error is
+on the safe side. The caller releases the token exactly once when the request ends.
 
 Faults. Any exception from the ledger (an error, a call timeout, a dead or restarting actor) is a
 fault, counted as event `ledger_fault`. After a fault the request sleeps `backoff_initial_s`
@@ -61,6 +62,9 @@ from routers.core import (
 )
 
 WAIT_SLICE_S = 2.0
+# Fallback candidates looked at per decision: enough that the two fallbacks are among the least loaded (the
+# token's replica already is the least loaded with room), few enough that ranking costs the same at any size.
+FALLBACK_SAMPLE = 8
 DEFAULT_MAX_WAIT_S = 30.0
 
 
@@ -114,14 +118,17 @@ class CapacityQueue(RoutingPolicy):
         self._rng = random.Random(seed)
         self._sleep = sleep
         self._pushed: dict[str, int] | None = None
+        # The routable list the cached capacities and candidate ids were built from.
+        self._candidates_of: list[ReplicaView] | None = None
+        self._capacities: dict[str, int] = {}
+        self._candidates: list[str] = []
         self._fallback: RoutingPolicy | None = None
 
     async def decide(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> Decision:
-        routable = [r for r in replicas if r.routable]
+        routable = self._routable(replicas)
         if not routable:
             self.counts.record(REASON_NO_REPLICA)
             raise NoReplicaAvailable(REASON_NO_REPLICA)
-        self._sync_replica_set(routable)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.max_wait_s
         faults = 0
@@ -165,17 +172,23 @@ class CapacityQueue(RoutingPolicy):
         return self._power_of_two()._rank(replicas, request)
 
     async def _acquire(self, routable: list[ReplicaView], request: RouteRequest, wait_s: float) -> CapacityToken | None:
-        capacities = {r.replica_id: r.capacity for r in routable}
-        if capacities != self._pushed:
-            await self.ledger.set_replicas(capacities)
-            self._pushed = capacities
-        return await self.ledger.acquire(list(capacities), request.request_id, wait_s)
+        if routable is not self._candidates_of:  # a new routable set: its capacities and ids, once
+            self._candidates_of = routable
+            self._capacities = {r.replica_id: r.capacity for r in routable}
+            self._candidates = list(self._capacities)
+        if self._capacities is not self._pushed:
+            if self._capacities != self._pushed:
+                await self.ledger.set_replicas(self._capacities)
+            self._pushed = self._capacities  # from now on the identity check says it is pushed
+        return await self.ledger.acquire(self._candidates, request.request_id, wait_s)
 
     def _ranking(self, token: CapacityToken, routable: list[ReplicaView]) -> list[list[ReplicaView]]:
-        primary = next(r for r in routable if r.replica_id == token.replica_id)
+        primary = self.views_by_id[token.replica_id]  # the ledger grants only on the candidates: routable ids
+        sample = FALLBACK_SAMPLE + 1  # the primary may be among them
+        pool = routable if len(routable) <= sample else self._rng.sample(routable, sample)
         others = heapq.nsmallest(
             DEFAULT_NUM_FALLBACK_REPLICAS,
-            (r for r in routable if r is not primary),
+            (r for r in pool if r is not primary),
             key=lambda r: (self.live_in_flight(r) / max(r.capacity, 1), self._rng.random()),
         )
         return [[primary]] + [[r] for r in others]
