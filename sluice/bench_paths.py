@@ -109,7 +109,7 @@ def chart(summary: dict[str, Any], out: Path) -> Path:
     for ax, title in zip(axes, ("output tokens/s, ratio to the replica port", "TTFT p50 (ms)"), strict=True):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(CONCURRENCY))], [f"{n} streams" for n in CONCURRENCY])
         ax.set_title(title)
-    axes[0].legend()
+    axes[0].legend(loc="lower left")
     fig.tight_layout()
     path = out / "paths.png"
     fig.savefig(path, dpi=90)
