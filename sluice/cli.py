@@ -161,6 +161,7 @@ def _on_cluster(args: argparse.Namespace) -> int:
 
 def _ingress(args: argparse.Namespace) -> int:
     """`sluice canary | rollback`: move a deployed stack's traffic between the paths."""
+    from services.ingress_control import NoLegacyPath
     from sluice import deploy, ingress_cli
     from topologies.problems import SpecError
 
@@ -168,7 +169,7 @@ def _ingress(args: argparse.Namespace) -> int:
         if args.command == "canary":
             return ingress_cli.canary(args.file, args.address, args.weight, args.watch)
         return ingress_cli.rollback(args.file, args.address)
-    except (SpecError, deploy.NoClusterError) as error:
+    except (SpecError, deploy.NoClusterError, NoLegacyPath) as error:
         print(error, file=sys.stderr)
         return 1
 

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from base.contracts import DIRECT_WEIGHT_MAX
-from services.ingress_control import LEGACY_WAIT_S
+from services.ingress_control import LEGACY_WAIT_S, NoLegacyPath
 from sluice.deploy import connect, plan_of
 
 WATCH_POLL_S = 2.0
@@ -62,6 +62,11 @@ def _frontend(plan: Any) -> Any:
 def move(path: str, address: str, weight: int) -> tuple[Any, dict[str, Any]]:
     """Set the stack's direct weight and wait for any drain; (spec, the frontend's ingress status)."""
     spec, plan = plan_of(path)
+    if weight < DIRECT_WEIGHT_MAX and not any(model.legacy_deployed for model in plan.models):
+        raise NoLegacyPath(
+            f"{path} retains no legacy path (ingress.mode {spec.ingress.mode}): deploy it with ingress.mode both "
+            "(or legacy) before moving traffic there"
+        )
     connect(address)
     timeout = spec.ingress.drain_deadline_s + LEGACY_WAIT_S + 30
     return spec, _frontend(plan).shift.remote(weight, True).result(timeout_s=timeout)

@@ -93,3 +93,12 @@ def test_the_canary_renders_legacy_backends_the_weights_map_and_the_duplicate_re
     write_files(settings)
     assert settings.weights_map_path.read_text() == "a 25\nb 25\n"
     assert "Configuration file is valid" in check_config(settings)
+
+
+@pytest.mark.parametrize("command", [["rollback"], ["canary", "--weight", "30"]])
+def test_moving_traffic_to_a_stack_without_a_legacy_path_fails_at_once_naming_the_fix(command, capsys) -> None:
+    from sluice.cli import main
+
+    assert main([*command, str(TEAMS / "local-cpu.yaml"), "--address", "127.0.0.1:1"]) == 1
+    error = capsys.readouterr().err
+    assert "retains no legacy path" in error and "ingress.mode both" in error
