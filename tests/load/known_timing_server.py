@@ -1,8 +1,7 @@
 """An SSE test server with known timing, to check the campaign's measuring code only (never a model server).
 
 Every POST streams `tokens` completion tokens: the first event `ttft_ms` after the request arrived, then one every
-`gap_ms` (`--record FILE` writes down when each event actually left); with `merge` > 1 each event carries that many
-tokens (what a proxy merging chunks would show). A final
+`gap_ms`; with `merge` > 1 each event carries that many tokens (what a proxy merging chunks would show). A final
 event carries `usage`, then `[DONE]`. `GET /v1/models` names one model. Run: `python -m tests.load.known_timing_server
 --port P [--ttft-ms 50] [--gap-ms 20] [--tokens 16] [--merge 1]`; it binds 127.0.0.1 only.
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 MODEL = "known-timing"
 
@@ -39,7 +39,8 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ar
     arrived = loop.time()
     lines = head.decode("latin-1").split("\r\n")
     method = lines[0].split(" ")[0]
-    length = next((int(v) for k, _, v in (h.partition(": ") for h in lines[1:]) if k.lower() == "content-length"), 0)
+    fields = {k.lower(): v for k, _, v in (h.partition(": ") for h in lines[1:])}
+    length = int(fields.get("content-length", 0))
     await reader.readexactly(length)
     if method == "GET":
         body = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
@@ -55,19 +56,18 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ar
         b"x-serve-path: direct\r\ntransfer-encoding: chunked\r\n\r\n"
     )
     await writer.drain()
-    sent = []
+    sent = []  # when each event left, on the machine's monotonic clock (the client's perf_counter reads it too)
     for index in range((args.tokens + args.merge - 1) // args.merge):
         due = arrived + (args.ttft_ms + index * args.gap_ms) / 1000
         await asyncio.sleep(max(0.0, due - loop.time()))
         event = {"choices": [{"index": 0, "text": " ka" * args.merge, "finish_reason": None}]}
         writer.write(_chunk(f"data: {json.dumps(event)}\n\n"))
-        sent.append(loop.time() - arrived)
+        sent.append(time.perf_counter())
         await writer.drain()
     if args.record:
-        # What the server actually did (a timer may fire late on a busy machine): the truth the client is held to.
+        # When each event actually left, by session: the truth a client's measures are held to.
         with open(args.record, "a") as record:
-            gaps = [b - a for a, b in zip(sent, sent[1:], strict=False)]
-            record.write(json.dumps({"ttft_s": sent[0], "gaps_s": gaps}) + "\n")
+            record.write(json.dumps({"session": fields.get("x-session-id", ""), "sent_at": sent}) + "\n")
     usage = {"prompt_tokens": 16, "completion_tokens": args.tokens, "total_tokens": 16 + args.tokens}
     writer.write(_chunk(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n") + b"0\r\n\r\n")
     await writer.drain()
@@ -86,5 +86,5 @@ if __name__ == "__main__":
     parser.add_argument("--gap-ms", type=float, default=20.0)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--merge", type=int, default=1)
-    parser.add_argument("--record", help="append each stream's actual event times (JSONL) to this file")
+    parser.add_argument("--record", help="append when each stream's events left (JSONL, perf_counter) to this file")
     asyncio.run(main(parser.parse_args()))
