@@ -189,22 +189,25 @@ def run_checks(spec: Any | None, plan: Any | None, base: str) -> list[Item]:
     return items
 
 
-def report(items: list[Item], as_json: bool) -> int:
+def verdict(items: list[Item]) -> dict[str, Any]:
+    """The checklist as JSON: `pass` or `fail`, the failed items by name, and every item."""
     failed = [item.item for item in items if item.ok is False]
+    return {"verdict": "fail" if failed else "pass", "failed": failed, "items": [asdict(i) for i in items]}
+
+
+def report(items: list[Item], as_json: bool) -> int:
+    """Print the checklist (a table, or JSON); the exit code: 1 when an item failed."""
+    result = verdict(items)
     if as_json:
-        print(
-            json.dumps(
-                {"verdict": "fail" if failed else "pass", "failed": failed, "items": [asdict(i) for i in items]},
-                indent=2,
-            )
-        )
+        print(json.dumps(result, indent=2))
     else:
         width = max(len(item.item) for item in items)
         for item in items:
             mark = "SKIP" if item.ok is None else "PASS" if item.ok else "FAIL"
             print(f"{mark:4}  {item.item:<{width}}  {item.detail}")
+        failed = result["failed"]
         print(f"\nverdict: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}")
-    return 1 if failed else 0
+    return 1 if result["failed"] else 0
 
 
 def check(path: str | None, target: str | None, address: str, as_json: bool) -> int:
