@@ -32,6 +32,8 @@ RUNNING_TABLE = "sluice_running"
 VAR_PATH = "txn.sluice_path"
 VAR_APP = "txn.sluice_app"
 VAR_SERVED = "txn.sluice_served"
+# Microseconds the route call took as the Lua action saw it (connect, send, the router's reply).
+VAR_ROUTE_US = "txn.sluice_route_us"
 LOG_TAG = "sluice"
 # sc0..sc2 count fallbacks, clients and refusals; the running-request table takes the fourth.
 RUNNING_COUNTER = 3
@@ -49,11 +51,11 @@ def legacy_backend(index: int) -> str:
 
 def log_format(var_request_id: str) -> str:
     """One line per finished request: tag, app, path, status, ms to the response headers, total ms, termination
-    state, the server HAProxy sent it to (the pinned replica on the direct path), the replica that served it, the
-    request id (`services.path_log.parse_record` reads it)."""
+    state, the server HAProxy sent it to (the pinned replica on the direct path), the replica that served it, µs the
+    route call took (`-` without one), the request id (`services.path_log.parse_record` reads it)."""
     return (
         f"{LOG_TAG} %[var({VAR_APP})] %[var({VAR_PATH})] %ST %Tr %Ta %ts %s %[var({VAR_SERVED})]"
-        f" %[var({var_request_id})]"
+        f" %[var({VAR_ROUTE_US})] %[var({var_request_id})]"
     )
 
 

@@ -44,7 +44,7 @@ from base.contracts import (
 )
 from base.route_wire import RouteRefusal, RouteReply
 from infra.frontend_protection import COUNTED_REASONS, REFUSAL_TABLE
-from infra.haproxy_canary import VAR_APP, VAR_PATH, legacy_backend
+from infra.haproxy_canary import VAR_APP, VAR_PATH, VAR_ROUTE_US, legacy_backend
 from infra.haproxy_config import (
     FALLBACK_TABLE,
     INTERNAL_SERVER_PREFIX,
@@ -130,6 +130,7 @@ def render_lua(settings: HAProxySettings) -> str:
         legacy_path=_lua_str(LEGACY_PATH),
         var_path=_lua_str(VAR_PATH),
         var_app=_lua_str(VAR_APP),
+        var_route_us=_lua_str(VAR_ROUTE_US),
         apps=_lua_apps(settings),
         model_lookup_bytes=str(settings.model_lookup_bytes),
         model_json_path=_lua_str(MODEL_JSON_PATH),

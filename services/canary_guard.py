@@ -65,6 +65,8 @@ class RequestRecord:
     server: str
     served_replica: str | None
     request_id: str
+    # How long the route call took as HAProxy's Lua action saw it (None: no route call, e.g. the legacy path).
+    route_s: float | None = None
 
     @property
     def stream_error(self) -> bool:

@@ -94,7 +94,13 @@ def served_is_chosen(client: httpx.Client, base: str, model: str, frontend_handl
         return False, f"the frontend logged {len(direct)} of {len(ids)} sampled requests"
     if wrong:
         return False, "; ".join(wrong)
-    return True, f"{len(direct)} sampled requests, each served by the replica HAProxy pinned"
+    route_ms = sorted(r["route_s"] * 1000 for r in direct if r["route_s"] is not None)
+    if len(route_ms) < len(direct):
+        return False, f"the frontend logged a route call time for {len(route_ms)} of {len(direct)} direct requests"
+    return True, (
+        f"{len(direct)} sampled requests, each served by the replica HAProxy pinned;"
+        f" route call (timed in HAProxy) median {route_ms[len(route_ms) // 2]:.2f} ms"
+    )
 
 
 def fault_injection(client: httpx.Client, base: str, spec: Any, frontend: dict[str, Any], plan: Any) -> Result:

@@ -72,7 +72,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 def test_a_log_line_in_the_rendered_format_parses_into_a_record() -> None:
     # The format's fields, in order, as HAProxy fills them in.
-    fields = ["app-llm", "direct", "200", "42", "1200", "--", "r1", "r1", "req 1"]
+    fields = ["app-llm", "direct", "200", "42", "1200", "--", "r1", "r1", "850", "req 1"]
     line = log_format("txn.id").split(" ")[0] + " " + " ".join(fields)
     assert len(log_format("txn.id").split(" ")) == len(fields) + 1
     parsed = parse_record(line + "\n", at=5.0)
@@ -86,10 +86,22 @@ def test_a_log_line_in_the_rendered_format_parses_into_a_record() -> None:
         server="r1",
         served_replica="r1",
         request_id="req 1",
+        route_s=0.00085,
     )
+    legacy = parse_record(line.replace(" 850 ", " - "), at=5.0)
+    assert legacy is not None and legacy.route_s is None
 
 
-@pytest.mark.parametrize("line", ["", "garbage", "sluice a - 200 1 1 -- r r id", "sluice a direct x 1 1 -- r r id"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "garbage",
+        "sluice a - 200 1 1 -- r r - id",
+        "sluice a direct x 1 1 -- r r - id",
+        "sluice a direct 200 1 1 -- r r x id",
+    ],
+)
 def test_lines_that_are_no_path_record_are_ignored(line: str) -> None:
     assert parse_record(line, at=0.0) is None
 
@@ -99,6 +111,6 @@ def test_the_log_keeps_records_by_age() -> None:
     log = PathLog(clock=lambda: now[0])
     for t in (1.0, 2.0, 3.0):
         now[0] = t
-        log.datagram_received(f"sluice a direct 200 1 1 -- r r id{t}".encode(), None)
+        log.datagram_received(f"sluice a direct 200 1 1 -- r r 700 id{t}".encode(), None)
     assert [r.request_id for r in log.records_since(2.0)] == ["id3.0", "id2.0"]
     assert [r.at for r in log.find({"id1.0"})] == [1.0]
