@@ -40,6 +40,7 @@ from services.background_loop import BackgroundLoop
 from services.haproxy_syncer import AppSources, HAProxySyncer
 from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.llm_replica import llm_application
+from services.route_listener import router_source
 from services.router_service import RouterSettings, router_application
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 
@@ -155,7 +156,8 @@ class DirectStreamStack:
         self.haproxy = HAProxyProcess(settings).start()
         self.runtime = self.haproxy.runtime
         sources = AppSources(
-            replicas=lambda: list_replica_endpoints(spec.app), routers=lambda: list_replica_endpoints(spec.router_app)
+            replicas=lambda: list_replica_endpoints(spec.app),
+            routers=router_source(spec.router_app, spec.router_route_prefix),
         )
         syncer = HAProxySyncer(self.runtime, settings, [sources])
         self.syncer = syncer

@@ -85,6 +85,12 @@ class RuntimeAPI:
         if "changed" not in reply and "no need to change" not in reply:
             raise RuntimeAPIError(command, reply)
 
+    def set_server_check_port(self, backend: str, server: str, port: int) -> None:
+        command = f"set server {backend}/{server} check-port {int(port)}"
+        reply = self.command(command)
+        if "changed" not in reply and "no need to change" not in reply:
+            raise RuntimeAPIError(command, reply)
+
     def set_server_state(self, backend: str, server: str, state: ServerState) -> None:
         states = get_args(ServerState)
         if state not in states:

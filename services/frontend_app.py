@@ -26,6 +26,7 @@ from ray.serve import Application
 
 from base.rollout import config_version
 from base.runtime import cache_dir
+from infra.haproxy_apps import AppRoute
 from infra.haproxy_canary import legacy_backend
 from infra.haproxy_config import HAProxySettings, is_internal_server
 from infra.haproxy_process import HAProxyProcess, HAProxyStartError
@@ -35,6 +36,7 @@ from services.background_loop import BackgroundLoop
 from services.haproxy_syncer import AppSources, HAProxySyncer
 from services.ingress_control import IngressConfig, IngressController
 from services.path_log import PathLog
+from services.route_listener import router_source
 from services.serve_internals import list_replica_endpoints, with_rollout_version
 
 logger = logging.getLogger(__name__)
@@ -130,7 +132,8 @@ class FrontendReplica:
             self._haproxy = await self._start_haproxy()
             self._first_start.set()
             runtime = self._haproxy.runtime
-            self._syncer = HAProxySyncer(runtime, self._settings, [_sources(app) for app in self._apps])
+            sources = [_sources(app, route) for app, route in zip(self._apps, self._settings.apps, strict=True)]
+            self._syncer = HAProxySyncer(runtime, self._settings, sources)
             tasks = [asyncio.create_task(self._syncer.run())]
             watcher = ApiKeyWatcher.for_settings(runtime, self._settings)
             if watcher is not None:
@@ -221,11 +224,11 @@ class FrontendReplica:
             haproxy.stop(grace_s=1)
 
 
-def _sources(app: ServedApp) -> AppSources:
+def _sources(app: ServedApp, route: AppRoute) -> AppSources:
     legacy_app = app.legacy_app
     return AppSources(
         replicas=lambda: list_replica_endpoints(app.llm_app),
-        routers=lambda: list_replica_endpoints(app.router_app),
+        routers=router_source(app.router_app, route.router_route_prefix),
         legacy=(lambda: list_replica_endpoints(legacy_app)) if legacy_app is not None else None,
     )
 

@@ -129,7 +129,12 @@ class AppPools:
 
 
 def _same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:
-    return (a.host, a.port) == (b.host, b.port)
+    return (a.host, a.port, a.route_port) == (b.host, b.port, b.route_port)
+
+
+def _check_port_option(endpoint: ReplicaEndpoint) -> list[str]:
+    """A server at a router's route listener is health-checked on Serve's port (where `/-/healthz` is)."""
+    return ["port", str(endpoint.port)] if endpoint.route_port is not None else []
 
 
 # Per app: its replicas, routers and legacy ingress replicas.
@@ -242,7 +247,8 @@ class HAProxySyncer:
                     report.left.append(name)
                 continue
             if not _same_address(live, member.endpoint):
-                self.runtime.set_server_addr(pool.backend, name, live.host, live.port)
+                self.runtime.set_server_addr(pool.backend, name, live.host, live.haproxy_port)
+                self.runtime.set_server_check_port(pool.backend, name, live.port)
                 member.endpoint = live
                 report.moved.append(name)
             if member.leaving_since is not None:  # came back before it was deleted
@@ -272,7 +278,8 @@ class HAProxySyncer:
         for name, endpoint in sorted(wanted.items()):
             if name in pool.members:
                 continue
-            self.runtime.add_server(pool.backend, name, endpoint.host, endpoint.port, pool.options)
+            options = pool.options + _check_port_option(endpoint)
+            self.runtime.add_server(pool.backend, name, endpoint.host, endpoint.haproxy_port, options)
             self.runtime.enable_health(pool.backend, name)
             # Routable only once its checks say so: HAProxy would otherwise assume a new server UP.
             self.runtime.set_server_health_down(pool.backend, name)

@@ -10,7 +10,9 @@ replica's own direct-ingress port (like the LLM replica), so every router replic
 with `list_replica_endpoints(<router app>)`. The route path on that port is the app's
 `route_prefix` + `ROUTE_PATH` (Serve only serves paths under the prefix); the frontend's syncer
 publishes its membership at `route_prefix` + `MEMBERSHIP_PATH`. `GET /metrics` on the same app exports
-the router's counters together with the policies' decision counters.
+the router's counters together with the policies' decision counters. HAProxy's route calls themselves go to the
+replica's route listener (services.route_listener: the same answer without Serve's per-request cost), whose port
+the app tells at `route_prefix` + `ROUTE_LISTENER_PATH`.
 
 Replica set. Each router replica polls `list_replica_endpoints(target_app)` every
 `refresh_interval_s` (0.25 s: a replaced replica is routable within a quarter second, for one
@@ -60,10 +62,10 @@ from __future__ import annotations
 import json
 import re
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -71,14 +73,12 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from base.contracts import (
-    BODY_TRUNCATED_HEADER,
     DEFAULT_MAX_ONGOING_REQUESTS,
     FAULT_PATH,
     FRONTEND_HEADER,
     MEMBERSHIP_PATH,
     REASON_INJECTED_FAULT,
     REASON_NO_PREFILL_REPLICA,
-    REQUEST_ID_HEADER,
     ROUTE_PATH,
     SESSION_HEADER_DEFAULT,
 )
@@ -91,6 +91,8 @@ from routers.ledger_actor import capacity_queue_policy
 from services.frontend_membership import FrontendMembership
 from services.live_replicas import LiveReplicas
 from services.llm_config import LLM_DEPLOYMENT_NAME
+from services.route_listener import ROUTE_LISTENER_PATH, RouteListener
+from services.route_request import route_request_from
 from services.serve_internals import list_replica_endpoints, with_rollout_version
 
 METRICS_PATH = "/metrics"
@@ -99,10 +101,7 @@ ROUTER_DEPLOYMENT_NAME = "Router"
 # call may wait up to its `max_wait_s`; Serve's default of 5 would queue every call behind 5 waiters.
 ROUTER_MAX_ONGOING_REQUESTS = 1024
 _JSON = "application/json"
-# Body fields a policy may use. In a body that does not parse (cut at the buffer limit, or invalid), the
-# first `"<field>": "<string>"` of the prefix.
-BODY_FIELDS = ("model", "user")
-_FIELD_PATTERNS = {name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*"((?:[^"\\]|\\.)*)"') for name in BODY_FIELDS}
+
 
 ROUTED_TOTAL = Counter("sluice_router_routed", "Route calls answered with a replica.", ["app", "policy"])
 REFUSED_TOTAL = Counter("sluice_router_refused", "Route calls refused (503) by reason.", ["app", "policy", "reason"])
@@ -193,60 +192,6 @@ def build_policy(settings: RouterSettings, ledger: LedgerClient | None = None) -
     return policy
 
 
-def body_truncated(value: str | None) -> bool:
-    """`have/total` from HAProxy: cut when have < total; a malformed value still says it was cut."""
-    if value is None:
-        return False
-    have, _, total = value.partition("/")
-    try:
-        return int(have) < int(total)
-    except ValueError:
-        return True
-
-
-def fields_from_body(body: bytes, truncated: bool) -> dict[str, str | None]:
-    """Each of `BODY_FIELDS` as a non-empty string: from json when the body parses, else from a regex on
-    the prefix, else None. Never raises: a body-aware policy must cope with any body."""
-    if not body:
-        return dict.fromkeys(BODY_FIELDS)
-    if not truncated:
-        try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):
-            pass
-        else:
-            parsed = parsed if isinstance(parsed, dict) else {}
-            return {name: _non_empty_string(parsed.get(name)) for name in BODY_FIELDS}
-    return {name: _field_from_prefix(body, name) for name in BODY_FIELDS}
-
-
-def _field_from_prefix(body: bytes, name: str) -> str | None:
-    match = _FIELD_PATTERNS[name].search(body)
-    if match is None:
-        return None
-    try:
-        return _non_empty_string(json.loads(b'"' + match.group(1) + b'"'))
-    except ValueError:
-        return None
-
-
-def _non_empty_string(value: object) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
-def route_request_from(headers: Mapping[str, str], body: bytes, session_header: str) -> RouteRequest:
-    truncated = body_truncated(headers.get(BODY_TRUNCATED_HEADER))
-    fields = fields_from_body(body, truncated)
-    return RouteRequest(
-        request_id=headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex,
-        session_id=headers.get(session_header) or None,
-        model=fields["model"],
-        user=fields["user"],
-        body_prefix=body,
-        body_truncated=truncated,
-    )
-
-
 class PrefillPick(BaseModel):
     """The prefill replica of a request, and the URL its app is served at (its port and the app's route prefix)."""
 
@@ -323,23 +268,37 @@ def build_router_app(
     membership = FrontendMembership()
     fault = InjectedFault()
 
-    @app.post(ROUTE_PATH)
-    async def route(request: Request) -> Response:
+    async def answer(headers: Mapping[str, str], body: bytes) -> tuple[int, str]:
+        """A route call's status and JSON reply (the route endpoint's and the route listener's)."""
         if fault.active():
-            refusal = RouteRefusal(reason=REASON_INJECTED_FAULT).model_dump_json()
-            return Response(refusal, status_code=500, media_type=_JSON)
-        route_request = route_request_from(request.headers, await request.body(), settings.session_header)
+            return 500, RouteRefusal(reason=REASON_INJECTED_FAULT).model_dump_json()
+        route_request = route_request_from(headers, body, settings.session_header)
         if route_request.body_truncated:
             truncated_bodies.inc()
-        frontend = request.headers.get(FRONTEND_HEADER) or None
+        frontend = headers.get(FRONTEND_HEADER) or None
         try:
             prefill_replica = prefill.choose(route_request) if prefill is not None else None
             decision = await policy.decide(membership.routable(replicas(), frontend), route_request)
         except NoReplicaAvailable as refusal:
             REFUSED_TOTAL.labels(settings.target_app, policy.name, refusal.reason).inc()
-            return Response(RouteRefusal(reason=refusal.reason).model_dump_json(), status_code=503, media_type=_JSON)
+            return 503, RouteRefusal(reason=refusal.reason).model_dump_json()
         routed.inc()
-        return Response(route_reply(decision, prefill_replica).wire_json(), media_type=_JSON)
+        return 200, route_reply(decision, prefill_replica).wire_json()
+
+    app.state.answer_route = answer
+    app.state.route_listener_port = None
+
+    @app.post(ROUTE_PATH)
+    async def route(request: Request) -> Response:
+        status, reply = await answer(request.headers, await request.body())
+        return Response(reply, status_code=status, media_type=_JSON)
+
+    @app.get(ROUTE_LISTENER_PATH)
+    async def route_listener() -> Response:
+        port = app.state.route_listener_port
+        if port is None:
+            return Response('{"detail": "no route listener"}', status_code=404, media_type=_JSON)
+        return Response(json.dumps({"port": port}), media_type=_JSON)
 
     @app.post(MEMBERSHIP_PATH)
     async def publish_membership(request: Request) -> Response:
@@ -388,6 +347,8 @@ class RouterReplica:
             await self._prefill_replicas.start()
             prefill = PrefillChooser(prefill_policy, self._prefill_replicas.views, side.route_prefix, side.required)
         self._app = build_router_app(self._settings, policy, self._replicas.views, prefill)
+        self._listener = RouteListener(self._app.state.answer_route)
+        self._app.state.route_listener_port = await self._listener.start(ray.util.get_node_ip_address())
 
     def _live_replicas(self, app: str, capacity: int, ranks: int = 1) -> LiveReplicas:
         return LiveReplicas(lambda: list_replica_endpoints(app), capacity, self._settings.refresh_interval_s, ranks)
@@ -395,12 +356,18 @@ class RouterReplica:
     async def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
 
+    def __del__(self) -> None:
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            listener.close()
+
 
 def router_application(settings: RouterSettings, num_replicas: int = 1) -> Application:
     """The router app; deploy it with the route prefix of your choice (`serve.run(app, name=..., route_prefix=...)`).
 
     `num_cpus=0`: a router replica mostly waits on the network, and the control plane must never
-    wait to be scheduled behind the replicas it routes to."""
+    wait to be scheduled behind the replicas it routes to. No access log: every request makes a route call, so
+    Serve would write a log line per request (CPU on the route call's path); `/metrics` counts the decisions."""
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     deployment = serve.deployment(RouterReplica).options(
@@ -408,6 +375,7 @@ def router_application(settings: RouterSettings, num_replicas: int = 1) -> Appli
         num_replicas=num_replicas,
         max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": 0},
+        logging_config={"enable_access_log": False},
     )
     version = config_version([settings.model_dump(mode="json"), ROUTER_DEPLOYMENT_NAME, ROUTER_MAX_ONGOING_REQUESTS])
     return with_rollout_version(deployment, version).bind(settings.model_dump())

@@ -51,10 +51,18 @@ class ReplicaEndpoint(BaseModel):
     deployment: str
     host: str
     port: int
+    # A router replica's route listener (services.route_listener): HAProxy's route calls go there, its health
+    # checks still to `port`.
+    route_port: int | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def haproxy_port(self) -> int:
+        """The port HAProxy's server points at: the route listener's, else Serve's."""
+        return self.route_port or self.port
 
 
 async def list_replica_endpoints(app_name: str) -> list[ReplicaEndpoint]:

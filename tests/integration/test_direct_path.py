@@ -21,6 +21,7 @@ from base.contracts import (
     SERVE_REASON_HEADER,
 )
 from builders.direct_stream import DirectStreamStack
+from infra.haproxy_config import router_backend
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.sse import chunks, data_lines
@@ -73,6 +74,17 @@ def test_every_post_is_served_by_the_replica_the_router_chose(stack, client, rou
         if response.headers[REPLICA_HEADER] != _router_choice(client, route_url, session):
             mismatches.append(session)
     assert mismatches == []
+
+
+def test_haproxy_calls_each_routers_route_listener_and_checks_its_serve_port(stack, client) -> None:
+    routers = asyncio.run(list_replica_endpoints(stack.spec.router_app))
+    stats = stack.runtime.show_stat()
+    for router in routers:
+        stat = stats[(router_backend(0), router.replica_id)]
+        host, port = stat.addr.rsplit(":", 1)
+        assert stat.status.startswith("UP") and int(port) != router.port, stat
+        reply = client.post(f"http://{host}:{port}{stack.spec.router_route_prefix}{ROUTE_PATH}")
+        assert reply.status_code == 200 and reply.json()["replica_id"], reply.text
 
 
 def test_a_session_sticks_and_unsessioned_requests_spread(stack, client, llm_cluster: LLMCluster) -> None:

@@ -331,6 +331,9 @@ class FakeRuntime:
         self.commands.append(f"addr {server} {port}")
         self.servers[(backend, server)]["addr"] = f"{host}:{port}"
 
+    def set_server_check_port(self, backend: str, server: str, port: int) -> None:
+        self.servers[(backend, server)]["check_port"] = port
+
     def set_server_state(self, backend: str, server: str, state: str) -> None:
         self.commands.append(f"{server} {state}")
         self.servers[(backend, server)]["state"] = state

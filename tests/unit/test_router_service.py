@@ -20,6 +20,7 @@ from routers.config import build_stateless_policy
 from routers.core import ReplicaView, RouteRequest
 from services.frontend_membership import FrontendMembership
 from services.live_replicas import LiveReplicas
+from services.route_request import fields_from_body, route_request_from
 from services.router_service import (
     METRICS_PATH,
     PrefillChooser,
@@ -27,8 +28,6 @@ from services.router_service import (
     RouterSettings,
     build_policy,
     build_router_app,
-    fields_from_body,
-    route_request_from,
 )
 from services.serve_internals import ReplicaEndpoint
 from tests.unit.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
