@@ -9,10 +9,16 @@ waiters queue FIFO, and every event that frees a slot (a release, a reap, new ca
 synchronous, so a slot never sits free while a waiter could take it and a new request cannot
 overtake one that queued earlier. (An `asyncio.Condition` would need its lock, which the
 synchronous `release`/`reap` cannot take, and `notify_all` would wake every waiter per slot.)
-Each operation is O(candidates) (`set_replicas`: O(replicas)). Only while someone waits does
-freeing a slot cost more: it finds the replicas with room (O(replicas)) and scans the waiter queue
-only until the slot is handed out (the whole queue only when no waiter wants the replica that has
-room).
+
+Cost per decision, independent of the replica count. Each distinct candidate set a caller passes (each
+router's routable set, or a frontend's narrowed one) is registered once, O(candidates), and then kept
+current: its replicas with room sit in buckets by load with a min-heap of the bucket loads, so a pick is
+the lowest bucket (a random member on a tie) and a grant or release moves one replica between buckets
+in every registered set, O(log loads) each. A caller that passes the same tuple again is matched by
+identity, O(1); an equal new tuple or a list is matched by value, O(candidates) to hash (a Ray actor
+call carries the list anyway). `set_replicas` (O(replicas)) drops every registered set, since all
+their loads change. While someone waits, freeing a slot scans the waiter queue only until the slot is
+handed out (the whole queue only when no waiter wants a replica that has room), one pick per waiter.
 
 Exactly-once release. `release(token_id)` returns True only the first time. A second release of
 the same token is a counted no-op (`double_releases`); a token this ledger never issued (one from
@@ -41,16 +47,21 @@ Constants:
   longer than a retried release can lag behind the first.
 - `DEFAULT_REAP_INTERVAL_S` = 10 s: a reaped slot comes back at most 10 s after its TTL, at the
   cost of one pass over the expired tokens every 10 s.
+- `MAX_CANDIDATE_SETS` = 16 registered sets, least recently used dropped first: a set per router
+  replica's view and per narrowed frontend set fits; every grant and release updates each set
+  (a dictionary look-up where the replica is not a member), and a dropped set that comes back costs
+  one registration, O(candidates).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import random
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from routers.core import CapacityToken
@@ -58,6 +69,7 @@ from routers.core import CapacityToken
 DEFAULT_TOKEN_TTL_S = 600.0
 RELEASED_MEMORY = 100_000
 DEFAULT_REAP_INTERVAL_S = 10.0
+MAX_CANDIDATE_SETS = 16
 
 _RELEASED = "released"
 _REAPED = "reaped"
@@ -75,9 +87,65 @@ class _Grant:
     issued_at: float
 
 
+class _CandidateSet:
+    """One candidate set's members with room, bucketed by load (in_flight / capacity), kept current by `move`."""
+
+    def __init__(self, key: tuple[str, ...], capacity: dict[str, int], in_flight: dict[str, int]) -> None:
+        self.key = key
+        self.alive = True  # False once the ledger dropped it: it no longer sees grants and releases
+        self.members = {r: None for r in key if r in capacity}  # known candidates, deduplicated, in order
+        self._load_of: dict[str, float] = {}
+        # Each bucket a list (a random member in O(1)) and each member's index in its list (removal in O(1)).
+        self._buckets: dict[float, list[str]] = {}
+        self._index: dict[str, int] = {}
+        # A min-heap of bucket loads; a load whose bucket emptied stays until it reaches the top.
+        self._loads: list[float] = []
+        for replica_id in self.members:
+            self.move(replica_id, in_flight.get(replica_id, 0), capacity[replica_id])
+
+    def pick(self, rng: random.Random) -> str | None:
+        """The least-loaded member with room, a random one among equals; None when all are full."""
+        while self._loads:
+            bucket = self._buckets.get(self._loads[0])
+            if bucket is not None:
+                return bucket[0] if len(bucket) == 1 else rng.choice(bucket)
+            heapq.heappop(self._loads)
+        return None
+
+    def move(self, replica_id: str, in_flight: int, capacity: int) -> None:
+        """The replica's in-flight count changed: put it in the bucket of its new load (none when full)."""
+        if replica_id not in self.members:
+            return
+        old = self._load_of.pop(replica_id, None)
+        if old is not None:
+            bucket = self._buckets[old]
+            last = bucket.pop()
+            i = self._index.pop(replica_id)
+            if last != replica_id:
+                bucket[i] = last
+                self._index[last] = i
+            if not bucket:
+                del self._buckets[old]
+        if in_flight >= capacity:
+            return
+        load = in_flight / capacity
+        bucket = self._buckets.get(load)
+        if bucket is None:
+            bucket = self._buckets[load] = []
+            # Rebuild the heap once stale loads outnumber live ones, so it stays O(live buckets).
+            if len(self._loads) >= 2 * len(self._buckets):
+                self._loads = list(self._buckets)
+                heapq.heapify(self._loads)
+            else:
+                heapq.heappush(self._loads, load)
+        self._load_of[replica_id] = load
+        self._index[replica_id] = len(bucket)
+        bucket.append(replica_id)
+
+
 @dataclass(slots=True)
 class _Waiter:
-    replica_ids: tuple[str, ...]
+    candidates: _CandidateSet
     future: asyncio.Future[CapacityToken] = field(repr=False)
 
 
@@ -95,6 +163,13 @@ class CapacityLedger:
         self._rng = random.Random(seed)
         self._capacity: dict[str, int] = {}
         self._in_flight: dict[str, int] = {}
+        self._open = 0  # replicas with room
+        # Least recently used first. A plain dict: iterating an OrderedDict's values hashes every key, and a
+        # tuple's hash is O(len) each time.
+        self._sets: dict[tuple[str, ...], _CandidateSet] = {}
+        # The tuple the last acquire passed and its set, matched by identity: a tuple cannot change.
+        self._last_ids: tuple[str, ...] | None = None
+        self._last_set: _CandidateSet | None = None
         # Outstanding tokens in issue order (the clock is monotonic), so reaping stops early.
         self._grants: dict[str, _Grant] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
@@ -111,17 +186,23 @@ class CapacityLedger:
         """Replace the replica set. Replicas left out get no new tokens; their tokens stay until
         released or reaped (and still count if the replica comes back)."""
         self._capacity = {replica_id: max(capacity, 0) for replica_id, capacity in capacities.items()}
+        self._open = sum(self.in_flight(r) < capacity for r, capacity in self._capacity.items())
+        for candidates in self._sets.values():
+            candidates.alive = False
+        self._sets.clear()
+        self._last_ids = self._last_set = None
         self._dispatch()
 
-    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float = 0.0) -> CapacityToken | None:
+    async def acquire(self, replica_ids: Sequence[str], request_id: str, wait_s: float = 0.0) -> CapacityToken | None:
         """A token on the least-loaded candidate with room; else wait up to `wait_s` for one; else None.
 
-        Raises `UnknownReplicas` when none of the candidates is a current replica. `request_id` is part
-        of the `LedgerClient` call; the ledger does not keep it."""
-        candidates = tuple(dict.fromkeys(replica_ids))
-        if not any(replica_id in self._capacity for replica_id in candidates):
-            raise UnknownReplicas(f"none of {len(candidates)} replicas is known to the ledger")
-        replica_id = self._pick(candidates)
+        Raises `UnknownReplicas` when none of the candidates is a current replica. Pass the same tuple
+        each time the set is the same: it is then matched in O(1). `request_id` is part of the
+        `LedgerClient` call; the ledger does not keep it."""
+        candidates = self._candidate_set(replica_ids)
+        if not candidates.members:
+            raise UnknownReplicas(f"none of {len(replica_ids)} replicas is known to the ledger")
+        replica_id = candidates.pick(self._rng)
         if replica_id is not None:
             return self._grant(replica_id)
         if wait_s <= 0:
@@ -186,41 +267,46 @@ class CapacityLedger:
             "reaped": self.reaped,
         }
 
-    def _pick(self, candidates: Iterable[str]) -> str | None:
-        best: list[str] = []
-        best_load = 1.0
-        for replica_id in candidates:
-            capacity = self._capacity.get(replica_id, 0)
-            in_flight = self.in_flight(replica_id)
-            if in_flight >= capacity:
-                continue
-            load = in_flight / capacity
-            if load < best_load:
-                best, best_load = [replica_id], load
-            elif load == best_load:
-                best.append(replica_id)
-        if not best:
-            return None
-        return best[0] if len(best) == 1 else self._rng.choice(best)
+    def _candidate_set(self, replica_ids: Sequence[str]) -> _CandidateSet:
+        if replica_ids is self._last_ids and self._last_set is not None:
+            return self._last_set
+        key = replica_ids if isinstance(replica_ids, tuple) else tuple(replica_ids)
+        candidates = self._sets.pop(key, None) or _CandidateSet(key, self._capacity, self._in_flight)
+        self._sets[key] = candidates
+        if len(self._sets) > MAX_CANDIDATE_SETS:
+            self._sets.pop(next(iter(self._sets))).alive = False
+        # The most recently used set is never the one dropped, so the identity match stays current.
+        self._last_ids = replica_ids if isinstance(replica_ids, tuple) else None
+        self._last_set = candidates
+        return candidates
+
+    def _count(self, replica_id: str, delta: int) -> None:
+        """Change a replica's in-flight count and keep the open count and every registered set current."""
+        capacity = self._capacity.get(replica_id, 0)
+        before = self.in_flight(replica_id)
+        after = before + delta
+        if after or replica_id in self._capacity:
+            self._in_flight[replica_id] = after
+        else:
+            del self._in_flight[replica_id]
+        self._open += (after < capacity) - (before < capacity)
+        for candidates in self._sets.values():
+            candidates.move(replica_id, after, capacity)
 
     def _grant(self, replica_id: str) -> CapacityToken:
         token = CapacityToken(token_id=uuid.uuid4().hex, replica_id=replica_id)
         self._grants[token.token_id] = _Grant(replica_id, self._clock())
-        self._in_flight[replica_id] = self.in_flight(replica_id) + 1
+        self._count(replica_id, 1)
         self.granted += 1
         return token
 
     def _finish(self, token_id: str, grant: _Grant, how: str) -> None:
-        left = self._in_flight[grant.replica_id] - 1
-        if left or grant.replica_id in self._capacity:
-            self._in_flight[grant.replica_id] = left
-        else:
-            del self._in_flight[grant.replica_id]
+        self._count(grant.replica_id, -1)
         self._finished[token_id] = how
         if len(self._finished) > RELEASED_MEMORY:
             self._finished.popitem(last=False)
 
-    async def _wait(self, candidates: tuple[str, ...], wait_s: float) -> CapacityToken | None:
+    async def _wait(self, candidates: _CandidateSet, wait_s: float) -> CapacityToken | None:
         key = self._next_waiter
         self._next_waiter += 1
         waiter = _Waiter(candidates, asyncio.get_running_loop().create_future())
@@ -240,19 +326,16 @@ class CapacityLedger:
 
     def _dispatch(self) -> None:
         """Hand free slots to waiters, oldest first; stop as soon as no replica has room."""
-        if not self._waiters:
-            return
-        open_ids = {r for r, capacity in self._capacity.items() if self.in_flight(r) < capacity}
         served = []
         for key, waiter in self._waiters.items():
-            if not open_ids:
+            if not self._open:
                 break
-            if open_ids.isdisjoint(waiter.replica_ids):
+            if not waiter.candidates.alive:  # dropped by `set_replicas` or the LRU: register it again
+                waiter.candidates = self._candidate_set(waiter.candidates.key)
+            replica_id = waiter.candidates.pick(self._rng)
+            if replica_id is None:
                 continue
-            replica_id = self._pick(waiter.replica_ids)
             waiter.future.set_result(self._grant(replica_id))
             served.append(key)
-            if self.in_flight(replica_id) >= self._capacity[replica_id]:
-                open_ids.discard(replica_id)
         for key in served:
             del self._waiters[key]

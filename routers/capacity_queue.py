@@ -2,10 +2,12 @@
 
 Algorithm. `decide` takes the routable replicas, pushes their capacities to the ledger whenever
 the set or a capacity changed (and again whenever the ledger says it knows none of them, as a
-restarted ledger does), and asks for a token without waiting. Granted: reason `acquired`. All
-replicas full: the request queues in the ledger, in slices of at most `WAIT_SLICE_S`, until a slot
-is handed to it (reason `waited`) or `max_wait_s` has passed (`NoReplicaAvailable
-("capacity_timeout")`). The ranking puts the token's replica first, alone in its tier, then
+restarted ledger does), and asks for a token without waiting. The candidate ids go as one tuple per
+routable set, so the ledger matches the set by identity and picks in O(log loads) (see
+`routers.capacity_ledger`): a decision costs the same at any replica count. Granted: reason
+`acquired`. All replicas full: the request queues in the ledger, in slices of at most
+`WAIT_SLICE_S`, until a slot is handed to it (reason `waited`) or `max_wait_s` has passed
+(`NoReplicaAvailable("capacity_timeout")`). The ranking puts the token's replica first, alone in its tier, then
 `DEFAULT_NUM_FALLBACK_REPLICAS` (2, from `routers.core`) other replicas, each in its own tier,
 least loaded (live in-flight / capacity) first, ties at random, chosen among at most `FALLBACK_SAMPLE` (8)
 random others, so ranking does not grow with the replica count (with up to 9 replicas: among all of them). If
@@ -71,7 +73,7 @@ DEFAULT_MAX_WAIT_S = 30.0
 class LedgerClient(Protocol):
     """How the policy talks to the ledger: in-process (`LocalLedgerClient`) or through the actor."""
 
-    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float) -> CapacityToken | None: ...
+    async def acquire(self, replica_ids: Sequence[str], request_id: str, wait_s: float) -> CapacityToken | None: ...
 
     async def release(self, token_id: str) -> bool: ...
 
@@ -84,7 +86,7 @@ class LocalLedgerClient:
     def __init__(self, ledger: CapacityLedger) -> None:
         self.ledger = ledger
 
-    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float) -> CapacityToken | None:
+    async def acquire(self, replica_ids: Sequence[str], request_id: str, wait_s: float) -> CapacityToken | None:
         return await self.ledger.acquire(replica_ids, request_id, wait_s)
 
     async def release(self, token_id: str) -> bool:
@@ -121,7 +123,7 @@ class CapacityQueue(RoutingPolicy):
         # The routable list the cached capacities and candidate ids were built from.
         self._candidates_of: list[ReplicaView] | None = None
         self._capacities: dict[str, int] = {}
-        self._candidates: list[str] = []
+        self._candidates: tuple[str, ...] = ()
         self._fallback: RoutingPolicy | None = None
 
     async def decide(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> Decision:
@@ -175,7 +177,8 @@ class CapacityQueue(RoutingPolicy):
         if routable is not self._candidates_of:  # a new routable set: its capacities and ids, once
             self._candidates_of = routable
             self._capacities = {r.replica_id: r.capacity for r in routable}
-            self._candidates = list(self._capacities)
+            # A tuple, the same object while the set stands: the ledger matches it by identity, in O(1).
+            self._candidates = tuple(self._capacities)
         if self._capacities is not self._pushed:
             if self._capacities != self._pushed:
                 await self.ledger.set_replicas(self._capacities)

@@ -15,7 +15,10 @@ Bounded load (opt-in, `load_factor` c >= 1): with `total` = live in-flight over 
 plus this request, a replica is eligible while `in_flight + 1 <= ceil(c * total / N)`; the primary is
 the first eligible owner clockwise of the hash (reason `bound_exceeded` when that is not the natural
 owner) and the fallbacks are the distinct owners after it, whatever their load. The bounds add up to
-at least `total`, so some replica is always eligible.
+at least `total`, so some replica is always eligible. The live in-flight sum is kept, not added up per
+decision: it is summed once per views snapshot (O(N)) and then follows each change of the tracker's
+counts (`InFlightTracker.on_count_changed`, O(1)); eligibility is checked only for the owners the walk
+meets, so a bounded decision costs what an unbounded one does plus one check per owner passed over.
 
 Complexity. A lookup is a bisect over N*100 points, O(log(N*100)), plus a short clockwise walk to
 collect distinct owners (a few points on average). The ring changes only when the routable replica
@@ -35,12 +38,12 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 
 import mmh3
 
-from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
+from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, InFlightTracker, ReplicaView, RouteRequest, RoutingPolicy
 
 HASH_SEED = 0xF9B4CA77
 VIRTUAL_NODES = 100
@@ -79,6 +82,10 @@ class ConsistentHash(RoutingPolicy):
         # The ring as parallel lists sorted by (hash, owner): bisect works on the plain ints.
         self._points: list[int] = []
         self._owners: list[str] = []
+        # Bounded load: the live in-flight sum over these views, kept current through this tracker's changes.
+        self._load_views: dict[str, ReplicaView] = {}
+        self._load_tracker: InFlightTracker | None = None
+        self._load_total = 0
 
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
         current = set(replica_ids)
@@ -108,16 +115,16 @@ class ConsistentHash(RoutingPolicy):
             self._owners = [owners[i] for i in order]
         self.rebuild_count += 1
 
-    def lookup(self, key: str, eligible: set[str] | None = None) -> tuple[list[str], bool]:
+    def lookup(self, key: str, eligible: Callable[[str], bool] | None = None) -> tuple[list[str], bool]:
         """The primary and its fallbacks for `key`, and whether the natural owner was passed over.
 
-        With `eligible`, the primary is the first eligible owner clockwise; fallbacks may be any."""
+        With `eligible`, the primary is the first owner clockwise that it accepts; fallbacks may be any."""
         start = bisect_right(self._points, _hash(key)) % len(self._points)
         walk = self._walk(start)
         natural_pos, primary = next(walk)
         pos = natural_pos
-        if eligible is not None and primary not in eligible:
-            pos, primary = next((p, owner) for p, owner in walk if owner in eligible)
+        if eligible is not None and not eligible(primary):
+            pos, primary = next((p, owner) for p, owner in walk if eligible(owner))
         after = (owner for _, owner in self._walk((pos + 1) % len(self._points)) if owner != primary)
         return [primary, *islice(after, self.num_fallback_replicas)], pos != natural_pos
 
@@ -125,13 +132,31 @@ class ConsistentHash(RoutingPolicy):
         views = self.views_by_id
         eligible = None
         if self.load_factor is not None:
-            load = {replica_id: self.live_in_flight(view) for replica_id, view in views.items()}
-            bound = math.ceil(self.load_factor * (sum(load.values()) + 1) / len(load))
-            eligible = {replica_id for replica_id, n in load.items() if n + 1 <= bound}
+            bound = math.ceil(self.load_factor * (self._live_total() + 1) / len(views))
+
+            def eligible(replica_id: str) -> bool:
+                view = views.get(replica_id)
+                return view is not None and self.live_in_flight(view) + 1 <= bound
+
         key, sticky_reason = self._key(request)
         ids, passed_over = self.lookup(key, eligible)
         reason = "bound_exceeded" if passed_over else sticky_reason
         return [[views[replica_id]] for replica_id in ids], reason
+
+    def _live_total(self) -> int:
+        """Live in-flight summed over the routable replicas: O(N) for new views or a new tracker, else O(1)."""
+        if self.views_by_id is not self._load_views or self.tracker is not self._load_tracker:
+            if self._load_tracker is not None and self._load_tracker.on_count_changed == self._count_changed:
+                self._load_tracker.on_count_changed = None
+            self._load_views, self._load_tracker = self.views_by_id, self.tracker
+            self.tracker.on_count_changed = self._count_changed
+            self._load_total = sum(self.live_in_flight(view) for view in self.views_by_id.values())
+        return self._load_total
+
+    def _count_changed(self, replica_id: str, old: int, new: int) -> None:
+        view = self._load_views.get(replica_id)
+        if view is not None:
+            self._load_total += max(view.in_flight, new) - max(view.in_flight, old)
 
     def _key(self, request: RouteRequest) -> tuple[str, str]:
         """The hash key and the decision reason it gives when the primary is the natural owner."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from base.contracts import REASON_NO_REPLICA
@@ -99,7 +99,9 @@ class InFlightTracker:
 
     A request is counted on its primary *at decision time*, so a burst of simultaneous decisions
     sees each earlier one (scraped counts would lag and herd the burst onto one replica). A request
-    whose completion is never reported is forgotten after `forget_after_s`.
+    whose completion is never reported is forgotten after `forget_after_s`. `on_count_changed`, when set, is
+    told (replica id, old count, new count) on every change, so a policy can keep a sum over the counts
+    current in O(1) instead of adding them up per decision.
     """
 
     def __init__(self, forget_after_s: float = 900.0, clock=time.monotonic) -> None:
@@ -108,6 +110,7 @@ class InFlightTracker:
         self._placements: dict[str, _Placement] = {}
         self._counts: dict[str, int] = {}
         self._next_prune = 0.0
+        self.on_count_changed: Callable[[str, int, int], None] | None = None
 
     def count(self, replica_id: str) -> int:
         return self._counts.get(replica_id, 0)
@@ -118,15 +121,15 @@ class InFlightTracker:
             self._prune(now)
         self.finish(request_id)
         self._placements[request_id] = _Placement(ranked_ids[0], ranked_ids, now)
-        self._counts[ranked_ids[0]] = self._counts.get(ranked_ids[0], 0) + 1
+        self._add(ranked_ids[0], 1)
 
     def move(self, request_id: str, replica_id: str) -> int | None:
         """Re-count the request on the replica it actually went to; return that replica's rank."""
         placement = self._placements.get(request_id)
         if placement is None or placement.replica_id == replica_id:
             return 0 if placement is not None else None
-        self._counts[placement.replica_id] -= 1
-        self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
+        self._add(placement.replica_id, -1)
+        self._add(replica_id, 1)
         placement.replica_id = replica_id
         ranked = placement.ranked_ids
         return ranked.index(replica_id) if replica_id in ranked else None
@@ -134,7 +137,13 @@ class InFlightTracker:
     def finish(self, request_id: str) -> None:
         placement = self._placements.pop(request_id, None)
         if placement is not None:
-            self._counts[placement.replica_id] -= 1
+            self._add(placement.replica_id, -1)
+
+    def _add(self, replica_id: str, delta: int) -> None:
+        old = self._counts.get(replica_id, 0)
+        self._counts[replica_id] = old + delta
+        if self.on_count_changed is not None:
+            self.on_count_changed(replica_id, old, old + delta)
 
     def _prune(self, now: float) -> None:
         self._next_prune = now + 1.0

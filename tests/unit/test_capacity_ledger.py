@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from routers.capacity_ledger import CapacityLedger, UnknownReplicas
+from routers.capacity_ledger import MAX_CANDIDATE_SETS, CapacityLedger, UnknownReplicas
 from routers.capacity_queue import CapacityQueue, LocalLedgerClient
 from routers.core import CapacityToken, NoReplicaAvailable, ReplicaView, RouteRequest
 
@@ -365,5 +365,57 @@ def test_restart_bound_admits_at_most_twice_capacity() -> None:
         assert snapshot["unknown_releases"] == len(old)
         assert snapshot["released"] == snapshot["double_releases"] == 0
         assert {r: s["in_flight"] for r, s in snapshot["replicas"].items()} == CAPACITIES
+
+    asyncio.run(run())
+
+
+def test_every_caller_gets_the_least_loaded_replica_with_room_in_its_own_set() -> None:
+    """Callers narrow the set differently (tuples reused, equal tuples, lists; more sets than the ledger keeps),
+    grants and releases interleave and capacities change: each grant is checked against a scan of the caller's set."""
+    rng = random.Random(7)
+    ids = [f"r{i}" for i in range(6)]
+    capacities = {r: rng.randint(1, 3) for r in ids}
+    sets = [tuple(rng.sample(ids, rng.randint(1, 6))) for _ in range(MAX_CANDIDATE_SETS + 4)]
+
+    async def run() -> None:
+        ledger = CapacityLedger(seed=3)
+        ledger.set_replicas(capacities)
+        held: list[CapacityToken] = []
+        for step in range(3000):
+            if step % 500 == 499:
+                capacities.update({r: rng.randint(0, 3) for r in rng.sample(ids, 2)})
+                ledger.set_replicas(capacities)
+            if held and rng.random() < 0.45:
+                assert ledger.release(held.pop(rng.randrange(len(held))).token_id)
+                continue
+            chosen = rng.choice(sets)
+            candidates = chosen if rng.random() < 0.8 else rng.choice([tuple(chosen), list(chosen)])
+            room = {r: ledger.in_flight(r) / capacities[r] for r in chosen if ledger.in_flight(r) < capacities[r]}
+            token = await ledger.acquire(candidates, f"req-{step}")
+            if not room:
+                assert token is None
+                continue
+            assert token.replica_id in room and room[token.replica_id] == min(room.values())
+            held.append(token)
+
+    asyncio.run(run())
+
+
+def test_a_waiter_is_served_after_its_candidate_set_was_dropped() -> None:
+    async def run() -> None:
+        ledger = CapacityLedger()
+        ledger.set_replicas({"a": 1, "b": 1})
+        held = {t.replica_id: t for t in [await ledger.acquire(("a", "b"), f"r{i}") for i in range(2)]}
+        waiter = asyncio.create_task(ledger.acquire(("a", "b"), "w1", wait_s=5.0))
+        await asyncio.sleep(0.01)
+        for i in range(MAX_CANDIDATE_SETS):  # other callers' sets push the waiter's out of the ledger
+            assert await ledger.acquire(("a", f"gone-{i}"), f"other-{i}") is None
+        ledger.release(held["b"].token_id)
+        assert (await asyncio.wait_for(waiter, 1.0)).replica_id == "b"
+        waiter = asyncio.create_task(ledger.acquire(("a", "b"), "w2", wait_s=5.0))
+        await asyncio.sleep(0.01)
+        ledger.set_replicas({"a": 1, "b": 2})  # new capacity drops every set, and goes to the waiter
+        assert (await asyncio.wait_for(waiter, 1.0)).replica_id == "b"
+        assert ledger.in_flight("b") == 2
 
     asyncio.run(run())

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import routers.consistent_hash as ch
 from routers.consistent_hash import ConsistentHash
-from routers.core import ReplicaView, RouteRequest
+from routers.core import InFlightTracker, ReplicaView, RouteRequest
 
 REPO = Path(__file__).resolve().parents[2]
 replica_ids = st.text(min_size=1, max_size=16)
@@ -64,7 +64,7 @@ def test_constants_are_pinned() -> None:
 _CHILD = """
 import json, random, sys
 from routers.consistent_hash import ConsistentHash
-from routers.core import ReplicaView, RouteRequest
+from routers.core import InFlightTracker, ReplicaView, RouteRequest
 job = json.load(sys.stdin)
 out = []
 for ids in job["sets"]:
@@ -300,3 +300,42 @@ def test_constructor_rejects_bad_settings(kwargs, message) -> None:
 def test_constructor_accepts_the_edges() -> None:
     policy = ConsistentHash(num_fallback_replicas=0, load_factor=1.0)
     assert (policy.num_fallback_replicas, policy.load_factor, policy.rebuild_count) == (0, 1.0, 0)
+
+
+def test_bounded_load_on_one_views_tuple_tracks_every_change_of_the_counts() -> None:
+    """The same views tuple throughout, so the load sum is kept rather than added up: completions, requests that went
+    to a fallback, a swapped tracker and requests it forgets all change it, and each primary matches a full recount."""
+    ids = [f"replica-{i}" for i in range(6)]
+    reported = {r: i % 3 for i, r in enumerate(ids)}  # the caller's own counts, the floor of each live count
+    views = tuple(ReplicaView(replica_id=r, in_flight=reported[r]) for r in ids)
+    ring = _oracle_ring(ids)
+    policy = ConsistentHash(load_factor=1.25)
+    rng = random.Random(5)
+    now = [0.0]
+    placed: dict[str, str] = {}  # open request id -> the replica it is counted on
+    for step in range(600):
+        if step == 300:
+            policy.tracker = InFlightTracker(forget_after_s=10.0, clock=lambda: now[0])
+            placed.clear()
+        if open_ids := sorted(placed):
+            request_id = rng.choice(open_ids)
+            roll = rng.random()
+            if roll < 0.25:
+                policy.on_completed(request_id, placed.pop(request_id))
+                continue
+            if roll < 0.35:
+                placed[request_id] = rng.choice(ids)
+                policy.on_routed(RouteRequest(request_id=request_id), placed[request_id])
+                continue
+        live = {r: max(reported[r], sum(p == r for p in placed.values())) for r in ids}
+        bound = math.ceil(1.25 * (sum(live.values()) + 1) / len(ids))
+        session = f"hot-{rng.randrange(3)}"
+        expected = next(r for r in _oracle_lookup(ring, session, len(ids) - 1) if live[r] + 1 <= bound)
+        request_id = f"req-{step}"
+        forgets = step >= 450 and not now[0]  # this decision's placement forgets every earlier one
+        if forgets:
+            now[0] = 11.0
+        assert policy.rank(views, RouteRequest(request_id, session))[0][0].replica_id == expected
+        if forgets:
+            placed.clear()
+        placed[request_id] = expected
