@@ -45,6 +45,10 @@ PREFILL_BY_CALLER_HEADER = "x-sluice-prefill-by-caller"
 # On a decode replica's response: the replica that ran the prefill, and why it ran locally when it did.
 SERVED_PREFILL_HEADER = "x-serve-prefill-replica"
 PREFILL_FALLBACK_HEADER = "x-serve-prefill-fallback"
+# On every response of a replica whose engine is a stand-in (benchmarks only, `LLMAppConfig.engine_stand_in`): which
+# one. `zero_compute` answers `max_tokens` copies of one token without running the model.
+ENGINE_STAND_IN_HEADER = "x-serve-engine-stand-in"
+ZERO_COMPUTE_STAND_IN = "zero_compute"
 # Checked by the frontend when a stack turns API keys on, then removed: a replica never sees it.
 AUTHORIZATION_HEADER = "authorization"
 RETRY_AFTER_HEADER = "retry-after"

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from base.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS
+from base.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS, ZERO_COMPUTE_STAND_IN
 from base.rollout import config_version
 from base.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
 from base.tiny_model import SERVED_MODEL_NAME
@@ -182,6 +182,21 @@ class LLMAppConfig(BaseModel):
     deployment: ReplicaDeploymentConfig = Field(default_factory=ReplicaDeploymentConfig)
     data_parallel: DataParallelEngine | None = None
     prefill_decode: PrefillDecodeRole | None = None
+    engine_stand_in: Literal[ZERO_COMPUTE_STAND_IN] | None = Field(
+        None,
+        description=(
+            "Benchmarks only: `zero_compute` answers every completion with `max_tokens` copies of one token without "
+            "running the model (services.zero_compute_engine), behind the same replica app, and names itself in every "
+            "response's `x-serve-engine-stand-in` header. Never set by a team topology."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _stand_in_alone(self) -> LLMAppConfig:
+        # A decode replica needs the prefill replica's KV transfer parameters, which no stand-in produces.
+        if self.engine_stand_in is not None and self.prefill_decode is not None:
+            raise ValueError("engine_stand_in cannot serve a prefill/decode role")
+        return self
 
     def rollout_version(self) -> str:
         """Serve's version of the deployment: everything but `num_replicas`, and the sluice release.

@@ -13,6 +13,9 @@ gang of replicas (`ranks`, services.rank_gang). Prefill/decode replicas run vLLM
 (`--kv-transfer-config`): each gets its own NIXL side channel (host and a free port, set before the engine
 starts), and a decode replica runs every completion's prefill on the prefill replica the router chose
 (services.remote_prefill).
+
+For benchmarks only, `engine_stand_in: zero_compute` puts services.zero_compute_engine's stand-in in front of the
+started engine, so the app answers without running the model; every response then names it (`x-serve-engine-stand-in`).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class LLMReplica:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(context.rank.local_rank, 1)
         self._args = parse_engine_args(engine)
         self._engine = start_engine(self._args)
-        self._app = await build_openai_app(self._engine, self._args)
+        self._app = await build_openai_app(self._serving_engine(), self._args)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
         # outermost: the headers stamp, then the capacity release, then the remote prefill, then vLLM's.
         self._app.middleware_stack = None
@@ -79,12 +82,26 @@ class LLMReplica:
             ledger = NamedLedgerClient(ledger_actor_name(context.app_name, self._config.deployment.name))
             self._app.add_middleware(CapacityReleaseMiddleware, ledger=ledger)
         rank = self._gang.rank if self._gang is not None else None
+        stand_in = self._config.engine_stand_in
         self._app.add_middleware(
-            ReplicaHeadersMiddleware, replica_id=self.replica_id, echo_request_id=False, data_parallel_rank=rank
+            ReplicaHeadersMiddleware,
+            replica_id=self.replica_id,
+            echo_request_id=False,
+            data_parallel_rank=rank,
+            engine_stand_in=stand_in,
         )
         self._handle_app = ReplicaHeadersMiddleware(
-            self._app, self.replica_id, echo_request_id=True, data_parallel_rank=rank
+            self._app, self.replica_id, echo_request_id=True, data_parallel_rank=rank, engine_stand_in=stand_in
         )
+
+    def _serving_engine(self) -> Any:
+        """What the app's handlers call: the engine, or the benchmark stand-in wrapped around it."""
+        if self._config.engine_stand_in is None:
+            return self._engine
+        # Imported here: the module imports vLLM, which a driver importing this one must not pay for.
+        from services.zero_compute_engine import ZeroComputeEngineStandIn
+
+        return ZeroComputeEngineStandIn(self._engine)
 
     async def __serve_build_asgi_app__(self) -> Any:
         return self._app

@@ -12,7 +12,13 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from base.contracts import DATA_PARALLEL_RANK_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, SERVED_RANK_HEADER
+from base.contracts import (
+    DATA_PARALLEL_RANK_HEADER,
+    ENGINE_STAND_IN_HEADER,
+    REPLICA_HEADER,
+    REQUEST_ID_HEADER,
+    SERVED_RANK_HEADER,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -24,6 +30,7 @@ _REQUEST_ID = REQUEST_ID_HEADER.encode()
 _REPLICA = REPLICA_HEADER.encode()
 _RANK = DATA_PARALLEL_RANK_HEADER.encode()
 _SERVED_RANK = SERVED_RANK_HEADER.encode()
+_STAND_IN = ENGINE_STAND_IN_HEADER.encode()
 MAX_REQUEST_ID_LEN = 128
 
 
@@ -34,19 +41,26 @@ def _valid_request_id(raw: bytes) -> bool:
 class ReplicaHeadersMiddleware:
     """Give the request an `x-request-id` (the client's, or a new one when absent or malformed) and
     stamp the response with `x-serve-replica` (and with `x-serve-data-parallel-rank`: the rank of a replica that is
-    one DP rank, else the engine rank the request named, which vLLM honours).
+    one DP rank, else the engine rank the request named, which vLLM honours), and with `x-serve-engine-stand-in` when
+    the replica's engine is a benchmark stand-in (services.zero_compute_engine).
 
     `echo_request_id` also writes `x-request-id` on the response. Serve's direct ingress already
     echoes it on the HTTP path (it would appear twice), so only the in-process handle path sets it.
     """
 
     def __init__(
-        self, app: ASGIApp, replica_id: str, echo_request_id: bool, data_parallel_rank: int | None = None
+        self,
+        app: ASGIApp,
+        replica_id: str,
+        echo_request_id: bool,
+        data_parallel_rank: int | None = None,
+        engine_stand_in: str | None = None,
     ) -> None:
         self.app = app
         self.replica_id = replica_id.encode()
         self.echo_request_id = echo_request_id
         self.data_parallel_rank = str(data_parallel_rank).encode() if data_parallel_rank is not None else None
+        self.engine_stand_in = engine_stand_in.encode() if engine_stand_in is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,6 +81,8 @@ class ReplicaHeadersMiddleware:
                 kept.append((_REPLICA, self.replica_id))
                 if rank is not None:
                     kept.append((_SERVED_RANK, rank))
+                if self.engine_stand_in is not None:
+                    kept.append((_STAND_IN, self.engine_stand_in))
                 if self.echo_request_id:
                     kept.append((_REQUEST_ID, request_id))
                 message["headers"] = kept
