@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 
 import ray
 from ray.actor import ActorHandle
@@ -53,7 +54,7 @@ class CapacityLedgerActor:
         self._ledger = CapacityLedger(token_ttl_s=token_ttl_s)
         self._reaper = asyncio.get_running_loop().create_task(self._ledger.run_reaper(reap_interval_s))
 
-    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float = 0.0) -> CapacityToken | None:
+    async def acquire(self, replica_ids: Sequence[str], request_id: str, wait_s: float = 0.0) -> CapacityToken | None:
         return await self._ledger.acquire(replica_ids, request_id, wait_s)
 
     async def release(self, token_id: str) -> bool:
@@ -95,7 +96,7 @@ class ActorLedgerClient:
         self.call_timeout_s = call_timeout_s
         self._reclaims: set[asyncio.Task] = set()
 
-    async def acquire(self, replica_ids: list[str], request_id: str, wait_s: float) -> CapacityToken | None:
+    async def acquire(self, replica_ids: Sequence[str], request_id: str, wait_s: float) -> CapacityToken | None:
         ref = self.handle.acquire.remote(replica_ids, request_id, wait_s)
         try:
             return await asyncio.wait_for(ref, wait_s + self.call_timeout_s)
