@@ -9,7 +9,7 @@ CUDA_ONLY := torchvision torchaudio torchcodec triton
 # UCX and links no CUDA; --no-deps keeps pip from pulling CUDA torch.
 NIXL := nixl==1.5.1 nixl-cu12==1.5.1
 
-.PHONY: venv model serve test test-unit lint bench bench-routers clean
+.PHONY: venv model serve test test-unit lint bench bench-replicas bench-routers clean
 
 venv: $(STAMP)
 
@@ -35,11 +35,15 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest -v tests/unit
 
+# Every path side by side (tiny model and zero-compute stand-in), the overhead's parts, the route call at fixed rates.
 bench: $(STAMP)
+	$(VENV)/bin/sluice bench paths
+
+# Replica startup/memory/speed, the direct path's TTFT against the replica port, prefill/decode against plain.
+bench-replicas: $(STAMP)
 	$(VENV)/bin/sluice bench replica
 	$(VENV)/bin/sluice bench direct
 	$(VENV)/bin/sluice bench pd
-	$(VENV)/bin/sluice bench paths
 
 bench-routers: $(STAMP)
 	$(VENV)/bin/sluice bench routers

@@ -1,50 +1,66 @@
 """`sluice bench paths`: the same streams over every path to the same replicas, side by side, in one run.
 
-Paths (each to the same two tiny-model replicas of one stack, the embedded default with its legacy ingress
-retained and every session on the direct path):
+Paths (each to the same two replicas of one stack, the embedded default with its legacy ingress retained and every
+session on the direct path):
 - `replica_port`: the replicas' own HTTP ports, spread round-robin — the limit every other path is compared to;
-- `direct`: sluice's direct path (HAProxy -> router -> replica port);
+- `haproxy_only`: a plain HAProxy round-robin over the same ports, no Lua, no route call (sluice.bench_overhead):
+  what the data plane costs by itself;
+- `direct`: sluice's direct path (HAProxy -> Lua route call -> router -> replica port);
 - `legacy`: sluice's retained legacy ingress (its replica's port: a Python relay and a handle call per chunk);
-- `serve_proxy`: Serve's default Python proxy in front of the LLM app.
-Ray 2.60's own HAProxy direct streaming (`RAY_SERVE_ENABLE_HA_PROXY=1` with Ray Serve LLM's builder) needs a
-cluster started with that flag and its own LLM deployment; it is not measured here yet.
+- `serve_proxy`: Serve's default Python proxy in front of the LLM app;
+- `ray_peer`: Ray 2.60's own HAProxy direct streaming (`RAY_SERVE_ENABLE_HA_PROXY=1`, Ray Serve LLM's builder and
+  its LLMRouter) on its own replicas of the same model with the same engine settings (sluice.ray_peer), and
+  `ray_replica_port`, those replicas' own ports (the peer's limit). Ray's HAProxy binds ports on all interfaces, so
+  the peer runs only when the bench runs in a private network namespace with loopback alone (`sluice bench paths`
+  re-executes itself in one when it can).
 
-Every figure is the median of `REPETITIONS` interleaved rounds (path A, B, C, D, then A again ...), with its min and
+Workloads: the tiny vLLM model at 1, 16 and 64 concurrent streams; then the same paths in front of a zero-compute
+engine stand-in (services.zero_compute_engine, behind the same replica app: the engine is not the bottleneck, the
+paths are), many short and many long streams. Then the route call at fixed rates (sluice.bench_overhead).
+
+Every figure is the median of `REPETITIONS` interleaved rounds (path A, B, C, ... then A again), with its min and
 max, because these machines are shared and noisy: ratios to `replica_port` matter, not absolute times. Writes the
-terminal table, `paths.json` and `paths.png` into the output folder.
+terminal tables, `paths.json` and a chart per workload into the output folder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from base.contracts import ZERO_COMPUTE_STAND_IN
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.metrics import quantile
 from loadtests.stream_probe import StreamResult, one_stream
+from sluice.bench_overhead import passthrough_haproxy, rates_table, route_call_rates
+from sluice.bench_summary import Rounds, chart, summarize, table
 
-PATHS = ("replica_port", "direct", "legacy", "serve_proxy")
-CONCURRENCY = (1, 16, 64)
 REPETITIONS = 3
-MAX_TOKENS = 64
-FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "headers_p50_ms")
+# Workload -> (label, concurrent streams, max_tokens) cases.
+TINY_MODEL = "tiny_model"
+ZERO_COMPUTE = "zero_compute_engine_stand_in"
+CASES = {
+    TINY_MODEL: [("1", 1, 64), ("16", 16, 64), ("64", 64, 64)],
+    ZERO_COMPUTE: [("64x16", 64, 16), ("64x256", 64, 256)],
+}
 TEAM_FILE = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "local-cpu.yaml"
 
 
-async def _round(urls: list[str], streams: int) -> dict[str, float]:
+async def _round(urls: list[str], streams: int, max_tokens: int) -> dict[str, float]:
     """`streams` concurrent streams over `urls` (round-robin): the figures of one round."""
     limits = httpx.Limits(max_connections=streams)
     async with httpx.AsyncClient(timeout=300, limits=limits, headers={"accept-encoding": "identity"}) as client:
         started = time.perf_counter()
         results: list[StreamResult] = await asyncio.gather(
-            *(one_stream(client, urls[i % len(urls)], SERVED_MODEL_NAME, MAX_TOKENS) for i in range(streams))
+            *(one_stream(client, urls[i % len(urls)], SERVED_MODEL_NAME, max_tokens) for i in range(streams))
         )
         wall = time.perf_counter() - started
     ttfts = [r.ttft_s * 1000 for r in results]
@@ -59,65 +75,19 @@ async def _round(urls: list[str], streams: int) -> dict[str, float]:
     }
 
 
-def summarize(rounds: dict[str, dict[int, list[dict[str, float]]]]) -> dict[str, Any]:
-    """Median, min and max of every figure per path and concurrency, and the median's ratio to `replica_port`."""
-    summary: dict[str, Any] = {}
-    for path, by_streams in rounds.items():
-        summary[path] = {}
-        for streams, measured in by_streams.items():
-            entry = {}
-            for figure in FIGURES:
-                values = [m[figure] for m in measured]
-                limit = statistics.median(m[figure] for m in rounds["replica_port"][streams])
-                median = statistics.median(values)
-                entry[figure] = {
-                    "median": median,
-                    "min": min(values),
-                    "max": max(values),
-                    "ratio": median / limit if limit else None,
-                }
-            summary[path][str(streams)] = entry
-    return summary
+def interleaved(urls: dict[str, list[str]], cases: list[tuple[str, int, int]]) -> Rounds:
+    """Every case over every path, path after path, `REPETITIONS` times (after one warm-up round per path)."""
+    for path_urls in urls.values():
+        asyncio.run(_round(path_urls, 2, 8))
+    rounds: Rounds = {path: {label: [] for label, _, _ in cases} for path in urls}
+    for _ in range(REPETITIONS):
+        for label, streams, max_tokens in cases:
+            for path, path_urls in urls.items():
+                rounds[path][label].append(asyncio.run(_round(path_urls, streams, max_tokens)))
+    return rounds
 
 
-def table(summary: dict[str, Any]) -> str:
-    lines = [f"{'path':<13}{'streams':>8}" + "".join(f"{f:>16}" for f in FIGURES)]
-    for path, by_streams in summary.items():
-        for streams, entry in by_streams.items():
-            cells = "".join(
-                f"{entry[f]['median']:>9.1f} x{entry[f]['ratio']:<5.2f}"
-                if entry[f]["ratio"] is not None
-                else f"{'-':>16}"
-                for f in FIGURES
-            )
-            lines.append(f"{path:<13}{streams:>8}{cells}")
-    return "\n".join(lines)
-
-
-def chart(summary: dict[str, Any], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(summary)
-    for index, (path, by_streams) in enumerate(summary.items()):
-        xs = [i + index * width for i in range(len(by_streams))]
-        axes[0].bar(xs, [e["tokens_per_s"]["ratio"] for e in by_streams.values()], width, label=path)
-        axes[1].bar(xs, [e["ttft_p50_ms"]["median"] for e in by_streams.values()], width, label=path)
-    for ax, title in zip(axes, ("output tokens/s, ratio to the replica port", "TTFT p50 (ms)"), strict=True):
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(CONCURRENCY))], [f"{n} streams" for n in CONCURRENCY])
-        ax.set_title(title)
-    axes[0].legend(loc="lower left")
-    fig.tight_layout()
-    path = out / "paths.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def _deploy_stack(folder: Path) -> tuple[Any, dict[str, list[str]]]:
+def _deploy_stack(folder: Path, name: str, stand_in: str | None = None) -> tuple[Any, dict[str, list[str]]]:
     """The embedded default with its legacy ingress retained, on free ports; each path's base URLs."""
     from base.runtime import DEFAULT_SERVE_PROXY_PORT, LOOPBACK, free_port
     from builders.plan import build_plan
@@ -126,18 +96,26 @@ def _deploy_stack(folder: Path) -> tuple[Any, dict[str, list[str]]]:
     from topologies.spec import parse_spec
 
     data = yaml.safe_load(TEAM_FILE.read_text())
-    data["name"] = "bench-paths"
+    data["name"] = name
     data["frontend"].update(port=free_port(LOOPBACK), metrics_port=free_port(LOOPBACK))
     data["ingress"] = {"mode": "both", "canary_weight": 100}
     for model in data["models"]:
         model["max_ongoing_requests"] = 128
     spec = parse_spec(data)
     plan = build_plan(spec)
-    ensure_models(spec)
-    (folder / "stack.yaml").write_text(yaml.safe_dump(data))
-    if not apply_plan(spec, plan):
-        raise RuntimeError("the bench stack did not come up")
     model = plan.models[0]
+    if stand_in is not None:
+        apps = [
+            app.model_copy(update={"args": {**app.args, "engine_stand_in": stand_in}})
+            if app.name == model.llm_app
+            else app
+            for app in plan.apps
+        ]
+        plan = plan.model_copy(update={"apps": apps})
+    ensure_models(spec)
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    if not apply_plan(spec, plan):
+        raise RuntimeError(f"the bench stack {name} did not come up")
     replicas = asyncio.run(list_replica_endpoints(model.llm_app))
     legacy = asyncio.run(list_replica_endpoints(model.legacy_app))
     urls = {
@@ -149,31 +127,75 @@ def _deploy_stack(folder: Path) -> tuple[Any, dict[str, list[str]]]:
     return plan, urls
 
 
-def run_paths_bench(out: Path) -> dict[str, Any]:
+def _delete_stack(plan: Any) -> None:
+    from ray import serve
+
+    for app in reversed(plan.apps):
+        serve.delete(app.name)
+
+
+@contextlib.contextmanager
+def _peer(with_peer: bool) -> Iterator[tuple[Any, str]]:
+    """Ray's own direct streaming on the tiny model, or None and why not."""
+    from base.runtime import cache_dir, default_model_dir
+    from sluice.ray_peer import in_private_netns, running_ray_peer
+
+    if not with_peer:
+        yield None, "not run (--no-peer)"
+    elif not in_private_netns():
+        yield None, "not run: not in a private network namespace (Ray's HAProxy binds all interfaces)"
+    else:
+        # A short workdir: Ray's socket paths under it must stay within the OS limit.
+        with running_ray_peer(default_model_dir(), cache_dir() / "ray-peer") as peer:
+            yield peer, "measured (in-process executor, like sluice's replicas)"
+
+
+def _measure(out: Path, name: str, stand_in: str | None, peer: Any) -> tuple[Rounds, Any]:
+    plan, urls = _deploy_stack(out, name, stand_in)
+    with passthrough_haproxy(out, urls["replica_port"]) as haproxy_url:
+        ordered = {"replica_port": urls.pop("replica_port"), "haproxy_only": [haproxy_url], **urls}
+        if peer is not None:
+            ordered["ray_replica_port"] = peer.replica_urls
+            ordered["ray_peer"] = [peer.url]
+        rounds = interleaved(ordered, CASES[TINY_MODEL if stand_in is None else ZERO_COMPUTE])
+    return rounds, plan
+
+
+def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
+    from ray import serve
+
     from sluice.cluster import start_local_cluster, stop_local_cluster
 
     out.mkdir(parents=True, exist_ok=True)
     start_local_cluster(log_to_driver=False)
     try:
-        plan, urls = _deploy_stack(out)
-        for path_urls in urls.values():  # warm every path once
-            asyncio.run(_round(path_urls, 2))
-        rounds: dict[str, dict[int, list[dict[str, float]]]] = {p: {n: [] for n in CONCURRENCY} for p in PATHS}
-        for _ in range(REPETITIONS):
-            for streams in CONCURRENCY:
-                for path in PATHS:
-                    rounds[path][streams].append(asyncio.run(_round(urls[path], streams)))
+        with _peer(with_peer) as (peer, peer_note):
+            tiny_rounds, plan = _measure(out, "bench-paths", None, peer)
+        model = plan.models[0]
+        rates = route_call_rates(plan.url, serve.get_app_handle(plan.frontend_app), model.router_app)
+        _delete_stack(plan)
+        zero_rounds, _ = _measure(out, "bench-zero", ZERO_COMPUTE_STAND_IN, None)
     finally:
         stop_local_cluster()
-    summary = summarize(rounds)
     measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    payload = {"measured_at": measured_at, "max_tokens": MAX_TOKENS, "repetitions": REPETITIONS, "paths": summary}
+    workloads = {TINY_MODEL: summarize(tiny_rounds), ZERO_COMPUTE: summarize(zero_rounds)}
+    payload = {
+        "measured_at": measured_at,
+        "repetitions": REPETITIONS,
+        "cases": {
+            w: [{"label": c[0], "streams": c[1], "max_tokens": c[2]} for c in cases] for w, cases in CASES.items()
+        },
+        "ray_peer": peer_note,
+        "workloads": workloads,
+        "route_call_rates": rates,
+    }
     (out / "paths.json").write_text(json.dumps(payload, indent=2))
-    chart(summary, out)
-    print(
-        f"paths to the same replicas, {MAX_TOKENS}-token streams, median of {REPETITIONS} interleaved rounds "
-        f"(x ratio to replica_port), {measured_at}:"
-    )
-    print(table(summary))
-    print(f"written: {out / 'paths.json'}, {out / 'paths.png'}")
+    for workload, summary in workloads.items():
+        chart(summary, out / f"paths-{workload}.png", f"{workload.replace('_', ' ')}, {measured_at}")
+        print(f"\n{workload}: median of {REPETITIONS} interleaved rounds (x ratio to replica_port), {measured_at}:")
+        print(table(summary))
+    print(f"\nray_peer: {peer_note}; ray_replica_port: the peer's replicas' own ports")
+    print("\nroute call as HAProxy's Lua action times it, open-loop POSTs at fixed rates:")
+    print(rates_table(rates))
+    print(f"written: {out / 'paths.json'}, {out}/paths-*.png")
     return payload

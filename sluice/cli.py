@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -277,9 +280,15 @@ def _bench_pd(args: argparse.Namespace) -> int:
 
 
 def _bench_paths(args: argparse.Namespace) -> int:
+    """Re-executed in a private network namespace when this machine allows it (root, `unshare`): Ray's own HAProxy,
+    the peer, binds ports on every interface, and there loopback is the only one."""
     from sluice.bench_paths import run_paths_bench
+    from sluice.ray_peer import in_private_netns, private_netns_argv
 
-    run_paths_bench(Path(args.out))
+    if not args.no_peer and not in_private_netns() and os.geteuid() == 0 and shutil.which("unshare"):
+        argv = [sys.executable, "-m", "sluice.cli", "bench", "paths", "--out", str(Path(args.out).resolve())]
+        return subprocess.run(private_netns_argv(argv), check=False).returncode
+    run_paths_bench(Path(args.out), with_peer=not args.no_peer)
     return 0
 
 
@@ -410,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--samples", type=int, default=30, help="streams per stack and prompt length")
     pd.set_defaults(func=_bench_pd)
     paths = bench_commands.add_parser("paths", help="replica port, direct, legacy, Serve proxy: side by side")
-    paths.add_argument("--out", default=".cache/bench", help="where paths.json and paths.png go")
+    paths.add_argument("--out", default=".cache/bench", help="where paths.json and the charts go")
+    paths.add_argument("--no-peer", action="store_true", help="skip Ray's own direct streaming (the peer)")
     paths.set_defaults(func=_bench_paths)
     routers = bench_commands.add_parser("routers", help="policy decision time, ring rebuild, ledger round trip")
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")

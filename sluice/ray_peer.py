@@ -309,7 +309,9 @@ def _stop_on_signal_or_eof() -> None:
 
 
 def _signal_at_stdin_eof() -> None:
-    while sys.stdin.buffer.read1(4096):
+    # The raw descriptor, not sys.stdin: a daemon thread blocked inside the buffered reader holds its lock, and the
+    # interpreter's shutdown then aborts ("could not acquire lock for <stdin>").
+    while os.read(sys.stdin.fileno(), 4096):
         pass
     os.kill(os.getpid(), signal.SIGTERM)
 

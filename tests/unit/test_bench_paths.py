@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.bench_paths import FIGURES, summarize, table
+from sluice.bench_summary import FIGURES, summarize, table
 
 
 def rounds_of(tokens_per_s: list[float], ttft_ms: list[float]) -> list[dict[str, float]]:
@@ -14,8 +14,8 @@ def rounds_of(tokens_per_s: list[float], ttft_ms: list[float]) -> list[dict[str,
 
 def test_medians_min_max_and_ratios_to_the_replica_port() -> None:
     rounds = {
-        "replica_port": {16: rounds_of([100, 120, 110], [10, 12, 11])},
-        "direct": {16: rounds_of([99, 90, 105], [12, 13, 30])},
+        "replica_port": {"16": rounds_of([100, 120, 110], [10, 12, 11])},
+        "direct": {"16": rounds_of([99, 90, 105], [12, 13, 30])},
     }
     summary = summarize(rounds)
     direct = summary["direct"]["16"]

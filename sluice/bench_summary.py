@@ -1,0 +1,73 @@
+"""The paths bench's figures: medians of interleaved rounds with min and max, ratios to the replica port, the
+terminal table and the chart."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "headers_p50_ms")
+LIMIT_PATH = "replica_port"
+# Rounds per path and case: {path: {case label: [figures of one round, ...]}}.
+Rounds = dict[str, dict[str, list[dict[str, float]]]]
+
+
+def summarize(rounds: Rounds) -> dict[str, Any]:
+    """Median, min and max of every figure per path and case, and the median's ratio to the replica port's."""
+    summary: dict[str, Any] = {}
+    for path, by_case in rounds.items():
+        summary[path] = {}
+        for case, measured in by_case.items():
+            entry = {}
+            for figure in FIGURES:
+                values = [m[figure] for m in measured]
+                limit = statistics.median(m[figure] for m in rounds[LIMIT_PATH][case])
+                median = statistics.median(values)
+                entry[figure] = {
+                    "median": median,
+                    "min": min(values),
+                    "max": max(values),
+                    "ratio": median / limit if limit else None,
+                }
+            summary[path][case] = entry
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [f"{'path':<13}{'streams':>10}" + "".join(f"{f:>16}" for f in FIGURES)]
+    for path, by_case in summary.items():
+        for case, entry in by_case.items():
+            cells = "".join(
+                f"{entry[f]['median']:>9.1f} x{entry[f]['ratio']:<5.2f}"
+                if entry[f]["ratio"] is not None
+                else f"{'-':>16}"
+                for f in FIGURES
+            )
+            lines.append(f"{path:<13}{case:>10}{cells}")
+    return "\n".join(lines)
+
+
+def chart(summary: dict[str, Any], path: Path, title: str) -> Path:
+    """Tokens/s as a ratio to the replica port and TTFT p50, per case, a bar per path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(summary)
+    cases = list(summary[LIMIT_PATH])
+    for index, (name, by_case) in enumerate(summary.items()):
+        xs = [i + index * width for i in range(len(cases))]
+        axes[0].bar(xs, [by_case[c]["tokens_per_s"]["ratio"] for c in cases], width, label=name)
+        axes[1].bar(xs, [by_case[c]["ttft_p50_ms"]["median"] for c in cases], width, label=name)
+    for ax, figure in zip(axes, ("output tokens/s, ratio to the replica port", "TTFT p50 (ms)"), strict=True):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], [f"{c} streams" for c in cases])
+        ax.set_title(figure)
+    axes[0].legend(loc="lower left", fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
