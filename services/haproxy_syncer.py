@@ -304,7 +304,7 @@ class HAProxySyncer:
                 host, _, port = stat.addr.rpartition(":")
                 found = ReplicaEndpoint(replica_id=name, deployment="", host=host, port=int(port or 0))
                 live = wanted.get(name)
-                if live is not None and _same_address(live, found) and not stat.admin_maint:
+                if live is not None and (live.host, live.haproxy_port) == (host, found.port) and not stat.admin_maint:
                     pool.members[name] = Member(live)
                 else:
                     pool.members[name] = Member(found, leaving_since=now)

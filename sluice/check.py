@@ -103,19 +103,21 @@ def served_is_chosen(client: httpx.Client, base: str, model: str, frontend_handl
     )
 
 
-def fault_injection(client: httpx.Client, base: str, spec: Any, frontend: dict[str, Any], plan: Any) -> Result:
+def fault_injection(client: httpx.Client, base: str, spec: Any, plan: Any) -> Result:
     if not spec.staging:
         return None, "not a staging stack (`staging: true` lets sluice make a router fail)"
+    from services.serve_internals import list_replica_endpoints
+
     first = plan.models[0]
-    routers = [s for s in frontend["servers"] if s["backend"] == first.router_backend]
-    prefix = f"/{first.router_app}"
-    for router in routers:
-        client.post(f"http://{router['addr']}{prefix}{FAULT_PATH}", json={"seconds": FAULT_SECONDS}).raise_for_status()
+    # Each router replica's app on Serve's port (HAProxy's router servers point at the route listeners).
+    urls = [f"{e.url}/{first.router_app}{FAULT_PATH}" for e in asyncio.run(list_replica_endpoints(first.router_app))]
+    for url in urls:
+        client.post(url, json={"seconds": FAULT_SECONDS}).raise_for_status()
     try:
         response = direct_post(client, f"{base}/v1/chat/completions", chat(first.name))
     finally:
-        for router in routers:
-            client.post(f"http://{router['addr']}{prefix}{FAULT_PATH}", json={"seconds": 0})
+        for url in urls:
+            client.post(url, json={"seconds": 0})
     if response is None:
         return False, "no request reached the direct path"
     reason = response.headers.get(SERVE_REASON_HEADER)
@@ -180,7 +182,7 @@ def run_checks(spec: Any | None, plan: Any | None, base: str) -> list[Item]:
         if plan is not None:
             record("server map", server_map, frontend, plan)
             record("served replica is the chosen one", served_is_chosen, client, base, model, handle)
-            record("fault injection", fault_injection, client, base, spec, frontend, plan)
+            record("fault injection", fault_injection, client, base, spec, plan)
         else:
             items += [
                 Item(n, None, skipped) for n in ("server map", "served replica is the chosen one", "fault injection")

@@ -31,6 +31,7 @@ from base.contracts import (
 )
 from base.runtime import cache_dir
 from infra.runtime_api import RuntimeAPI
+from services.serve_internals import list_replica_endpoints
 from sluice.check import report, run_checks, verdict
 from tests.integration.sse import DONE, data_payloads
 from tests.integration.team_stack import TeamStack, team_stack
@@ -61,13 +62,9 @@ def _ingress(stack: TeamStack) -> dict:
 
 
 def _routers(stack: TeamStack) -> list[str]:
-    status = _frontend(stack).status.remote().result(timeout_s=30)
+    """Each router replica's fault endpoint, on Serve's port (HAProxy's router servers are the route listeners)."""
     model = stack.plan.models[0]
-    return [
-        f"http://{s['addr']}/{model.router_app}{FAULT_PATH}"
-        for s in status["servers"]
-        if s["backend"] == model.router_backend
-    ]
+    return [f"{e.url}/{model.router_app}{FAULT_PATH}" for e in asyncio.run(list_replica_endpoints(model.router_app))]
 
 
 @contextlib.contextmanager

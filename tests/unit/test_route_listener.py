@@ -91,3 +91,6 @@ def test_a_router_server_points_at_its_listener_and_is_checked_on_serves_port(tm
     assert asyncio.run(syncer.sync_once()).moved == ["q"]
     moved = runtime.servers[(ROUTER_BACKEND, "q")]
     assert moved["addr"] == "127.0.0.1:3002" and moved["check_port"] == 2002
+    # A fresh syncer (e.g. the frontend restarted) adopts a router server at its listener instead of replacing it.
+    again = make_syncer(tmp_path, runtime, [endpoint("a", 1001)], routers, [1.0])
+    assert not asyncio.run(again.sync_once()).changed and set(again.apps[0].routers.live) == {"q"}
