@@ -39,11 +39,14 @@ import yaml
 from base.contracts import ZERO_COMPUTE_STAND_IN
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.metrics import quantile
-from loadtests.stream_probe import StreamResult, one_stream
+from loadtests.stream_probe import one_stream
+from sluice.bench_goals import breakdown, judge, verdict_lines
 from sluice.bench_overhead import passthrough_haproxy, rates_table, route_call_rates
 from sluice.bench_summary import Rounds, chart, summarize, table
 
 REPETITIONS = 3
+# A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
+SINGLE_STREAM_SAMPLES = 8
 # Workload -> (label, concurrent streams, max_tokens) cases.
 TINY_MODEL = "tiny_model"
 ZERO_COMPUTE = "zero_compute_engine_stand_in"
@@ -55,13 +58,20 @@ TEAM_FILE = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "loca
 
 
 async def _round(urls: list[str], streams: int, max_tokens: int) -> dict[str, float]:
-    """`streams` concurrent streams over `urls` (round-robin): the figures of one round."""
+    """`streams` concurrent streams over `urls` (round-robin; one stream: `SINGLE_STREAM_SAMPLES` in a row): the
+    figures of one round."""
     limits = httpx.Limits(max_connections=streams)
     async with httpx.AsyncClient(timeout=300, limits=limits, headers={"accept-encoding": "identity"}) as client:
         started = time.perf_counter()
-        results: list[StreamResult] = await asyncio.gather(
-            *(one_stream(client, urls[i % len(urls)], SERVED_MODEL_NAME, max_tokens) for i in range(streams))
-        )
+        if streams == 1:
+            results = [
+                await one_stream(client, urls[i % len(urls)], SERVED_MODEL_NAME, max_tokens)
+                for i in range(SINGLE_STREAM_SAMPLES)
+            ]
+        else:
+            results = await asyncio.gather(
+                *(one_stream(client, urls[i % len(urls)], SERVED_MODEL_NAME, max_tokens) for i in range(streams))
+            )
         wall = time.perf_counter() - started
     ttfts = [r.ttft_s * 1000 for r in results]
     gaps = [g * 1000 for r in results for g in r.token_gaps_s] or [0.0]
@@ -188,6 +198,8 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
         "ray_peer": peer_note,
         "workloads": workloads,
         "route_call_rates": rates,
+        "breakdown": dict(breakdown(workloads[TINY_MODEL], rates)),
+        "goals": [{"goal": g, "measured": m, "met": met} for g, m, met in judge(*workloads.values(), rates)],
     }
     (out / "paths.json").write_text(json.dumps(payload, indent=2))
     for workload, summary in workloads.items():
@@ -197,5 +209,9 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
     print(f"\nray_peer: {peer_note}; ray_replica_port: the peer's replicas' own ports")
     print("\nroute call as HAProxy's Lua action times it, open-loop POSTs at fixed rates:")
     print(rates_table(rates))
+    print("\nthe direct path's TTFT, part by part:")
+    print("\n".join(f"  {part:<52}{value}" for part, value in payload["breakdown"].items()))
+    print("\ngoals:")
+    print(verdict_lines([(g["goal"], g["measured"], g["met"]) for g in payload["goals"]]))
     print(f"written: {out / 'paths.json'}, {out}/paths-*.png")
     return payload
