@@ -27,6 +27,7 @@ import psutil
 
 from base.runtime import LOOPBACK, free_port
 from infra.haproxy_process import find_haproxy_binary
+from loadtests.metrics import quantile
 
 RATES = (100, 500, 1000)
 RATE_STEP_S = 4.0
@@ -100,11 +101,12 @@ async def _exchange(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    status = int(lines[0].split(" ", 2)[1])
     if "content-length" not in headers:
         await reader.read()
-        return int(lines[0].split(" ", 2)[1]), False
+        return status, False
     await reader.readexactly(int(headers["content-length"]))
-    return int(lines[0].split(" ", 2)[1]), headers.get("connection", "").lower() != "close"
+    return status, headers.get("connection", "").lower() != "close"
 
 
 async def post_at_rate(url: str, rate: int, seconds: float, id_prefix: str) -> tuple[list[str], Counter[int]]:
@@ -120,8 +122,10 @@ async def post_at_rate(url: str, rate: int, seconds: float, id_prefix: str) -> t
 
     async def one(request_id: str) -> None:
         async with slots:
-            connection = idle.pop() if idle else await asyncio.open_connection(host, port)
-            if connection[1] not in opened:
+            if idle:
+                connection = idle.pop()
+            else:
+                connection = await asyncio.open_connection(host, port)
                 opened.append(connection[1])
             request = (
                 f"POST {ROUTED_CHEAP_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nx-request-id: {request_id}\r\n"
@@ -177,14 +181,14 @@ def route_call_rates(url: str, frontend: Any, router_app: str) -> dict[str, Any]
         busy_cpu_s = _cpu_s(router) - before
         time.sleep(0.5)  # the frontend logs a request once it has ended
         records = frontend.requests.remote(ids).result(timeout_s=60)
-        route_ms = sorted(r["route_s"] * 1000 for r in records if r["route_s"] is not None)
+        route_ms = [r["route_s"] * 1000 for r in records if r["route_s"] is not None]
         if not route_ms:
             raise RuntimeError(f"no route call was logged at {rate} req/s (statuses {dict(statuses)})")
         results[str(rate)] = {
             "requests": len(ids),
             "statuses": {str(k): v for k, v in sorted(statuses.items())},
-            "route_p50_ms": route_ms[len(route_ms) // 2],
-            "route_p99_ms": route_ms[min(len(route_ms) - 1, int(len(route_ms) * 0.99))],
+            "route_p50_ms": quantile(route_ms, 0.5),
+            "route_p99_ms": quantile(route_ms, 0.99),
             "router_cpu_us_per_decision": max(busy_cpu_s - idle_cpu_s, 0.0) / len(route_ms) * 1e6,
         }
     return results

@@ -189,6 +189,7 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
         stop_local_cluster()
     measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     workloads = {TINY_MODEL: summarize(tiny_rounds), ZERO_COMPUTE: summarize(zero_rounds)}
+    verdicts = judge(workloads[TINY_MODEL], workloads[ZERO_COMPUTE], rates)
     payload = {
         "measured_at": measured_at,
         "repetitions": REPETITIONS,
@@ -199,7 +200,7 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
         "workloads": workloads,
         "route_call_rates": rates,
         "breakdown": dict(breakdown(workloads[TINY_MODEL], rates)),
-        "goals": [{"goal": g, "measured": m, "met": met} for g, m, met in judge(*workloads.values(), rates)],
+        "goals": [{"goal": g, "measured": m, "met": met} for g, m, met in verdicts],
     }
     (out / "paths.json").write_text(json.dumps(payload, indent=2))
     for workload, summary in workloads.items():
@@ -212,6 +213,6 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
     print("\nthe direct path's TTFT, part by part:")
     print("\n".join(f"  {part:<52}{value}" for part, value in payload["breakdown"].items()))
     print("\ngoals:")
-    print(verdict_lines([(g["goal"], g["measured"], g["met"]) for g in payload["goals"]]))
+    print(verdict_lines(verdicts))
     print(f"written: {out / 'paths.json'}, {out}/paths-*.png")
     return payload
