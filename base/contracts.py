@@ -113,6 +113,18 @@ DEFAULT_BIND_HOST = "127.0.0.1"
 DEFAULT_MAX_ONGOING_REQUESTS = 32
 DEFAULT_DRAIN_GRACE_S = 30.0
 
+# Stacks across nodes (containers, KubeRay): each node advertises its role as a custom Ray resource, and every
+# deployment asks for a sliver of its role's, so the frontend and routers run on the head (the frontend's address is
+# the stack's) and the LLM replicas on the workers. A node advertises NODE_ROLE_CAPACITY; an actor takes
+# NODE_ROLE_PER_ACTOR (a million actors per node: never the constraint, only the placement).
+HEAD_NODE_RESOURCE = "sluice_head"
+WORKER_NODE_RESOURCE = "sluice_worker"
+NODE_ROLE_CAPACITY = 1000
+NODE_ROLE_PER_ACTOR = 0.001
+# Serve's per-replica ports bind this on a node of a multi-node stack: inside a container or pod that is its own
+# network namespace (loopback and the private cluster network), never the host's.
+NODE_BIND_ALL = "0.0.0.0"
+
 # Direct-streaming data plane (HAProxy -> router -> replica).
 ROUTE_PATH = "/internal/route"
 # The frontend's syncer publishes the replica ids it can route to here, on every router replica.
