@@ -6,6 +6,8 @@ this module; nothing here is repeated by hand elsewhere.
 
 from __future__ import annotations
 
+from typing import Literal
+
 # Headers (lower-case: HTTP/1.1 header names are case-insensitive and ASGI lower-cases them).
 REQUEST_ID_HEADER = "x-request-id"
 REPLICA_HEADER = "x-serve-replica"
@@ -124,6 +126,16 @@ NODE_ROLE_PER_ACTOR = 0.001
 # Serve's per-replica ports bind this on a node of a multi-node stack: inside a container or pod that is its own
 # network namespace (loopback and the private cluster network), never the host's.
 NODE_BIND_ALL = "0.0.0.0"
+NodeRole = Literal["head", "worker"]
+
+
+def node_role_resources(role: NodeRole | None) -> dict[str, float]:
+    """The custom resources an actor of a stack across nodes asks for, to run on its role's nodes; none on one
+    machine (`role` None)."""
+    if role is None:
+        return {}
+    return {HEAD_NODE_RESOURCE if role == "head" else WORKER_NODE_RESOURCE: NODE_ROLE_PER_ACTOR}
+
 
 # Direct-streaming data plane (HAProxy -> router -> replica).
 ROUTE_PATH = "/internal/route"

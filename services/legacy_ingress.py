@@ -24,7 +24,7 @@ from ray.serve.deployment import Application
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from base.contracts import LEGACY_PATH, REASON_REPLICA_FAILED, SERVE_PATH_HEADER
+from base.contracts import LEGACY_PATH, REASON_REPLICA_FAILED, SERVE_PATH_HEADER, NodeRole, node_role_resources
 from base.rollout import config_version
 from services.asgi_call import ResponseStart, read_body, route_path, send_openai_error
 from services.llm_config import LLM_DEPLOYMENT_NAME
@@ -45,6 +45,8 @@ class LegacyIngressSettings(BaseModel):
     num_replicas: int = Field(1, ge=1)
     # Concurrent streams one ingress replica relays (each holds a handle call open).
     max_ongoing_requests: int = Field(256, ge=1)
+    # A stack across nodes runs its ingress on the head node; None: one machine.
+    node_role: NodeRole | None = None
 
 
 def forwarded_headers(scope: Scope) -> dict[str, str]:
@@ -122,7 +124,7 @@ def legacy_ingress_application(settings: LegacyIngressSettings) -> Application:
         name=LEGACY_DEPLOYMENT_NAME,
         num_replicas=settings.num_replicas,
         max_ongoing_requests=settings.max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": node_role_resources(settings.node_role)},
     )
     version = config_version([settings.model_dump(mode="json"), LEGACY_DEPLOYMENT_NAME])
     return with_rollout_version(deployment, version).bind(settings.model_dump())

@@ -6,7 +6,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from base.contracts import DEFAULT_DRAIN_GRACE_S, DEFAULT_MAX_ONGOING_REQUESTS, ZERO_COMPUTE_STAND_IN
+from base.contracts import (
+    DEFAULT_DRAIN_GRACE_S,
+    DEFAULT_MAX_ONGOING_REQUESTS,
+    ZERO_COMPUTE_STAND_IN,
+    NodeRole,
+    node_role_resources,
+)
 from base.rollout import config_version
 from base.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
 from base.tiny_model import SERVED_MODEL_NAME
@@ -114,6 +120,8 @@ class ReplicaDeploymentConfig(BaseModel):
     # adapter; None leaves Serve's own router.
     handle_policy: str | None = None
     handle_policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # A stack across nodes runs its replicas on worker nodes; None: one machine.
+    node_role: NodeRole | None = None
 
     @model_validator(mode="after")
     def _handle_policy(self) -> ReplicaDeploymentConfig:
@@ -127,6 +135,8 @@ class ReplicaDeploymentConfig(BaseModel):
             actor["num_gpus"] = self.num_gpus
         if self.accelerator_type is not None:
             actor["accelerator_type"] = self.accelerator_type
+        if self.node_role is not None:
+            actor["resources"] = node_role_resources(self.node_role)
         scaling: dict[str, Any] = (
             {"autoscaling_config": dict(self.autoscaling)} if self.autoscaling else {"num_replicas": self.num_replicas}
         )

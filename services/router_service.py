@@ -81,6 +81,8 @@ from base.contracts import (
     REASON_NO_PREFILL_REPLICA,
     ROUTE_PATH,
     SESSION_HEADER_DEFAULT,
+    NodeRole,
+    node_role_resources,
 )
 from base.rollout import config_version
 from base.route_wire import Membership, RouteRefusal, RouteReply
@@ -362,7 +364,9 @@ class RouterReplica:
             listener.close()
 
 
-def router_application(settings: RouterSettings, num_replicas: int = 1) -> Application:
+def router_application(
+    settings: RouterSettings, num_replicas: int = 1, node_role: NodeRole | None = None
+) -> Application:
     """The router app; deploy it with the route prefix of your choice (`serve.run(app, name=..., route_prefix=...)`).
 
     `num_cpus=0`: a router replica mostly waits on the network, and the control plane must never
@@ -374,7 +378,7 @@ def router_application(settings: RouterSettings, num_replicas: int = 1) -> Appli
         name=ROUTER_DEPLOYMENT_NAME,
         num_replicas=num_replicas,
         max_ongoing_requests=ROUTER_MAX_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": node_role_resources(node_role)},
         logging_config={"enable_access_log": False},
     )
     version = config_version([settings.model_dump(mode="json"), ROUTER_DEPLOYMENT_NAME, ROUTER_MAX_ONGOING_REQUESTS])
@@ -388,9 +392,11 @@ class RouterAppArgs(BaseModel):
 
     settings: RouterSettings
     num_replicas: int = Field(1, ge=1)
+    # A stack across nodes runs its routers on the head node; None: one machine.
+    node_role: NodeRole | None = None
 
 
 def build_router_application(args: dict[str, Any]) -> Application:
     """Serve's application builder (`import_path: services.router_service:build_router_application`)."""
     parsed = RouterAppArgs.model_validate(args)
-    return router_application(parsed.settings, parsed.num_replicas)
+    return router_application(parsed.settings, parsed.num_replicas, parsed.node_role)
