@@ -5,7 +5,9 @@ The same plan is deployed by `sluice deploy` (one `serve.run` per app) and rende
 A stack is, per model, its kind's apps (`builders.model_apps`: the LLM app(s) whose replicas serve vLLM's paths
 under the app's route prefix, which the frontend prepends, and a router app with the model's policies); then one
 frontend app (HAProxy, its syncer, its key watcher) for all of them, which picks each request's app by its model
-when there are several.
+when there are several. A plan for a stack across nodes (`spans_nodes`) places the LLM replicas on worker nodes and
+everything else on the head node (`base.contracts.node_role_resources`); the frontend then listens on the head's
+address.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from base.runtime import LOOPBACK
 from builders.model_apps import openai_model_apps, prefill_decode_model_apps
 from builders.plan_types import PlannedModel, ServeApp, StackPlan, import_path, model_path
 from infra.haproxy_apps import AppRoute
 from services.frontend_app import FRONTEND_DEPLOYMENT_NAME, FrontendArgs, ServedApp, build_frontend_application
+from services.legacy_ingress import build_legacy_ingress_application
+from services.router_service import build_router_application
 from topologies.problems import SpecError, SpecProblem
 from topologies.spec import PrefillDecodeModel, StackBase
 
@@ -30,8 +35,9 @@ def app_stem(stack: str, model: str, several: bool) -> str:
     return f"{stack}-" + re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
 
 
-def build_plan(spec: StackBase) -> StackPlan:
-    """The plan of any kind: each model's apps (`builders.model_apps`), then the one frontend app."""
+def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
+    """The plan of any kind: each model's apps (`builders.model_apps`), then the one frontend app; `spans_nodes`:
+    each app placed on its role's nodes."""
     stack = f"{spec.team}-{spec.name}"
     several = len(spec.models) > 1
     stems: dict[str, int] = {}
@@ -76,7 +82,22 @@ def build_plan(spec: StackBase) -> StackPlan:
             args=frontend_args.model_dump(mode="json"),
         )
     )
-    return StackPlan(stack=stack, apps=apps, models=models, url=f"http://127.0.0.1:{frontend.port}")
+    if spans_nodes:
+        apps = [_placed(app) for app in apps]
+    return StackPlan(stack=stack, apps=apps, models=models, url=f"http://{LOOPBACK}:{frontend.port}")
+
+
+# Where each kind of app runs on a stack across nodes; an LLM app's role is its deployment's.
+_HEAD_APPS = {import_path(b) for b in (build_router_application, build_legacy_ingress_application)} | {
+    import_path(build_frontend_application)
+}
+
+
+def _placed(app: ServeApp) -> ServeApp:
+    if app.import_path in _HEAD_APPS:
+        return app.model_copy(update={"args": {**app.args, "node_role": "head"}})
+    deployment = {**app.args["deployment"], "node_role": "worker"}
+    return app.model_copy(update={"args": {**app.args, "deployment": deployment}})
 
 
 def _serve_config_app(app: ServeApp, frontend: bool) -> dict[str, Any]:

@@ -7,7 +7,8 @@ from (`services.path_log`). The declared ingress is the deployment's `user_confi
 running replica, HAProxy and every stream included (no restart). HAProxy is started from that loop's thread with
 PR_SET_PDEATHSIG, so it dies with the replica; if HAProxy dies alone, the supervisor starts a new one at once and a
 fresh syncer adds every server again (no LLM replica is touched). `check_health` fails while HAProxy is down, and
-`status()` tells the CLI what the frontend sees: HAProxy's PIDs, its restarts, and its server map.
+`status()` tells the CLI what the frontend sees: HAProxy's PIDs, its restarts, and its server map. On a stack across
+nodes (`node_role`) the frontend runs on the head node and HAProxy listens on that node's address, the stack's URL.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import os
 import threading
 from typing import Any
 
+import ray
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
 
+from base.contracts import NodeRole, node_role_resources
 from base.rollout import config_version
 from base.runtime import cache_dir
 from infra.haproxy_apps import AppRoute
@@ -70,13 +73,18 @@ class FrontendArgs(BaseModel):
     haproxy: dict[str, Any]
     # The declared ingress: becomes the deployment's `user_config`.
     ingress: IngressConfig = IngressConfig()
+    # A stack across nodes: the frontend runs on the head node and binds its address; None: one machine, loopback.
+    node_role: NodeRole | None = None
 
 
 class FrontendReplica:
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = FrontendArgs.model_validate(args)
         self._apps = parsed.apps
-        self._settings = HAProxySettings(workdir=cache_dir() / f"frontend-{parsed.stack}", **parsed.haproxy)
+        haproxy = dict(parsed.haproxy)
+        if parsed.node_role is not None:
+            haproxy["bind_host"] = ray.util.get_node_ip_address()
+        self._settings = HAProxySettings(workdir=cache_dir() / f"frontend-{parsed.stack}", **haproxy)
         self._settings.workdir.mkdir(parents=True, exist_ok=True)
         self._haproxy: HAProxyProcess | None = None
         self._syncer: HAProxySyncer | None = None
@@ -243,7 +251,7 @@ def build_frontend_application(args: dict[str, Any]) -> Application:
         name=FRONTEND_DEPLOYMENT_NAME,
         num_replicas=1,
         max_ongoing_requests=8,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": node_role_resources(parsed.node_role)},
         user_config=parsed.ingress.model_dump(mode="json"),
     )
     version = config_version([parsed.model_dump(mode="json", exclude={"ingress"}), FRONTEND_DEPLOYMENT_NAME])

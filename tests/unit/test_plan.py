@@ -6,12 +6,14 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from builders.plan import build_plan, serve_config
+from base.contracts import HEAD_NODE_RESOURCE, NODE_ROLE_PER_ACTOR, WORKER_NODE_RESOURCE
+from builders.plan import ServeApp, build_plan, serve_config
 from infra.haproxy_config import HAProxySettings
 from infra.haproxy_lua import render_lua
 from services.frontend_app import FrontendArgs
@@ -255,3 +257,25 @@ def test_status_shows_roles_and_pairs_and_says_when_the_prefill_side_is_short() 
         'sluice_prefill_requests_created{outcome="remote",prefill_replica="p1"} 1.7e9\n'
     )
     assert prefill_pairs(metrics) == {("p1", "remote"): 20.0, ("", "local_fallback"): 3.0}
+
+
+@pytest.mark.parametrize("name", ["local-cpu.yaml", "canary-cpu.yaml", "prefill-decode-cpu.yaml"])
+def test_a_plan_across_nodes_puts_replicas_on_workers_and_everything_else_on_the_head(name: str) -> None:
+    spec = load_spec(TEAMS / name)
+    one_machine, across = build_plan(spec), build_plan(spec, spans_nodes=True)
+    head = {HEAD_NODE_RESOURCE: NODE_ROLE_PER_ACTOR}
+    worker = {WORKER_NODE_RESOURCE: NODE_ROLE_PER_ACTOR}
+    llm_apps = {m.llm_app for m in across.models} | {m.prefill_app for m in across.models if m.prefill_app}
+    for alone, placed in zip(one_machine.apps, across.apps, strict=True):
+        assert placed.name == alone.name
+        assert not _actor_options(alone).get("resources"), placed.name
+        assert _actor_options(placed)["resources"] == (worker if placed.name in llm_apps else head), placed.name
+    frontend = FrontendArgs.model_validate(across.apps[-1].args)
+    assert frontend.node_role == "head"
+
+
+def _actor_options(app: ServeApp) -> dict[str, Any]:
+    """The ray_actor_options of the app's ingress deployment, as its Serve builder sets them."""
+    module, name = app.import_path.split(":")
+    application = getattr(importlib.import_module(module), name)(app.args)
+    return application._bound_deployment.ray_actor_options
