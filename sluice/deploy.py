@@ -16,12 +16,13 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import yaml
 
-from base.contracts import SERVED_RANK_HEADER
-from base.runtime import apply_process_env
+from base.contracts import NODE_BIND_ALL, SERVED_RANK_HEADER, WORKER_NODE_RESOURCE
+from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env
 from builders.plan import PlannedModel, StackPlan, build_plan, model_path, serve_config
 from infra.haproxy_canary import legacy_backend
 from services.remote_prefill import PREFILL_REQUESTS_METRIC
@@ -152,7 +153,7 @@ def serving_lines(spec: Any, plan: StackPlan) -> list[str]:
         f"  curl -N {plan.url}/v1/chat/completions -H 'content-type: application/json' \\",
         f'    -d \'{{"model": "{served}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 32, '
         '"stream": true}\'',
-        f"  HAProxy metrics: http://127.0.0.1:{spec.frontend.metrics_port}/metrics",
+        f"  HAProxy metrics: http://{urlsplit(plan.url).hostname}:{spec.frontend.metrics_port}/metrics",
     ]
 
 
@@ -164,12 +165,30 @@ def delete_plan(plan: StackPlan) -> None:
         print(f"deleted {app.name}", flush=True)
 
 
+def cluster_spans_nodes() -> bool:
+    """Whether the connected cluster is made of sluice nodes with roles (`sluice node`, KubeRay): its worker nodes
+    advertise WORKER_NODE_RESOURCE."""
+    import ray
+
+    return WORKER_NODE_RESOURCE in ray.cluster_resources()
+
+
 def deploy(path: str, address: str) -> int:
-    spec, plan = plan_of(path)
+    spec = load_spec(path)
     ensure_models(spec)
     connect(address)
+    spans_nodes = cluster_spans_nodes()
+    plan = build_plan(spec, spans_nodes=spans_nodes)
+    if spans_nodes:
+        from ray import serve
+
+        # Serve's per-replica ports must be reachable from the head's HAProxy: each binds its node's interfaces.
+        serve.start(http_options={"host": NODE_BIND_ALL, "port": DEFAULT_SERVE_PROXY_PORT})
+        print("a cluster of sluice nodes: LLM replicas on the worker nodes, the frontend on the head", flush=True)
     if not apply_plan(spec, plan):
         return 1
+    if spans_nodes:
+        plan = plan.model_copy(update={"url": _frontend_status(plan)["url"]})
     print("\n".join(serving_lines(spec, plan)))
     return 0
 
