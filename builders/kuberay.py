@@ -1,0 +1,320 @@
+"""A team's stack on KubeRay: the spec and its plan across nodes become a RayService, a Service for the frontend and
+a ConfigMap with the spec.
+
+- **Head group**: the frontend (HAProxy, its syncer, its key watcher), the routers and the legacy ingress, which the
+  plan (`build_plan(spec, spans_nodes=True)`) places on the node advertising `HEAD_NODE_RESOURCE`. `num-cpus: 0`:
+  those actors ask for no CPU, and nothing else may land there. Container ports: Ray's (GCS, dashboard, client),
+  Serve's proxy as `serve` (KubeRay checks Serve's health there and needs that port to create its own Service), and
+  the frontend's HTTP and metrics ports.
+- **Worker groups**: one per pod shape among the spec's LLM deployments (each model, each prefill/decode role): a
+  pod per Serve replica (a gang of data-parallel ranks counts each rank), asking Kubernetes for the replica's CPUs
+  and whole GPUs (`nvidia.com/gpu`) and telling `ray start` the same, plus `WORKER_NODE_RESOURCE` and, for an
+  accelerator type, Ray's `accelerator_type:<type>` resource (what Serve's `accelerator_type` asks for and what the
+  autoscaler scales a group for) and the Ray node label `ray.io/accelerator-type`. Which Kubernetes nodes carry that
+  GPU model is the cluster's to say (labels differ by provider): add your node pool's nodeSelector to the group.
+  A fractional GPU gets a whole one; with fractional CPUs Ray may still pack two replicas on one pod. Fixed replica
+  counts give fixed groups; an autoscaled model's group spans its min..max replicas and turns on KubeRay's in-tree
+  autoscaler.
+- **serveConfigV2**: the same Serve config as `sluice render` of the plan across nodes, with Serve's HTTP options
+  on every interface (`NODE_BIND_ALL`) at `DEFAULT_SERVE_PROXY_PORT`, so each replica's own port is reachable from
+  the head's HAProxy.
+- **Environment** (every Ray container, before `ray start`): `base.runtime.process_env()` with its caches under
+  `POD_CACHE_DIR` (where the image keeps them, the tiny model included) and without `VLLM_HOST_IP`, which each
+  replica sets to its own pod's address. A stack with models from the Hugging Face Hub leaves HF offline mode off
+  and reads `HF_TOKEN` from the optional Secret `<stack>-hf-token` (key `token`).
+- **API keys**: a key list is a secret (hashes of keys, but still the stack's access list), so it comes from a
+  Secret the team creates, `<stack>-api-keys`, never from the manifest. A key file is that Secret's key of the file's
+  name, mounted on the head at `KEYS_MOUNT` (the pods' spec and plan name the file there, `pod_spec`; a folder
+  mount, not `subPath`, so a rotated Secret reaches the running key watcher); a key variable is read from the
+  Secret's key of that name.
+- **ConfigMap** `<stack>-spec`: the spec as the pods see it, mounted on the head at `SPEC_MOUNT`, so `sluice status`
+  runs inside the head pod (`kubectl exec`) against the deployed stack. Prometheus finds the frontend's metrics from
+  the Service's `prometheus.io/*` annotations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from base.contracts import HEAD_NODE_RESOURCE, NODE_BIND_ALL, NODE_ROLE_CAPACITY, WORKER_NODE_RESOURCE
+from base.runtime import DEFAULT_SERVE_PROXY_PORT, process_env
+from builders.plan import StackPlan, build_plan, serve_config
+from infra.haproxy_config import PROMETHEUS_PATH
+from infra.kuberay import ObjectMeta, RayService, ray_start_resources
+from topologies.sections import Scaling
+from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, DataParallelModel, PrefillDecodeModel, StackBase
+
+DEFAULT_IMAGE = "sluice:cpu"
+POD_CACHE_DIR = "/var/cache/sluice"
+SPEC_MOUNT = "/etc/sluice-stack"
+SPEC_KEY = "spec.yaml"
+KEYS_MOUNT = "/etc/sluice-keys"
+# The head runs GCS, the dashboard, Serve's controller, the frontend (HAProxy) and the routers: ~1 GiB idle here.
+HEAD_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+RAY_HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
+SERVE_PORT_NAME = "serve"
+FRONTEND_PORT_NAME = "sluice-http"
+METRICS_PORT_NAME = "sluice-metrics"
+GPU_RESOURCE = "nvidia.com/gpu"
+ACCELERATOR_LABEL = "ray.io/accelerator-type"
+HF_TOKEN_KEY = "token"
+_HF_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+class PodShape(NamedTuple):
+    """What one worker pod asks for: CPU millicores, whole GPUs, the accelerator type."""
+
+    millicpus: int
+    gpus: int
+    accelerator: str | None
+
+    @property
+    def cpu(self) -> str:
+        """The Kubernetes CPU quantity."""
+        return str(self.millicpus // 1000) if self.millicpus % 1000 == 0 else f"{self.millicpus}m"
+
+    @property
+    def name(self) -> str:
+        cpu = f"cpu{self.cpu}"
+        if not self.gpus:
+            return cpu
+        kind = re.sub(r"[^a-z0-9]+", "-", self.accelerator.lower()).strip("-") if self.accelerator else "gpu"
+        return f"{kind}x{self.gpus}-{cpu}"
+
+
+class PodCount(NamedTuple):
+    replicas: int
+    minimum: int
+    maximum: int
+
+
+@contextlib.contextmanager
+def _pod_cache_dir() -> Iterator[None]:
+    """`SLUICE_CACHE_DIR` as the pods have it, while paths into the cache (model folders, cache variables) are made."""
+    before = os.environ.get("SLUICE_CACHE_DIR")
+    os.environ["SLUICE_CACHE_DIR"] = POD_CACHE_DIR
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["SLUICE_CACHE_DIR"]
+        else:
+            os.environ["SLUICE_CACHE_DIR"] = before
+
+
+def pod_spec(spec: StackBase) -> StackBase:
+    """The spec as the pods see it: a key file is where the head mounts the key Secret (`KEYS_MOUNT`), whatever its
+    folder on the machine that renders."""
+    keys = spec.frontend.protection.api_keys
+    if keys is None or keys.file is None:
+        return spec
+    moved = keys.model_copy(update={"file": Path(KEYS_MOUNT) / keys.file.name})
+    protection = spec.frontend.protection.model_copy(update={"api_keys": moved})
+    return spec.model_copy(update={"frontend": spec.frontend.model_copy(update={"protection": protection})})
+
+
+def pod_plan(spec: StackBase) -> StackPlan:
+    """The plan across nodes of the spec as the pods see it, its model folders in the pods' cache."""
+    with _pod_cache_dir():
+        return build_plan(pod_spec(spec), spans_nodes=True)
+
+
+def _llm_deployments(spec: StackBase) -> Iterator[tuple[Scaling, int]]:
+    """(scaling, pods per replica) of each LLM deployment: a model, or each role of a prefill/decode model."""
+    for model in spec.models:  # type: ignore[attr-defined]
+        if isinstance(model, PrefillDecodeModel):
+            yield model.prefill, 1
+            yield model.decode, 1
+        elif isinstance(model, DataParallelModel) and model.data_parallel.mode == "ranks":
+            yield model, model.data_parallel.size
+        else:
+            yield model, 1
+
+
+def worker_pods(spec: StackBase) -> dict[PodShape, PodCount]:
+    """The worker pods of each shape: now, at least and at most (equal unless a deployment autoscales)."""
+    pods: dict[PodShape, PodCount] = {}
+    for scaling, per_replica in _llm_deployments(spec):
+        resources = scaling.resources
+        shape = PodShape(round(resources.cpus * 1000), math.ceil(resources.gpus), resources.accelerator_type)
+        if scaling.autoscaling is not None:
+            low, high = scaling.autoscaling.min_replicas, scaling.autoscaling.max_replicas
+            count = PodCount(low, low, high)
+        else:
+            count = PodCount(*[scaling.fixed_replicas * per_replica] * 3)
+        before = pods.get(shape, PodCount(0, 0, 0))
+        pods[shape] = PodCount(*(a + b for a, b in zip(before, count, strict=True)))
+    return pods
+
+
+def from_hub(spec: StackBase) -> bool:
+    """Whether a model's weights come from the Hugging Face Hub (not the tiny models, not a folder)."""
+    sources = {model.source for model in spec.models}  # type: ignore[attr-defined]
+    return any(source not in (TINY_SOURCE, TINY_MOE_SOURCE) and not source.startswith("/") for source in sources)
+
+
+def container_env(spec: StackBase) -> list[dict[str, Any]]:
+    """The variables every Ray container of the stack starts with."""
+    with _pod_cache_dir():
+        env = {"SLUICE_CACHE_DIR": POD_CACHE_DIR, **process_env()}
+    del env["VLLM_HOST_IP"]
+    entries: list[dict[str, Any]] = []
+    if from_hub(spec):
+        for key in _HF_OFFLINE:
+            del env[key]
+        secret = {"name": f"{_stack(spec)}-hf-token", "key": HF_TOKEN_KEY, "optional": True}
+        entries.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret}})
+    return [{"name": key, "value": value} for key, value in env.items()] + entries
+
+
+def _stack(spec: StackBase) -> str:
+    return f"{spec.team}-{spec.name}"
+
+
+def _labels(spec: StackBase, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "sluice",
+        "app.kubernetes.io/instance": _stack(spec),
+        "app.kubernetes.io/component": component,
+    }
+
+
+def _port(name: str, port: int) -> dict[str, Any]:
+    return {"name": name, "containerPort": port, "protocol": "TCP"}
+
+
+def _head_secrets(spec: StackBase) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(env, volumes, mounts) the frontend's API keys need on the head: from the Secret `<stack>-api-keys`."""
+    keys = spec.frontend.protection.api_keys
+    if keys is None:
+        return [], [], []
+    secret = f"{_stack(spec)}-api-keys"
+    if keys.env is not None:
+        return [{"name": keys.env, "valueFrom": {"secretKeyRef": {"name": secret, "key": keys.env}}}], [], []
+    name = keys.file.name  # type: ignore[union-attr]
+    volume = {"name": "api-keys", "secret": {"secretName": secret, "items": [{"key": name, "path": name}]}}
+    return [], [volume], [{"name": "api-keys", "mountPath": KEYS_MOUNT, "readOnly": True}]
+
+
+def _head_group(spec: StackBase, image: str, env: list[dict[str, Any]]) -> dict[str, Any]:
+    frontend = spec.frontend
+    ports = [_port(name, port) for name, port in RAY_HEAD_PORTS.items()]
+    ports += [
+        _port(SERVE_PORT_NAME, DEFAULT_SERVE_PROXY_PORT),
+        _port(FRONTEND_PORT_NAME, frontend.port),
+        _port(METRICS_PORT_NAME, frontend.metrics_port),
+    ]
+    key_env, volumes, mounts = _head_secrets(spec)
+    volumes.append({"name": "stack-spec", "configMap": {"name": f"{_stack(spec)}-spec"}})
+    mounts.append({"name": "stack-spec", "mountPath": SPEC_MOUNT, "readOnly": True})
+    container = {
+        "name": "ray-head",
+        "image": image,
+        "env": env + key_env,
+        "ports": ports,
+        "resources": HEAD_RESOURCES,
+        "volumeMounts": mounts,
+    }
+    params = {"num-cpus": "0", "resources": ray_start_resources({HEAD_NODE_RESOURCE: NODE_ROLE_CAPACITY})}
+    template = {
+        "metadata": {"labels": _labels(spec, "frontend")},
+        "spec": {"containers": [container], "volumes": volumes},
+    }
+    return {"rayStartParams": params, "template": template}
+
+
+def _worker_group(
+    spec: StackBase, image: str, env: list[dict[str, Any]], shape: PodShape, count: PodCount
+) -> dict[str, Any]:
+    resources: dict[str, Any] = {"requests": {"cpu": shape.cpu}}
+    ray_resources = {WORKER_NODE_RESOURCE: NODE_ROLE_CAPACITY}
+    params = {"num-cpus": str(math.ceil(shape.millicpus / 1000)), "num-gpus": str(shape.gpus)}
+    pod: dict[str, Any] = {}
+    group: dict[str, Any] = {"groupName": shape.name, "replicas": count.replicas}
+    group |= {"minReplicas": count.minimum, "maxReplicas": count.maximum}
+    if shape.gpus:
+        resources["limits"] = {GPU_RESOURCE: str(shape.gpus)}
+        # GPU node pools are commonly tainted for GPU pods only.
+        pod["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if shape.accelerator is not None:
+        ray_resources[f"accelerator_type:{shape.accelerator}"] = 1
+        group["labels"] = {ACCELERATOR_LABEL: shape.accelerator}
+    params["resources"] = ray_start_resources(ray_resources)
+    container = {
+        "name": "ray-worker",
+        "image": image,
+        "env": env,
+        "ports": [_port(SERVE_PORT_NAME, DEFAULT_SERVE_PROXY_PORT)],
+        "resources": resources,
+    }
+    pod["containers"] = [container]
+    template = {"metadata": {"labels": _labels(spec, "llm")}, "spec": pod}
+    return group | {"rayStartParams": params, "template": template}
+
+
+def serve_config_v2(plan: StackPlan) -> str:
+    """The plan's Serve config with Serve's HTTP options for a stack across pods, as a YAML string."""
+    config = {"http_options": {"host": NODE_BIND_ALL, "port": DEFAULT_SERVE_PROXY_PORT}, **serve_config(plan)}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def _frontend_service(spec: StackBase) -> dict[str, Any]:
+    frontend = spec.frontend
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(frontend.metrics_port),
+        "prometheus.io/path": PROMETHEUS_PATH,
+    }
+    ports = [
+        {"name": FRONTEND_PORT_NAME, "port": frontend.port, "targetPort": FRONTEND_PORT_NAME, "protocol": "TCP"},
+        {"name": METRICS_PORT_NAME, "port": frontend.metrics_port, "targetPort": METRICS_PORT_NAME, "protocol": "TCP"},
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": f"{_stack(spec)}-frontend",
+            "labels": _labels(spec, "frontend"),
+            "annotations": annotations,
+        },
+        "spec": {"type": "ClusterIP", "selector": _labels(spec, "frontend"), "ports": ports},
+    }
+
+
+def _spec_config_map(spec: StackBase) -> dict[str, Any]:
+    text = yaml.safe_dump(spec.model_dump(mode="json", exclude_unset=True), sort_keys=False)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{_stack(spec)}-spec", "labels": _labels(spec, "spec")},
+        "data": {SPEC_KEY: text},
+    }
+
+
+def kuberay_manifests(spec: StackBase, plan: StackPlan, image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
+    """The stack's Kubernetes objects: its RayService (checked against `infra.kuberay`), the frontend's Service and
+    the spec's ConfigMap. `plan`: `pod_plan(spec)`."""
+    spec = pod_spec(spec)
+    env = container_env(spec)
+    pods = worker_pods(spec)
+    cluster: dict[str, Any] = {
+        "rayVersion": version("ray"),
+        "headGroupSpec": _head_group(spec, image, env),
+        "workerGroupSpecs": [_worker_group(spec, image, env, shape, count) for shape, count in pods.items()],
+    }
+    if any(scaling.autoscaling is not None for scaling, _ in _llm_deployments(spec)):
+        cluster["enableInTreeAutoscaling"] = True
+    service = RayService(
+        metadata=ObjectMeta(name=plan.stack, labels=_labels(spec, "stack")),
+        spec={"serveConfigV2": serve_config_v2(plan), "rayClusterConfig": cluster},
+    )
+    return [service.manifest(), _frontend_service(spec), _spec_config_map(spec)]

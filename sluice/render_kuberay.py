@@ -1,0 +1,45 @@
+"""`sluice render FILE --kuberay`: a team's stack as Kubernetes manifests for KubeRay (`builders.kuberay`), one
+multi-document YAML for `kubectl apply -f`, headed by what must exist first. Multi-line strings (the Serve config,
+the spec) are YAML literal blocks, so the manifest reads like the files they come from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from builders.kuberay import HF_TOKEN_KEY, from_hub, kuberay_manifests, pod_plan
+from topologies.spec import load_spec
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _string(dumper: yaml.SafeDumper, value: str) -> Any:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_Dumper.add_representer(str, _string)
+
+
+def render_kuberay(path: str, image: str) -> str:
+    """The stack of the spec file at `path` as a RayService, the frontend's Service and the spec's ConfigMap, for
+    pods running `image`."""
+    spec = load_spec(path)
+    plan = pod_plan(spec)
+    stack = plan.stack
+    lines = [
+        f"# Rendered by `sluice render {path} --kuberay --image {image}`:",
+        "# `kubectl apply -f` it where KubeRay (>= 1.5) runs. The image holds sluice and its engine (and, for",
+        "# `source: tiny`, the tiny model in its cache).",
+        f"# Clients reach the frontend at the Service `{stack}-frontend`.",
+    ]
+    if from_hub(spec):
+        lines.append(f"# Hub models read HF_TOKEN from the optional Secret `{stack}-hf-token`, key `{HF_TOKEN_KEY}`.")
+    keys = spec.frontend.protection.api_keys
+    if keys is not None:
+        key = keys.env if keys.env is not None else keys.file.name  # type: ignore[union-attr]
+        lines.append(f"# Create first the Secret `{stack}-api-keys` holding the key list as its key `{key}`.")
+    manifests = kuberay_manifests(spec, plan, image)
+    return "\n".join(lines) + "\n" + yaml.dump_all(manifests, Dumper=_Dumper, sort_keys=False)
