@@ -33,7 +33,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m sluice.layers
-	$(PY) -m pytest -v -x --durations=15 tests/unit tests/load tests/integration
+	$(PY) -m pytest -v -x --durations=15 tests/unit tests/load tests/integration tests/containers
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -v tests/unit

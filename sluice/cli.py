@@ -16,6 +16,7 @@ from typing import Any
 
 from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
 from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir, default_moe_model_dir
+from infra.container_images import image_tag
 from sluice.stack_cli import add_stack_commands
 
 EMBEDDED_SPEC = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "local-cpu.yaml"
@@ -144,8 +145,14 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from sluice.deploy import render
+    from sluice.render_kuberay import render_kuberay
+    from topologies.problems import SpecError
 
-    print(render(args.file), end="")
+    try:
+        print(render_kuberay(args.file, args.image) if args.kuberay else render(args.file), end="")
+    except (SpecError, ValueError) as error:
+        print(error, file=sys.stderr)
+        return 1
     return 0
 
 
@@ -341,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     render = commands.add_parser("render", help="a spec's plan as a Serve config (serve deploy, KubeRay)")
     render.add_argument("file")
+    render.add_argument("--kuberay", action="store_true", help="a KubeRay RayService manifest (+ Service, ConfigMap)")
+    render.add_argument(
+        "--image", default=image_tag("cpu"), help="the node image the manifest runs (sluice image build)"
+    )
     render.set_defaults(func=_render)
     for name, help_text in (
         ("deploy", "deploy a spec to a running Ray cluster and return once it serves"),
