@@ -146,11 +146,10 @@ def _schema(args: argparse.Namespace) -> int:
 def _render(args: argparse.Namespace) -> int:
     from sluice.deploy import render
     from sluice.render_kuberay import render_kuberay
-    from topologies.problems import SpecError
 
     try:
         print(render_kuberay(args.file, args.image) if args.kuberay else render(args.file), end="")
-    except (SpecError, ValueError) as error:
+    except ValueError as error:  # a SpecError, or a name KubeRay refuses
         print(error, file=sys.stderr)
         return 1
     return 0
