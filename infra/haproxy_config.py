@@ -32,8 +32,10 @@ Shape of the rendered config:
   replica, which measures both paths.
 - every error HAProxy produces itself once a request exists (408 and every 5xx) carries `x-serve-reason` and an
   OpenAI-style JSON body (`http-error`), and a replica's own 5xx without one gets `replica_error`.
-- frontend `sluice_prometheus` on 127.0.0.1:prometheus_port: HAProxy's exporter on `/metrics`, sluice's
-  frontend counters (fallbacks by reason, from a stick table) on `/sluice/metrics`; the runtime API on a unix
+- frontend `sluice_prometheus` on bind_host:prometheus_port (the public frontend's host, so a Prometheus off the
+  node can scrape it): HAProxy's exporter on `/metrics`, sluice's frontend counters (fallbacks, refusals and
+  fail-closed 503s by reason, from stick tables) on `/sluice/metrics`, and the routers and replicas to scrape on
+  `/sluice/targets` (Prometheus HTTP service discovery, `infra.observability.targets`); the runtime API on a unix
   socket.
 """
 
@@ -62,7 +64,6 @@ from base.contracts import (
     SERVE_FALLBACK_HEADER,
     SERVE_REASON_HEADER,
 )
-from base.runtime import LOOPBACK
 from infra.frontend_protection import REFUSAL_TABLE, FrontendProtection, protection_lines, protection_tables
 from infra.haproxy_apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
 from infra.haproxy_canary import (
@@ -85,6 +86,7 @@ from infra.haproxy_models import (
     model_refusal_lines,
     models_list_line,
 )
+from infra.observability.targets import LUA_TARGETS_SERVICE, TARGETS_PATH, router_targets_backend
 
 # Names inside the rendered config (HAProxy-internal, not part of the wire contract).
 FRONTEND = "sluice_http"
@@ -93,6 +95,7 @@ PROMETHEUS_FRONTEND = "sluice_prometheus"
 REPLICA_BACKEND = "sluice_replicas"
 ROUTER_BACKEND = "sluice_routers"
 FALLBACK_TABLE = "sluice_fallbacks"
+UNROUTED_TABLE = "sluice_unrouted"
 LUA_ACTION = "sluice_route"
 LUA_RETRY_ACTION = "sluice_retry"
 LUA_METRICS_SERVICE = "sluice_metrics"
@@ -262,12 +265,16 @@ def is_internal_server(name: str) -> bool:
     return name.startswith(INTERNAL_SERVER_PREFIX)
 
 
-def _fail_closed_line(reason: str) -> str:
+def _fail_closed_lines(reason: str) -> list[str]:
+    """Count the 503 by its reason, then answer it. sc0 also counts fallbacks: a request is either pinned (and may
+    count a fallback) or fails closed, never both."""
     body = openai_error_body(f"sluice could not route the request: {reason}", 503)
-    return (
+    condition = f"{{ var({VAR_REASON}) -m found }} !{{ var({VAR_SERVER}) -m found }}"
+    return [
+        f"    http-request track-sc0 var({VAR_REASON}) table {UNROUTED_TABLE} if {condition}",
         f"    http-request return status 503 content-type application/json lf-string '{body}'"
-        f' hdr {SERVE_REASON_HEADER} "{reason}" if {{ var({VAR_REASON}) -m found }} !{{ var({VAR_SERVER}) -m found }}'
-    )
+        f' hdr {SERVE_REASON_HEADER} "{reason}" if {condition}',
+    ]
 
 
 def _count_fallback_line() -> str:
@@ -350,10 +357,11 @@ def render_config(settings: HAProxySettings) -> str:
     lines += [
         "",
         f"frontend {PROMETHEUS_FRONTEND}",
-        f"    bind {LOOPBACK}:{settings.prometheus_port}",
+        f"    bind {settings.bind_host}:{settings.prometheus_port}",
         "    no log",
         f"    http-request use-service prometheus-exporter if {{ path {PROMETHEUS_PATH} }}",
         f"    http-request use-service lua.{LUA_METRICS_SERVICE} if {{ path {SLUICE_METRICS_PATH} }}",
+        f"    http-request use-service lua.{LUA_TARGETS_SERVICE} if {{ path {TARGETS_PATH} }}",
         "    http-request return status 404",
         "",
         f"frontend {FRONTEND}",
@@ -394,7 +402,7 @@ def render_config(settings: HAProxySettings) -> str:
         _count_fallback_line(),
         "    # Fail closed: never send a routed request to a replica the router did not rank. An app that fails open",
         "    # had the action rotate over its routable replicas instead, and the response says why.",
-        _fail_closed_line(reason),
+        *_fail_closed_lines(reason),
         f"    http-after-response set-header {SERVE_FALLBACK_HEADER} {reason}"
         f" if {{ var({VAR_REASON}) -m found }} {served}",
         "    # Replicas serve vLLM's paths under their app's route prefix.",
@@ -407,7 +415,7 @@ def render_config(settings: HAProxySettings) -> str:
         f"    bind {retry_addr} mode 600",
         f"    http-request lua.{LUA_RETRY_ACTION}",
         _count_fallback_line(),
-        _fail_closed_line(reason),
+        *_fail_closed_lines(reason),
         _rank_header_line(),
         *_pinned_backend_lines(),
         "",
@@ -420,11 +428,18 @@ def render_config(settings: HAProxySettings) -> str:
             "    # Health-checked router pool; the Lua action calls the UP ones itself (never proxied to).",
             *health_check_lines(),
             "",
+            f"backend {router_targets_backend(index)}",
+            "    # The routers' Serve addresses, where their metrics are: read by the target discovery only.",
+            "",
         ]
     lines += [
         f"backend {FALLBACK_TABLE}",
         "    # Requests served past the router's primary, by why the primary was passed over.",
         f"    stick-table type string len 32 size {len(FALLBACK_REASONS) * 4} store http_req_cnt",
+        "",
+        f"backend {UNROUTED_TABLE}",
+        "    # Requests failed closed with a 503, by reason: the router's own pass through, so room for any few.",
+        "    stick-table type string len 32 size 64 store http_req_cnt",
         "",
         *protection_tables(settings.protection),
         *running_table_lines(),

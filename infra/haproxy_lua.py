@@ -3,7 +3,9 @@
 The action finds the request's app (on a frontend with several models, by the model it names), asks one of that
 app's routers for its ranked replicas (`core.tcp` to the UP router servers), then pins the request to the first one
 the frontend can route to, or fails closed with a reason; a second action pins the next ranked
-replica when the pinned one refused the connection. See `infra.haproxy_config` for the config around them.
+replica when the pinned one refused the connection. See `infra.haproxy_config` for the config around them. The same
+file carries the metrics frontend's services (`infra/observability/frontend_metrics.lua.tmpl`): sluice's frontend
+counters and the Prometheus discovery of the routers and replicas.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from base.contracts import (
     DATA_PARALLEL_RANK_HEADER,
     DIRECT_PATH,
     DIRECT_WEIGHT_MAX,
+    FAIL_CLOSED_REASONS,
     FALLBACK_ABSENT,
     FALLBACK_DOWN,
     FALLBACK_REASONS,
@@ -34,6 +37,7 @@ from base.contracts import (
     REASON_MODEL_BEYOND_BUFFER,
     REASON_MODEL_MISSING,
     REASON_MODEL_NOT_FOUND,
+    REASON_NO_REPLICA,
     REASON_REPLICA_UNAVAILABLE,
     REASON_ROUTER_NON_200,
     REASON_ROUTER_UNREACHABLE,
@@ -56,6 +60,7 @@ from infra.haproxy_config import (
     LUA_TOKEN_PATTERN,
     LUA_URL_PATTERN,
     MAX_ID_LENGTH,
+    UNROUTED_TABLE,
     VAR_BACKEND,
     VAR_FALLBACK,
     VAR_PREFIX,
@@ -67,6 +72,20 @@ from infra.haproxy_config import (
     router_backend,
 )
 from infra.haproxy_models import MODEL_JSON_PATH, VAR_ERROR, VAR_MODEL
+from infra.observability import METRICS_LUA_TEMPLATE_PATH
+from infra.observability.targets import (
+    APP_LABEL,
+    LUA_TARGETS_SERVICE,
+    METRICS_PATH_LABEL,
+    REPLICA_LABEL,
+    ROLE_LABEL,
+    ROLE_REPLICA,
+    ROLE_ROUTER,
+    TARGETS_ROLE_PARAM,
+    replica_metrics_path,
+    router_metrics_path,
+    router_targets_backend,
+)
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS
 
 
@@ -107,6 +126,9 @@ def _lua_apps(settings: HAProxySettings) -> str:
             "fail_open": _lua_bool(app.fail_open),
             "body_buffer_bytes": str(app.body_buffer_bytes),
             "legacy_backend": _lua_str(legacy_backend(index)),
+            "router_targets_backend": _lua_str(router_targets_backend(index)),
+            "router_metrics_path": _lua_str(router_metrics_path(app)),
+            "replica_metrics_path": _lua_str(replica_metrics_path(app)),
         }
         if app.legacy_route_prefix is not None:
             fields["legacy_prefix"] = _lua_str(app.legacy_route_prefix)
@@ -116,12 +138,18 @@ def _lua_apps(settings: HAProxySettings) -> str:
     return "{\n" + "\n".join(entries) + "\n}"
 
 
-# The Lua source with `$placeholders` for every constant (string.Template; `$$` is a literal `$`).
-LUA_TEMPLATE = Template((Path(__file__).with_name("sluice_route.lua.tmpl")).read_text())
+# The Lua source with `$placeholders` for every constant (string.Template; `$$` is a literal `$`): the route action,
+# then, in the same chunk, the metrics frontend's services (counters and target discovery).
+LUA_TEMPLATE = Template(
+    "\n".join(
+        path.read_text() for path in (Path(__file__).with_name("sluice_route.lua.tmpl"), METRICS_LUA_TEMPLATE_PATH)
+    )
+)
 
 
 def render_lua(settings: HAProxySettings) -> str:
-    """The Lua route action, with every constant rendered in from the contracts and the settings."""
+    """The Lua route actions and metrics services, with every constant rendered in from the contracts and the
+    settings."""
     return LUA_TEMPLATE.substitute(
         route_path=ROUTE_PATH,
         weights_map_path=_lua_str(str(settings.weights_map_path)),
@@ -162,6 +190,17 @@ def render_lua(settings: HAProxySettings) -> str:
         data_parallel_rank_header=_lua_str(DATA_PARALLEL_RANK_HEADER),
         rank_separator_pattern=_lua_str("%" + RANK_SEPARATOR),
         fallback_table=_lua_str(FALLBACK_TABLE),
+        unrouted_table=_lua_str(UNROUTED_TABLE),
+        # Fail-closed reasons of the frontend's own and the router's usual one (listed at 0 before the first).
+        unrouted_reasons=_lua_list([*FAIL_CLOSED_REASONS, REASON_REPLICA_UNAVAILABLE, REASON_NO_REPLICA]),
+        targets_role_param=_lua_str(TARGETS_ROLE_PARAM),
+        role_router=_lua_str(ROLE_ROUTER),
+        role_replica=_lua_str(ROLE_REPLICA),
+        metrics_path_label=_lua_str(METRICS_PATH_LABEL),
+        role_label=_lua_str(ROLE_LABEL),
+        app_label=_lua_str(APP_LABEL),
+        replica_label=_lua_str(REPLICA_LABEL),
+        targets_service_name=_lua_str(LUA_TARGETS_SERVICE),
         internal_server_prefix=_lua_str(INTERNAL_SERVER_PREFIX),
         var_server_lua=_lua_str(VAR_SERVER),
         var_reason_lua=_lua_str(VAR_REASON),

@@ -79,6 +79,8 @@ class LedgerClient(Protocol):
 
     async def set_replicas(self, capacities: dict[str, int]) -> None: ...
 
+    async def snapshot(self) -> dict: ...
+
 
 class LocalLedgerClient:
     """A `LedgerClient` over a ledger in this process and event loop."""
@@ -94,6 +96,9 @@ class LocalLedgerClient:
 
     async def set_replicas(self, capacities: dict[str, int]) -> None:
         self.ledger.set_replicas(capacities)
+
+    async def snapshot(self) -> dict:
+        return self.ledger.snapshot()
 
 
 class CapacityQueue(RoutingPolicy):
@@ -168,6 +173,14 @@ class CapacityQueue(RoutingPolicy):
         except Exception:
             self.counts.event("release_fault")
             return False
+
+    async def ledger_snapshot(self) -> dict | None:
+        """The ledger's state (`CapacityLedger.snapshot`) for the router's metrics; None when the ledger does not
+        answer. A scrape is no decision: nothing is counted or retried."""
+        try:
+            return await self.ledger.snapshot()
+        except Exception:
+            return None
 
     def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
         """The synchronous ranking takes no token: PowerOfTwo's over the same replicas."""

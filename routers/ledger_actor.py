@@ -110,6 +110,9 @@ class ActorLedgerClient:
     async def set_replicas(self, capacities: dict[str, int]) -> None:
         await asyncio.wait_for(self.handle.set_replicas.remote(capacities), self.call_timeout_s)
 
+    async def snapshot(self) -> dict:
+        return await asyncio.wait_for(self.handle.snapshot.remote(), self.call_timeout_s)
+
     async def _release_late_grant(self, ref: ray.ObjectRef) -> None:
         # An error here means the grant died with the ledger (or the reaper will take it back).
         with contextlib.suppress(Exception):

@@ -1,14 +1,24 @@
-"""Why each routing decision went the way it did, counted per policy and exported to Prometheus.
+"""Why each routing decision went the way it did, counted per policy and exported to Prometheus; and the capacity
+ledger's tokens.
 
 Reasons are a small fixed vocabulary per policy (`primary`, `fallback_1`, `no_session_header`,
 `bound_exceeded`, `ledger_fault_fallback`, `waited`, ...), so the label set stays low-cardinality.
+
+The capacity ledger lives in an actor of its own, not in a process Prometheus scrapes, so a capacity_queue router
+asks it for a snapshot when its `/metrics` is scraped (one actor call per scrape, nothing per decision) and
+`LEDGER_METRICS` exports the last one per app: tokens held and free per replica (a label per replica the ledger
+knows: as many as the app has, and a replaced one is gone from the next snapshot), requests waiting for one, and
+the ledger's token counters. Every router of an app exports the same ledger: aggregate across routers with `max`,
+never `sum`.
 """
 
 from __future__ import annotations
 
 from collections import Counter as Tally
+from collections.abc import Iterator
 
-from prometheus_client import Counter
+from prometheus_client import REGISTRY, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 DECISIONS_TOTAL = Counter(
     "sluice_router_decisions",
@@ -43,3 +53,55 @@ class DecisionCounts:
     def event(self, name: str, amount: int = 1) -> None:
         self.events[name] += amount
         EVENTS_TOTAL.labels(self.policy, name).inc(amount)
+
+
+# The ledger snapshot's counters (`CapacityLedger.snapshot`) -> the `event` label of `sluice_ledger_token_events`.
+LEDGER_EVENTS = {
+    "granted": "granted",
+    "released": "released",
+    "reaped": "reaped",
+    "double_releases": "double_release",
+    "unknown_releases": "unknown_release",
+    "late_releases": "late_release",
+}
+
+
+class LedgerMetrics:
+    """A Prometheus collector of the last ledger snapshot of each app (none: nothing exported)."""
+
+    def __init__(self) -> None:
+        self._snapshots: dict[str, dict] = {}
+
+    def update(self, app: str, snapshot: dict | None) -> None:
+        """The app's ledger as read for this scrape; None (the ledger did not answer) exports nothing for it."""
+        if snapshot is None:
+            self._snapshots.pop(app, None)
+        else:
+            self._snapshots[app] = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        if not self._snapshots:
+            return
+        tokens = GaugeMetricFamily(
+            "sluice_ledger_tokens",
+            "Capacity tokens per replica: held (requests in flight) and free (capacity left).",
+            labels=["app", "replica", "state"],
+        )
+        waiting = GaugeMetricFamily("sluice_ledger_waiting", "Requests queued for a capacity token.", labels=["app"])
+        events = CounterMetricFamily(
+            "sluice_ledger_token_events",
+            "Capacity tokens by what became of them (since the ledger started).",
+            labels=["app", "event"],
+        )
+        for app, snapshot in sorted(self._snapshots.items()):
+            for replica, held in sorted(snapshot["replicas"].items()):
+                tokens.add_metric([app, replica, "held"], held["in_flight"])
+                tokens.add_metric([app, replica, "free"], max(held["capacity"] - held["in_flight"], 0))
+            waiting.add_metric([app], snapshot["waiting"])
+            for key, event in LEDGER_EVENTS.items():
+                events.add_metric([app, event], snapshot[key])
+        yield from (tokens, waiting, events)
+
+
+LEDGER_METRICS = LedgerMetrics()
+REGISTRY.register(LEDGER_METRICS)

@@ -11,6 +11,10 @@ the legacy ingress replicas (`infra.haproxy_canary`) get the same treatment.
 A frontend with several apps (one per model) has a replica backend and a router pool per app; each is kept the
 same way, from its own sources.
 
+Metrics targets: a router's server points at its route listener, so each router's Serve address (where its metrics
+are) is kept, the same way, in a backend of its own without health checks (`router_targets_backend`), which the
+frontend's Prometheus service discovery reads (`infra.observability.targets`).
+
 One membership truth: after each pass the syncer publishes, to every router replica of each app, the ids of that
 app's replicas this frontend can route to now — in its server set, UP, not leaving (`Membership`,
 `POST <prefix>/internal/membership`), when that set changes and every `PUBLISH_HEARTBEAT_S`. A replica joins it
@@ -42,6 +46,7 @@ from infra.haproxy_config import (
     router_backend,
 )
 from infra.haproxy_servers import legacy_server_options, replica_server_options, router_server_options
+from infra.observability.targets import router_targets_backend
 from infra.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
 from services.serve_internals import ReplicaEndpoint
 
@@ -82,11 +87,13 @@ class SyncReport:
 
 
 class ServerPool:
-    """The servers of one backend, keyed by replica (or router) id, which is also the server's name."""
+    """The servers of one backend, keyed by replica (or router) id, which is also the server's name. `checked`:
+    its servers are health-checked (and start DOWN until their checks pass)."""
 
-    def __init__(self, backend: str, options: list[str]) -> None:
+    def __init__(self, backend: str, options: list[str], checked: bool = True) -> None:
         self.backend = backend
         self.options = options
+        self.checked = checked
         self.members: dict[str, Member] = {}
 
     @property
@@ -117,8 +124,22 @@ class AppPools:
         self.replicas = ServerPool(replica_backend(index), replica_server_options(settings))
         self.routers = ServerPool(router_backend(index), router_server_options(settings))
         self.legacy = ServerPool(legacy_backend(index), legacy_server_options(settings))
+        # The routers' Serve addresses, for the metrics discovery only.
+        self.router_targets = ServerPool(router_targets_backend(index), [], checked=False)
         # Router id -> (the set last published to it, when).
         self.published: dict[str, tuple[tuple[str, ...], float]] = {}
+
+    def pools(
+        self, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint], legacy: list[ReplicaEndpoint]
+    ) -> list[tuple[ServerPool, list[ReplicaEndpoint]]]:
+        """Each of the app's pools with the endpoints it should hold (a router's target: its Serve address)."""
+        targets = [router.model_copy(update={"route_port": None}) for router in routers]
+        return [
+            (self.replicas, replicas),
+            (self.routers, routers),
+            (self.legacy, legacy),
+            (self.router_targets, targets),
+        ]
 
     def published_replicas(self) -> int:
         """How many replicas every live router has last been told about (0 while one has been told nothing)."""
@@ -201,8 +222,9 @@ class HAProxySyncer:
             self._adopted = True
         report = SyncReport()
         for app, (replicas, routers, legacy) in zip(self.apps, endpoints, strict=True):
-            for pool, wanted in ((app.replicas, replicas), (app.routers, routers), (app.legacy, legacy)):
-                self._sync_pool(pool, wanted, stats, report)
+            for pool, wanted in app.pools(replicas, routers, legacy):
+                # The router targets mirror the routers: not reported twice.
+                self._sync_pool(pool, wanted, stats, report if pool is not app.router_targets else SyncReport())
             # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
             backend = app.replicas.backend
             report.routable_by_app.append(
@@ -280,9 +302,10 @@ class HAProxySyncer:
                 continue
             options = pool.options + _check_port_option(endpoint)
             self.runtime.add_server(pool.backend, name, endpoint.host, endpoint.haproxy_port, options)
-            self.runtime.enable_health(pool.backend, name)
-            # Routable only once its checks say so: HAProxy would otherwise assume a new server UP.
-            self.runtime.set_server_health_down(pool.backend, name)
+            if pool.checked:
+                self.runtime.enable_health(pool.backend, name)
+                # Routable only once its checks say so: HAProxy would otherwise assume a new server UP.
+                self.runtime.set_server_health_down(pool.backend, name)
             self.runtime.set_server_state(pool.backend, name, "ready")
             pool.members[name] = Member(endpoint)
             report.added.append(name)
@@ -294,7 +317,7 @@ class HAProxySyncer:
         pools = [
             (pool, wanted)
             for app, (replicas, routers, legacy) in zip(self.apps, endpoints, strict=True)
-            for pool, wanted in ((app.replicas, replicas), (app.routers, routers), (app.legacy, legacy))
+            for pool, wanted in app.pools(replicas, routers, legacy)
         ]
         for pool, endpoints_of_pool in pools:
             wanted = {e.replica_id: e for e in endpoints_of_pool}

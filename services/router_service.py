@@ -12,7 +12,8 @@ with `list_replica_endpoints(<router app>)`. The route path on that port is the 
 publishes its membership at `route_prefix` + `MEMBERSHIP_PATH`. `GET /metrics` on the same app exports
 the router's counters together with the policies' decision counters. HAProxy's route calls themselves go to the
 replica's route listener (services.route_listener: the same answer without Serve's per-request cost), whose port
-the app tells at `route_prefix` + `ROUTE_LISTENER_PATH`.
+the app tells at `route_prefix` + `ROUTE_LISTENER_PATH`. A capacity_queue router's `/metrics` also exports its ledger's
+tokens, read from the ledger actor at each scrape (`routers.metrics.LEDGER_METRICS`).
 
 Replica set. Each router replica polls `list_replica_endpoints(target_app)` every
 `refresh_interval_s` (0.25 s: a replaced replica is routable within a quarter second, for one
@@ -86,10 +87,12 @@ from base.contracts import (
 )
 from base.rollout import config_version
 from base.route_wire import Membership, RouteRefusal, RouteReply
-from routers.capacity_queue import LedgerClient
+from infra.observability.targets import METRICS_PATH
+from routers.capacity_queue import CapacityQueue, LedgerClient
 from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
 from routers.core import Decision, InFlightTracker, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
 from routers.ledger_actor import capacity_queue_policy
+from routers.metrics import LEDGER_METRICS
 from services.frontend_membership import FrontendMembership
 from services.live_replicas import LiveReplicas
 from services.llm_config import LLM_DEPLOYMENT_NAME
@@ -97,7 +100,6 @@ from services.route_listener import ROUTE_LISTENER_PATH, RouteListener
 from services.route_request import route_request_from
 from services.serve_internals import list_replica_endpoints, with_rollout_version
 
-METRICS_PATH = "/metrics"
 ROUTER_DEPLOYMENT_NAME = "Router"
 # Serve counts route calls against this. A decision takes about a millisecond, but a capacity_queue
 # call may wait up to its `max_wait_s`; Serve's default of 5 would queue every call behind 5 waiters.
@@ -326,6 +328,8 @@ def build_router_app(
 
     @app.get(METRICS_PATH)
     async def metrics() -> Response:
+        if isinstance(policy, CapacityQueue):
+            LEDGER_METRICS.update(settings.target_app, await policy.ledger_snapshot())
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -1,0 +1,11 @@
+"""What a sluice stack ships for its observability: the Prometheus discovery of its targets (`targets`, served by
+the frontend's Lua services in `METRICS_LUA_TEMPLATE_PATH`), the scrape config around it (`infra.prometheus_config`)
+and a Grafana dashboard over what they export (`DASHBOARD_PATH`, checked by `dashboard`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DASHBOARD_PATH = Path(__file__).with_name("sluice-dashboard.json")
+# The frontend's metrics services in Lua, rendered after the route action by `infra.haproxy_lua`.
+METRICS_LUA_TEMPLATE_PATH = Path(__file__).with_name("frontend_metrics.lua.tmpl")
