@@ -4,7 +4,8 @@ The build context is staged in a temporary folder: the work tree's files (tracke
 ignore) under `src/`, the CA bundle pip trusts under `build/ca-bundle.crt` (a machine behind a TLS-inspecting proxy
 reaches PyPI only with it), and, for CPU images, the wheels of pip's `find-links` under `build/wheels/` (the CPU
 torch build lies there; PyPI's torch is the CUDA one). Where no registry is reachable the default base image
-`sluice-base:bookworm` is made first by `infra/images/build-base.sh` (debootstrap + docker import).
+`sluice-base:bookworm` is made first by `infra/images/build-base.sh` (debootstrap + docker import). The Docker SDK
+is a development tool (the `dev` extra), imported only by what builds: the CLI imports this module in every image.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ import tempfile
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-
-import docker
-from docker.errors import ImageNotFound
 
 from base.runtime import REPO_ROOT
 
@@ -83,6 +81,9 @@ def stage_context(dest: Path, engine: str) -> None:
 
 def ensure_base_image(base: str, say: Callable[[str], None]) -> None:
     """Make the local base image when it is the one asked for and missing (no registry to pull it from)."""
+    import docker
+    from docker.errors import ImageNotFound
+
     client = docker.from_env()
     try:
         client.images.get(base)
@@ -103,6 +104,8 @@ def build_image(
     base = base or DEFAULT_BASE[engine]
     tag = tag or image_tag(engine)
     ensure_base_image(base, say)
+    import docker
+
     api = docker.APIClient()
     with tempfile.TemporaryDirectory(prefix="sluice-image-") as context:
         stage_context(Path(context), engine)
@@ -129,4 +132,6 @@ def build_image(
 
 
 def image_size_bytes(tag: str) -> int:
+    import docker
+
     return int(docker.from_env().images.get(tag).attrs["Size"])

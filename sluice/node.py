@@ -18,8 +18,9 @@ from base.contracts import HEAD_NODE_RESOURCE, NODE_ROLE_CAPACITY, WORKER_NODE_R
 from base.runtime import process_env, ray_temp_dir
 
 RAY_GCS_PORT = 6379
-# Ray 2.60's `ray start` turns token authentication on; the stack's private network is its boundary.
-NODE_ENV = {"RAY_AUTH_MODE": "disabled"}
+# Ray 2.60's `ray start` turns token authentication on; the stack's private network is its boundary. Ray refuses
+# to join nodes while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0 (what keeps a one-machine Ray on loopback).
+NODE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 
 
 def node_address() -> str:
