@@ -54,7 +54,9 @@ def prometheus_config(frontends: Sequence[str], scrape_interval_s: float = SCRAP
         raise ValueError(f"scrape_interval_s must be positive, not {scrape_interval_s}")
     # Prometheus durations read like HAProxy's times ("15s", "1500ms").
     interval = haproxy_time(scrape_interval_s)
-    static = [{"targets": list(frontends)}]
+
+    def static() -> list[dict]:  # a fresh list per job: the YAML then holds no anchors
+        return [{"targets": list(frontends)}]
 
     def discovered(job: str, role: str) -> dict:
         sources = [{"url": targets_url(frontend, role), "refresh_interval": interval} for frontend in frontends]
@@ -67,8 +69,8 @@ def prometheus_config(frontends: Sequence[str], scrape_interval_s: float = SCRAP
             "evaluation_interval": interval,
         },
         "scrape_configs": [
-            {"job_name": JOB_HAPROXY, "metrics_path": PROMETHEUS_PATH, "static_configs": static},
-            {"job_name": JOB_FRONTEND, "metrics_path": SLUICE_METRICS_PATH, "static_configs": static},
+            {"job_name": JOB_HAPROXY, "metrics_path": PROMETHEUS_PATH, "static_configs": static()},
+            {"job_name": JOB_FRONTEND, "metrics_path": SLUICE_METRICS_PATH, "static_configs": static()},
             discovered(JOB_ROUTERS, ROLE_ROUTER),
             discovered(JOB_REPLICAS, ROLE_REPLICA),
         ],

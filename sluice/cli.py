@@ -16,7 +16,6 @@ from typing import Any
 
 from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
 from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir, default_moe_model_dir
-from infra.container_images import image_tag
 from sluice.stack_cli import add_stack_commands
 
 EMBEDDED_SPEC = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "local-cpu.yaml"
@@ -140,18 +139,6 @@ def _schema(args: argparse.Namespace) -> int:
     from topologies.spec import topology_json_schema
 
     print(json.dumps(topology_json_schema(), indent=2))
-    return 0
-
-
-def _render(args: argparse.Namespace) -> int:
-    from sluice.deploy import render
-    from sluice.render_kuberay import render_kuberay
-
-    try:
-        print(render_kuberay(args.file, args.image) if args.kuberay else render(args.file), end="")
-    except ValueError as error:  # a SpecError, or a name KubeRay refuses
-        print(error, file=sys.stderr)
-        return 1
     return 0
 
 
@@ -345,13 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="print the JSON Schema of topology specs (for editors)")
     schema.set_defaults(func=_schema)
 
-    render = commands.add_parser("render", help="a spec's plan as a Serve config (serve deploy, KubeRay)")
-    render.add_argument("file")
-    render.add_argument("--kuberay", action="store_true", help="a KubeRay RayService manifest (+ Service, ConfigMap)")
-    render.add_argument(
-        "--image", default=image_tag("cpu"), help="the node image the manifest runs (sluice image build)"
-    )
-    render.set_defaults(func=_render)
     for name, help_text in (
         ("deploy", "deploy a spec to a running Ray cluster and return once it serves"),
         ("status", "a deployed spec's apps, replicas, routers and HAProxy server map, ready or degraded and why"),

@@ -1,10 +1,34 @@
-"""The command line of stacks in containers: `sluice image build`, `sluice node`, `sluice stack up | down`."""
+"""The command line of a stack's artefacts and containers: `sluice render` (Serve config, KubeRay manifest, Prometheus
+scrape config), `sluice image build`, `sluice node`, `sluice stack up | down`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Any
+
+
+def _render(args: argparse.Namespace) -> int:
+    from sluice.deploy import render
+    from sluice.render_kuberay import render_kuberay
+
+    try:
+        if args.prometheus:
+            print(_prometheus(args.file, args.frontend_host), end="")
+        else:
+            print(render_kuberay(args.file, args.image) if args.kuberay else render(args.file), end="")
+    except ValueError as error:  # a SpecError, or a name KubeRay refuses
+        print(error, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _prometheus(path: str, frontend_host: str) -> str:
+    from infra.prometheus_config import render_prometheus_config
+    from topologies.spec import load_spec
+
+    spec = load_spec(path)
+    return render_prometheus_config([f"{frontend_host}:{spec.frontend.metrics_port}"])
 
 
 def _image_build(args: argparse.Namespace) -> int:
@@ -46,7 +70,19 @@ def _stack_down(args: argparse.Namespace) -> int:
 
 
 def add_stack_commands(commands: Any) -> None:
+    from base.runtime import LOOPBACK
     from infra.container_images import ENGINES, image_tag
+
+    render = commands.add_parser("render", help="a spec's plan as a Serve config (serve deploy, KubeRay)")
+    render.add_argument("file")
+    what = render.add_mutually_exclusive_group()
+    what.add_argument("--kuberay", action="store_true", help="a KubeRay RayService manifest (+ Service, ConfigMap)")
+    what.add_argument("--prometheus", action="store_true", help="prometheus.yml for the stack's frontend")
+    render.add_argument("--image", default=image_tag("cpu"), help="the node image (sluice image build)")
+    render.add_argument(
+        "--frontend-host", default=LOOPBACK, help="where Prometheus reaches the frontend (host, Service name)"
+    )
+    render.set_defaults(func=_render)
 
     image = commands.add_parser("image", help="the node image of stacks in containers")
     image_commands = image.add_subparsers(dest="image_command", required=True)
