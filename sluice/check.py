@@ -222,8 +222,8 @@ def report(items: list[Item], as_json: bool) -> int:
 def check(path: str | None, target: str | None, address: str, as_json: bool) -> int:
     if target is not None:
         return report(run_checks(None, None, target.rstrip("/")), as_json)
-    from sluice.deploy import connect, plan_of
+    from sluice.deploy import connect, frontend_url, plan_of
 
     spec, plan = plan_of(path)
     connect(address)
-    return report(run_checks(spec, plan, plan.url), as_json)
+    return report(run_checks(spec, plan, frontend_url(plan)), as_json)

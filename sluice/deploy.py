@@ -76,6 +76,12 @@ def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
         return None
 
 
+def frontend_url(plan: StackPlan) -> str:
+    """Where the deployed frontend listens, as it reports it: the head node's address on a stack across nodes."""
+    status = _frontend_status(plan)
+    return status["url"] if status and status.get("url") else plan.url
+
+
 def ensure_models(spec: Any) -> None:
     """Build the tiny model if a model of the spec is `tiny` and it is not built yet."""
     from base.tiny_model import ensure_built
@@ -187,8 +193,7 @@ def deploy(path: str, address: str) -> int:
         print("a cluster of sluice nodes: LLM replicas on the worker nodes, the frontend on the head", flush=True)
     if not apply_plan(spec, plan):
         return 1
-    if spans_nodes:
-        plan = plan.model_copy(update={"url": _frontend_status(plan)["url"]})
+    plan = plan.model_copy(update={"url": frontend_url(plan)})
     print("\n".join(serving_lines(spec, plan)))
     return 0
 
