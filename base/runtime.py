@@ -34,6 +34,12 @@ def ray_temp_dir() -> Path:
     return cache_dir() / "ray"
 
 
+# What a node of a stack across machines adds to `process_env` before `ray start` (containers, KubeRay pods): Ray
+# refuses to join nodes while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0 (what keeps a one-machine Ray on loopback), and
+# Ray 2.60's `ray start` turns token authentication on; the stack's private network is its boundary.
+CLUSTER_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "disabled"}
+
+
 def process_env() -> dict[str, str]:
     """Variables every Ray worker and vLLM engine of sluice runs with."""
     root = cache_dir()

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from base.contracts import HEAD_NODE_RESOURCE, NODE_BIND_ALL, NODE_ROLE_CAPACITY, WORKER_NODE_RESOURCE
-from base.runtime import DEFAULT_SERVE_PROXY_PORT, process_env
+from base.runtime import CLUSTER_NODE_ENV, DEFAULT_SERVE_PROXY_PORT, process_env
 from builders.plan import StackPlan, build_plan, serve_config
 from infra.haproxy_config import PROMETHEUS_PATH
 from infra.kuberay import ObjectMeta, RayService, ray_start_resources
@@ -165,7 +165,7 @@ def from_hub(spec: StackBase) -> bool:
 def container_env(spec: StackBase) -> list[dict[str, Any]]:
     """The variables every Ray container of the stack starts with."""
     with _pod_cache_dir():
-        env = {"SLUICE_CACHE_DIR": POD_CACHE_DIR, **process_env()}
+        env = {"SLUICE_CACHE_DIR": POD_CACHE_DIR, **process_env(), **CLUSTER_NODE_ENV}
     del env["VLLM_HOST_IP"]
     entries: list[dict[str, Any]] = []
     if from_hub(spec):

@@ -15,12 +15,9 @@ import socket
 from typing import Literal
 
 from base.contracts import HEAD_NODE_RESOURCE, NODE_ROLE_CAPACITY, WORKER_NODE_RESOURCE
-from base.runtime import process_env, ray_temp_dir
+from base.runtime import CLUSTER_NODE_ENV, process_env, ray_temp_dir
 
 RAY_GCS_PORT = 6379
-# Ray 2.60's `ray start` turns token authentication on; the stack's private network is its boundary. Ray refuses
-# to join nodes while RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0 (what keeps a one-machine Ray on loopback).
-NODE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 
 
 def node_address() -> str:
@@ -53,7 +50,7 @@ def ray_start_argv(
 
 
 def node_env(address: str) -> dict[str, str]:
-    return {**os.environ, **process_env(), **NODE_ENV, "VLLM_HOST_IP": address}
+    return {**os.environ, **process_env(), **CLUSTER_NODE_ENV, "VLLM_HOST_IP": address}
 
 
 def run_node(role: Literal["head", "worker"], head: str | None, num_cpus: int | None) -> None:

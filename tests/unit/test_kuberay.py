@@ -192,6 +192,8 @@ def test_pods_keep_their_caches_in_the_image_and_leave_vllm_host_ip_to_each_repl
     for group in [_cluster(service)["headGroupSpec"], *_groups(service)]:
         env = {var["name"]: var.get("value") for var in _container(group)["env"]}
         assert "VLLM_HOST_IP" not in env
+        # Ray joins the pods into one cluster only with this set (sluice's one-machine default is 0).
+        assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"
         assert env["SLUICE_CACHE_DIR"] == POD_CACHE_DIR
         for name in ("VLLM_CACHE_ROOT", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR"):
             assert env[name].startswith(POD_CACHE_DIR + "/")
