@@ -4,12 +4,15 @@
 frontend, the routers, Serve's controller) and N worker containers (the LLM replicas), each from the node image
 (`sluice image build`) running `sluice node`; it waits for every node to join, copies the spec into the head and
 runs `sluice deploy` there. The stack then serves at the head's address on that network. Everything it creates
-carries the label `sluice.stack=<team>-<name>`, and `down` removes exactly that (containers, then the network).
+carries the label `sluice.stack=<team>-<name>`, and `down` removes exactly that (containers, then the network);
+`status` runs `sluice status` on the head. A spec's API key file is copied into the head at the same path, a key
+variable passed in the head's environment.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 import time
 from collections.abc import Callable
@@ -81,7 +84,16 @@ def run_in(container: Container, argv: list[str], say: Callable[[str], None] | N
     return api.exec_inspect(exec_id)["ExitCode"], "\n".join(lines)
 
 
-def _start_node(client: Any, image: str, stack: str, network: str, name: str, role: str, command: list[str]) -> Any:
+def _start_node(
+    client: Any,
+    image: str,
+    stack: str,
+    network: str,
+    name: str,
+    role: str,
+    command: list[str],
+    environment: dict[str, str] | None = None,
+) -> Any:
     return client.containers.run(
         image,
         command=command,
@@ -90,6 +102,7 @@ def _start_node(client: Any, image: str, stack: str, network: str, name: str, ro
         network=network,
         labels={STACK_LABEL: stack, ROLE_LABEL: role},
         shm_size=SHM_SIZE,
+        environment=environment or {},
         detach=True,
     )
 
@@ -121,7 +134,10 @@ def stack_up(
         raise RuntimeError(f"stack {stack} is already up: `sluice stack down {path}` first")
     network = f"sluice-{stack}"
     client.networks.create(network, driver="bridge", internal=True, labels={STACK_LABEL: stack})
-    head = _start_node(client, image, stack, network, f"{network}-head", "head", ["head"])
+    keys = spec.frontend.protection.api_keys
+    # A key variable reaches the frontend through the head's environment; a key file is copied below.
+    key_env = {keys.env: os.environ[keys.env]} if keys is not None and keys.env in os.environ else {}
+    head = _start_node(client, image, stack, network, f"{network}-head", "head", ["head"], key_env)
     head_address = _address(head, network)
     say(f"head: {head.name} on {head_address}")
     cpus = ["--num-cpus", str(worker_cpus)] if worker_cpus is not None else []
@@ -134,6 +150,8 @@ def stack_up(
     gcs = f"{head_address}:{RAY_GCS_PORT}"
     _wait_for_nodes(head, gcs, nodes + 1, say)
     spec_in_head = _put_file(head, Path(path).resolve(), SPEC_DIR)
+    if keys is not None and keys.file is not None:
+        _put_file(head, keys.file.resolve(), str(keys.file.resolve().parent))
     code, _ = run_in(head, ["sluice", "deploy", spec_in_head, "--address", gcs], say)
     if code != 0:
         raise RuntimeError(f"`sluice deploy` on the head failed ({code}); `sluice stack down {path}` cleans up")
@@ -145,6 +163,18 @@ def stack_up(
         url=f"http://{head_address}:{spec.frontend.port}",
         metrics_url=f"http://{head_address}:{spec.frontend.metrics_port}",
     )
+
+
+def stack_status(path: str, as_json: bool = False) -> tuple[int, str]:
+    """`sluice status` of the stack, run on its head (exit code, output)."""
+    stack = stack_name(path)
+    heads = docker.from_env().containers.list(filters={"label": [f"{STACK_LABEL}={stack}", f"{ROLE_LABEL}=head"]})
+    if not heads:
+        return 1, f"stack {stack} is not up: `sluice stack up {path}`"
+    head = heads[0]
+    gcs = f"{_address(head, f'sluice-{stack}')}:{RAY_GCS_PORT}"
+    argv = ["sluice", "status", f"{SPEC_DIR}/{Path(path).name}", "--address", gcs]
+    return run_in(head, argv + ["--json"] * as_json)
 
 
 def stack_down(stack: str, say: Callable[[str], None] = print) -> int:

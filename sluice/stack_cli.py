@@ -61,6 +61,14 @@ def _stack_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stack_status(args: argparse.Namespace) -> int:
+    from sluice.stack import stack_status
+
+    code, output = stack_status(args.file, args.json)
+    print(output)
+    return code
+
+
 def _stack_down(args: argparse.Namespace) -> int:
     from sluice.stack import stack_down, stack_name
 
@@ -106,6 +114,10 @@ def add_stack_commands(commands: Any) -> None:
     up.add_argument("--image", default=image_tag("cpu"))
     up.add_argument("--worker-cpus", type=int, help="CPUs each worker offers Ray (default: all)")
     up.set_defaults(func=_stack_up)
+    status = stack_commands.add_parser("status", help="`sluice status` of the stack, run on its head")
+    status.add_argument("file")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_stack_status)
     down = stack_commands.add_parser("down", help="remove the stack's containers and network")
     down.add_argument("file")
     down.set_defaults(func=_stack_down)

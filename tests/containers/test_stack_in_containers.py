@@ -19,8 +19,7 @@ import pytest
 import yaml
 
 from base.contracts import REPLICA_HEADER, SERVE_REASON_HEADER
-from sluice.node import RAY_GCS_PORT
-from sluice.stack import SPEC_DIR, RunningStack, run_in, stack_down, stack_up
+from sluice.stack import RunningStack, stack_down, stack_status, stack_up
 from tests.integration.sse import DONE, data_lines
 
 docker = pytest.importorskip("docker")
@@ -71,7 +70,9 @@ def stack(
 
 def _say(request: pytest.FixtureRequest, line: str) -> None:
     """A line on the terminal even when pytest captures output (the image's size, what the kill cost)."""
-    request.config.pluginmanager.getplugin("terminalreporter").write_line(line)
+    plugins = request.config.pluginmanager
+    with plugins.getplugin("capturemanager").global_and_fixture_disabled():
+        plugins.getplugin("terminalreporter").write_line(line)
 
 
 def _chat(url: str, content: str) -> dict[str, Any]:
@@ -88,10 +89,8 @@ def _chat(url: str, content: str) -> dict[str, Any]:
         }
 
 
-def _status(running: RunningStack, spec: Path) -> dict[str, Any]:
-    head = docker.from_env().containers.get(running.head.container)
-    gcs = f"{running.head.address}:{RAY_GCS_PORT}"
-    code, output = run_in(head, ["sluice", "status", f"{SPEC_DIR}/{spec.name}", "--json", "--address", gcs])
+def _status(spec: Path) -> dict[str, Any]:
+    code, output = stack_status(str(spec), as_json=True)
     assert code == 0, output
     return json.loads(output[output.index("{") :])
 
@@ -103,7 +102,7 @@ def test_both_workers_serve_50_streams_through_the_head(stack: tuple[RunningStac
     assert [r["status"] for r in results] == [200] * REQUESTS
     assert all(r["done"] for r in results)
     served = {r["replica"] for r in results}
-    report = _status(running, spec)
+    report = _status(spec)
     replica_host = {
         line.split()[0]: line.split()[1].rsplit(":", 1)[0] for line in report["apps"]["ci-nodes-llm"]["replicas"]
     }
@@ -119,8 +118,7 @@ def test_killing_a_worker_leaves_the_other_serving_with_only_fail_closed_503s(
 ) -> None:
     running, spec = stack
     replica_host = {
-        line.split()[0]: line.split()[1].rsplit(":", 1)[0]
-        for line in _status(running, spec)["apps"]["ci-nodes-llm"]["replicas"]
+        line.split()[0]: line.split()[1].rsplit(":", 1)[0] for line in _status(spec)["apps"]["ci-nodes-llm"]["replicas"]
     }
     killed, survivor = running.workers
     docker.from_env().containers.get(killed.container).kill(signal="SIGKILL")
