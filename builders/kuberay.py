@@ -171,19 +171,15 @@ def container_env(spec: StackBase) -> list[dict[str, Any]]:
     if from_hub(spec):
         for key in _HF_OFFLINE:
             del env[key]
-        secret = {"name": f"{_stack(spec)}-hf-token", "key": HF_TOKEN_KEY, "optional": True}
+        secret = {"name": f"{spec.stack}-hf-token", "key": HF_TOKEN_KEY, "optional": True}
         entries.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret}})
     return [{"name": key, "value": value} for key, value in env.items()] + entries
-
-
-def _stack(spec: StackBase) -> str:
-    return f"{spec.team}-{spec.name}"
 
 
 def _labels(spec: StackBase, component: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "sluice",
-        "app.kubernetes.io/instance": _stack(spec),
+        "app.kubernetes.io/instance": spec.stack,
         "app.kubernetes.io/component": component,
     }
 
@@ -197,7 +193,7 @@ def _head_secrets(spec: StackBase) -> tuple[list[dict[str, Any]], list[dict[str,
     keys = spec.frontend.protection.api_keys
     if keys is None:
         return [], [], []
-    secret = f"{_stack(spec)}-api-keys"
+    secret = f"{spec.stack}-api-keys"
     if keys.env is not None:
         return [{"name": keys.env, "valueFrom": {"secretKeyRef": {"name": secret, "key": keys.env}}}], [], []
     name = keys.file.name  # type: ignore[union-attr]
@@ -214,7 +210,7 @@ def _head_group(spec: StackBase, image: str, env: list[dict[str, Any]]) -> dict[
         _port(METRICS_PORT_NAME, frontend.metrics_port),
     ]
     key_env, volumes, mounts = _head_secrets(spec)
-    volumes.append({"name": "stack-spec", "configMap": {"name": f"{_stack(spec)}-spec"}})
+    volumes.append({"name": "stack-spec", "configMap": {"name": f"{spec.stack}-spec"}})
     mounts.append({"name": "stack-spec", "mountPath": SPEC_MOUNT, "readOnly": True})
     container = {
         "name": "ray-head",
@@ -282,7 +278,7 @@ def _frontend_service(spec: StackBase) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {
-            "name": f"{_stack(spec)}-frontend",
+            "name": f"{spec.stack}-frontend",
             "labels": _labels(spec, "frontend"),
             "annotations": annotations,
         },
@@ -295,7 +291,7 @@ def _spec_config_map(spec: StackBase) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": f"{_stack(spec)}-spec", "labels": _labels(spec, "spec")},
+        "metadata": {"name": f"{spec.stack}-spec", "labels": _labels(spec, "spec")},
         "data": {SPEC_KEY: text},
     }
 

@@ -38,7 +38,7 @@ def app_stem(stack: str, model: str, several: bool) -> str:
 def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
     """The plan of any kind: each model's apps (`builders.model_apps`), then the one frontend app; `spans_nodes`:
     each app placed on its role's nodes."""
-    stack = f"{spec.team}-{spec.name}"
+    stack = spec.stack
     several = len(spec.models) > 1
     stems: dict[str, int] = {}
     problems = []

@@ -53,8 +53,11 @@ class RunningStack(BaseModel):
 
 
 def stack_name(path: str) -> str:
-    spec = load_spec(path)
-    return f"{spec.team}-{spec.name}"
+    return load_spec(path).stack
+
+
+def network_name(stack: str) -> str:
+    return f"sluice-{stack}"
 
 
 def _address(container: Container, network: str) -> str:
@@ -128,11 +131,11 @@ def stack_up(
 ) -> RunningStack:
     """The spec's stack on a head and `nodes` workers in containers; raises if it is already up or does not serve."""
     spec = load_spec(path)
-    stack = f"{spec.team}-{spec.name}"
+    stack = spec.stack
     client = docker.from_env()
     if client.containers.list(all=True, filters={"label": f"{STACK_LABEL}={stack}"}):
         raise RuntimeError(f"stack {stack} is already up: `sluice stack down {path}` first")
-    network = f"sluice-{stack}"
+    network = network_name(stack)
     client.networks.create(network, driver="bridge", internal=True, labels={STACK_LABEL: stack})
     keys = spec.frontend.protection.api_keys
     # A key variable reaches the frontend through the head's environment; a key file is copied below.
@@ -172,7 +175,7 @@ def stack_status(path: str, as_json: bool = False) -> tuple[int, str]:
     if not heads:
         return 1, f"stack {stack} is not up: `sluice stack up {path}`"
     head = heads[0]
-    gcs = f"{_address(head, f'sluice-{stack}')}:{RAY_GCS_PORT}"
+    gcs = f"{_address(head, network_name(stack))}:{RAY_GCS_PORT}"
     argv = ["sluice", "status", f"{SPEC_DIR}/{Path(path).name}", "--address", gcs]
     return run_in(head, argv + ["--json"] * as_json)
 

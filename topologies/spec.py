@@ -116,6 +116,11 @@ class StackBase(Section):
             raise ValueError(f"{value!r}: use lower-case letters, digits and '-' (at most 63, starting alphanumeric)")
         return value
 
+    @property
+    def stack(self) -> str:
+        """The stack's name, `<team>-<name>`: its apps', its containers' and its Kubernetes objects' stem."""
+        return f"{self.team}-{self.name}"
+
 
 class OpenAIStack(StackBase):
     kind: Literal["openai"]
