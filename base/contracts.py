@@ -108,6 +108,9 @@ REASON_INJECTED_FAULT = "injected_fault"
 FAULT_PATH = "/internal/fault"
 # Share of sessions on the direct path, in percent (the canary weight).
 DIRECT_WEIGHT_MAX = 100
+# The canary's abort criteria, in the order the guard checks them: the `reason` of an automatic rollback
+# (`sluice_canary_rollbacks_total`).
+CANARY_CRITERIA = ("ratio_503", "ttft_p99_s", "stream_error_ratio", "replica_imbalance")
 
 # Replica defaults.
 HEALTH_PATH = "/-/healthz"

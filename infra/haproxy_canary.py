@@ -7,8 +7,10 @@
   the weight holds.
 - Per app a legacy backend: the legacy ingress replicas (added and removed at run time by the syncer), load
   balanced (least connections) and health-checked; its responses say `x-serve-path: legacy`.
-- The request log: one line per finished request (`LOG_FORMAT`) to the frontend replica's unix socket, which
+- The request log: one line per finished request (`log_format`) to the frontend replica's unix socket, which
   measures both paths for the canary guard (`services.canary_guard`).
+- The canary's automatic rollbacks, by the criterion breached: a table the frontend replica sets through the runtime
+  API (`set table`), read into `sluice_canary_rollbacks_total{reason}` on the frontend's metrics.
 - Running request ids: a request whose `x-request-id` is already running (on either path) is refused with 409
   and `x-serve-reason: duplicate_request`, so a client's retry never starts a second generation.
 """
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 from base.contracts import (
+    CANARY_CRITERIA,
     DIRECT_WEIGHT_MAX,
     HEALTH_PATH,
     LEGACY_PATH,
@@ -35,6 +38,9 @@ VAR_SERVED = "txn.sluice_served"
 # Microseconds the route call took as the Lua action saw it (connect, send, the router's reply).
 VAR_ROUTE_US = "txn.sluice_route_us"
 LOG_TAG = "sluice"
+ROLLBACK_TABLE = "sluice_canary_rollbacks"
+# The counter a rollback table entry holds (set, never tracked: no request touches the table).
+ROLLBACK_COUNTER = "gpc0"
 # sc0..sc2 count fallbacks, clients and refusals; the running-request table takes the fourth.
 RUNNING_COUNTER = 3
 STICK_COUNTERS = 4
@@ -49,13 +55,14 @@ def legacy_backend(index: int) -> str:
     return LEGACY_BACKEND if index == 0 else f"{LEGACY_BACKEND}_{index}"
 
 
-def log_format(var_request_id: str) -> str:
+def log_format(var_request_id: str, var_reason: str) -> str:
     """One line per finished request: tag, app, path, status, ms to the response headers, total ms, termination
     state, the server HAProxy sent it to (the pinned replica on the direct path), the replica that served it, µs the
-    route call took (`-` without one), the request id (`services.path_log.parse_record` reads it)."""
+    route call took (`-` without one), why it was not routed as ranked (the fail-closed 503's or the fallback's
+    reason, `-` without one), the request id (`services.path_log.parse_record` reads it)."""
     return (
         f"{LOG_TAG} %[var({VAR_APP})] %[var({VAR_PATH})] %ST %Tr %Ta %ts %s %[var({VAR_SERVED})]"
-        f" %[var({VAR_ROUTE_US})] %[var({var_request_id})]"
+        f" %[var({VAR_ROUTE_US})] %[var({var_reason})] %[var({var_request_id})]"
     )
 
 
@@ -112,6 +119,15 @@ def running_table_lines() -> list[str]:
         f"backend {RUNNING_TABLE}",
         "    # Request ids (SHA-1) with the number of requests running under each.",
         f"    stick-table type binary len 20 size {RUNNING_TABLE_SIZE} expire {RUNNING_EXPIRE_S}s store conn_cur",
+        "",
+    ]
+
+
+def rollback_table_lines() -> list[str]:
+    return [
+        f"backend {ROLLBACK_TABLE}",
+        "    # The canary's automatic rollbacks by the criterion breached (the frontend replica sets the counts).",
+        f"    stick-table type string len 32 size {len(CANARY_CRITERIA) * 4} store {ROLLBACK_COUNTER}",
         "",
     ]
 

@@ -76,6 +76,7 @@ from infra.haproxy_canary import (
     legacy_backend,
     legacy_backend_lines,
     log_format,
+    rollback_table_lines,
     running_table_lines,
     served_path_lines,
     served_replica_line,
@@ -369,7 +370,7 @@ def render_config(settings: HAProxySettings) -> str:
         "    unique-id-format %[uuid()]",
         "    # One line per finished request to the frontend replica (the canary guard measures both paths).",
         "    log global",
-        f'    log-format "{log_format(VAR_REQUEST_ID)}"',
+        f'    log-format "{log_format(VAR_REQUEST_ID, VAR_REASON)}"',
     ]
     if settings.multi_model:
         lines += [
@@ -443,5 +444,6 @@ def render_config(settings: HAProxySettings) -> str:
         "",
         *protection_tables(settings.protection),
         *running_table_lines(),
+        *rollback_table_lines(),
     ]
     return "\n".join(lines)

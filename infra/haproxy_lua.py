@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from base.contracts import (
     APP_HEADER,
     BODY_TRUNCATED_HEADER,
+    CANARY_CRITERIA,
     CAPACITY_TOKEN_HEADER,
     DATA_PARALLEL_RANK_HEADER,
     DIRECT_PATH,
@@ -48,7 +49,14 @@ from base.contracts import (
 )
 from base.route_wire import RouteRefusal, RouteReply
 from infra.frontend_protection import COUNTED_REASONS, REFUSAL_TABLE
-from infra.haproxy_canary import VAR_APP, VAR_PATH, VAR_ROUTE_US, legacy_backend
+from infra.haproxy_canary import (
+    ROLLBACK_COUNTER,
+    ROLLBACK_TABLE,
+    VAR_APP,
+    VAR_PATH,
+    VAR_ROUTE_US,
+    legacy_backend,
+)
 from infra.haproxy_config import (
     FALLBACK_TABLE,
     INTERNAL_SERVER_PREFIX,
@@ -193,6 +201,9 @@ def render_lua(settings: HAProxySettings) -> str:
         unrouted_table=_lua_str(UNROUTED_TABLE),
         # Fail-closed reasons of the frontend's own and the router's usual one (listed at 0 before the first).
         unrouted_reasons=_lua_list([*FAIL_CLOSED_REASONS, REASON_REPLICA_UNAVAILABLE, REASON_NO_REPLICA]),
+        rollback_table=_lua_str(ROLLBACK_TABLE),
+        rollback_reasons=_lua_list(list(CANARY_CRITERIA)),
+        rollback_counter=_lua_str(ROLLBACK_COUNTER),
         targets_role_param=_lua_str(TARGETS_ROLE_PARAM),
         role_router=_lua_str(ROLE_ROUTER),
         role_replica=_lua_str(ROLE_REPLICA),

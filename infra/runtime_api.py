@@ -163,6 +163,12 @@ class RuntimeAPI:
             raise RuntimeAPIError(f"show acl {acl_file}", reply)
         return [line.split(" ", 1)[1] for line in reply.splitlines() if " " in line]
 
+    def set_table_counter(self, table: str, key: str, counter: str, value: int) -> None:
+        """Set one stored counter of a stick table's entry (the entry is created when missing)."""
+        for token in (table, key, counter):
+            _check_token(token)
+        self.checked(f"set table {table} key {key} data.{counter} {int(value)}")
+
     # Stats.
     def show_stat(self) -> dict[tuple[str, str], ServerStat]:
         """(backend, server) -> stats of every server (not frontends/backends), from the CSV of `show stat`."""

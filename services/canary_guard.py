@@ -10,7 +10,9 @@ guard measures, per path (`direct`, `legacy`):
 - replica imbalance: the busiest live replica's requests / the mean over the live replicas.
 
 Only the direct path (the canary) can breach, and only once it has `min_requests` in the window, so a handful of
-requests cannot roll a canary back; the legacy path's values go in the report beside it.
+requests cannot roll a canary back; the legacy path's values go in the report beside it. A request failed on purpose
+(a staging router's injected fault: `sluice check` proving the frontend fails closed) is no measure of the canary
+and counts nowhere.
 """
 
 from __future__ import annotations
@@ -22,9 +24,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from base.contracts import DIRECT_PATH, LEGACY_PATH
-
-CRITERIA = ("ratio_503", "ttft_p99_s", "stream_error_ratio", "replica_imbalance")
+from base.contracts import CANARY_CRITERIA, DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT
 
 
 class AbortCriteria(BaseModel):
@@ -67,6 +67,8 @@ class RequestRecord:
     request_id: str
     # How long the route call took as HAProxy's Lua action saw it (None: no route call, e.g. the legacy path).
     route_s: float | None = None
+    # Why it was not routed as ranked: the fail-closed 503's reason (or the fallback's); None when routed as ranked.
+    reason: str | None = None
 
     @property
     def stream_error(self) -> bool:
@@ -132,14 +134,14 @@ def evaluate(
     criteria: AbortCriteria, records: Iterable[RequestRecord], live_replicas: Iterable[str]
 ) -> tuple[Breach | None, PathMeasures, PathMeasures]:
     """The first criterion the direct path breaches (None when it breaches none, or has too few requests), and
-    both paths' measures."""
-    records = list(records)
+    both paths' measures; injected faults left out."""
+    records = [r for r in records if r.reason != REASON_INJECTED_FAULT]
     live = list(live_replicas)
     direct = measure(DIRECT_PATH, (r for r in records if r.path == DIRECT_PATH), live)
     legacy = measure(LEGACY_PATH, (r for r in records if r.path == LEGACY_PATH), live)
     if direct.requests < criteria.min_requests:
         return None, direct, legacy
-    for criterion in CRITERIA:
+    for criterion in CANARY_CRITERIA:
         value = getattr(direct, criterion)
         if value > criteria.threshold(criterion):
             breach = Breach(

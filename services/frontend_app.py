@@ -138,6 +138,7 @@ class FrontendReplica:
     async def _supervise(self) -> None:
         while True:
             self._haproxy = await self._start_haproxy()
+            await asyncio.to_thread(self._ingress.publish_rollbacks)
             self._first_start.set()
             runtime = self._haproxy.runtime
             sources = [_sources(app, route) for app, route in zip(self._apps, self._settings.apps, strict=True)]

@@ -7,7 +7,10 @@ guard that rolls a canary back by itself.
   stream, or until the deadline, and reports the servers still streaming then (nothing is cut by the move itself).
 - The guard: while a canary runs (0 < weight < 100), every `GUARD_INTERVAL_S` the abort criteria are evaluated on
   both paths (`services.canary_guard`) over the window, from the last weight change on; a breach shifts the weight
-  to 0 and is kept as the abort, naming the criterion, the measured value and the threshold.
+  to 0 and is kept as the abort, naming the criterion, the measured value and the threshold. Each such rollback is
+  a warning in the frontend's log and counts in `sluice_canary_rollbacks_total{reason}` (the criterion), which
+  HAProxy's metrics service reads from a table this controller sets (`publish_rollbacks`: again after HAProxy
+  restarts, so the count holds for the replica's life).
 - The declared ingress (the Frontend deployment's `user_config`, from the spec) is applied by `declare`; a weight
   set at run time (`sluice canary`, `sluice rollback`, an abort) is kept in Ray's KV store beside the declaration
   it overrode, so a frontend replica that crashed comes back with it unless a new declaration came since. A replica
@@ -20,12 +23,13 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from base.contracts import DIRECT_PATH, DIRECT_WEIGHT_MAX, LEGACY_PATH
-from infra.haproxy_canary import LEGACY_BACKEND, weights_map
+from infra.haproxy_canary import LEGACY_BACKEND, ROLLBACK_COUNTER, ROLLBACK_TABLE, weights_map
 from infra.haproxy_config import REPLICA_BACKEND, HAProxySettings, is_internal_server
 from infra.runtime_api import RuntimeAPI
 from services.canary_guard import AbortCriteria, Breach, PathMeasures, evaluate
@@ -116,6 +120,8 @@ class IngressController:
         self.weight = settings.direct_weight
         self.drain: DrainReport | None = None
         self.abort: CanaryAbort | None = None
+        # Automatic rollbacks by the criterion breached, since this replica started.
+        self.rollbacks: Counter[str] = Counter()
         self._drain_task: asyncio.Task[DrainReport] | None = None
         self._declared_once = False
         # When the weight last changed: the guard judges the weight in force on what happened since.
@@ -193,9 +199,18 @@ class IngressController:
             for app, (breach, _, _) in self._evaluate().items():
                 if breach is not None:
                     self.abort = CanaryAbort(at=time.time(), app=app, weight_before=self.weight, breach=breach)
-                    logger.error("%s", self.abort.describe())
+                    logger.warning("%s", self.abort.describe())
+                    self.rollbacks[breach.criterion] += 1
+                    await asyncio.to_thread(self.publish_rollbacks)
                     await self.shift(0)
                     break
+
+    def publish_rollbacks(self) -> None:
+        """Set HAProxy's rollback table to the counts (a no-op while HAProxy is down: its restart publishes them)."""
+        runtime = self._runtime()
+        if runtime is not None:
+            for criterion, count in self.rollbacks.items():
+                runtime.set_table_counter(ROLLBACK_TABLE, criterion, ROLLBACK_COUNTER, count)
 
     # Internals.
     async def _until_legacy_up(self) -> None:

@@ -3,7 +3,7 @@ replica reads; each becomes a `RequestRecord`, kept for the canary guard's windo
 
 A datagram is `infra.haproxy_canary.log_format` rendered: tag, app, path, status, time to response headers (ms,
 -1 when no server answered), total time, termination state, the server it was sent to, the replica that served it,
-µs the route call took, request id. Anything else on the socket is
+µs the route call took, the reason it was not routed as ranked, request id. Anything else on the socket is
 ignored. HAProxy drops records rather than wait when nobody reads, so the log never slows a request down.
 """
 
@@ -28,10 +28,10 @@ _UNSET = "-"
 
 def parse_record(line: str, at: float) -> RequestRecord | None:
     """A record from one rendered log line, or None when the line is not one (or names no path)."""
-    fields = line.strip().split(" ", 10)
-    if len(fields) != 11 or fields[0] != LOG_TAG or fields[2] == _UNSET:
+    fields = line.strip().split(" ", 11)
+    if len(fields) != 12 or fields[0] != LOG_TAG or fields[2] == _UNSET:
         return None
-    _, app, path, status, headers_ms, _total_ms, termination, server, served, route_us, request_id = fields
+    _, app, path, status, headers_ms, _total_ms, termination, server, served, route_us, reason, request_id = fields
     try:
         status_code, ttft_ms = int(status), int(headers_ms)
         route_s = None if route_us == _UNSET else int(route_us) / 1e6
@@ -48,6 +48,7 @@ def parse_record(line: str, at: float) -> RequestRecord | None:
         served_replica=None if served == _UNSET else served,
         request_id=request_id,
         route_s=route_s,
+        reason=None if reason == _UNSET else reason,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from base.contracts import DIRECT_PATH, LEGACY_PATH
+from base.contracts import DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT, REASON_ROUTER_UNREACHABLE
 from infra.haproxy_canary import log_format
 from services.canary_guard import AbortCriteria, RequestRecord, evaluate, measure, percentile
 from services.path_log import PathLog, parse_record
@@ -54,6 +54,19 @@ def test_replica_imbalance_counts_live_replicas_that_served_nothing() -> None:
     assert breach is not None and breach.criterion == "replica_imbalance"
 
 
+def test_injected_fault_503s_count_nowhere_but_real_503s_still_breach() -> None:
+    # `sluice check`'s fault injection on a live canary: its 503s are no measure of the direct path.
+    injected = [record(status=503, ttft_s=None, served_replica=None, reason=REASON_INJECTED_FAULT) for _ in range(5)]
+    breach, direct, _ = evaluate(CRITERIA, balanced(18) + injected, LIVE)
+    assert breach is None and direct.requests == 18 and direct.ratio_503 == 0.0
+    # Not even toward `min_requests`: five injected faults and nine requests are still too few.
+    assert evaluate(CRITERIA, injected + balanced(9), LIVE)[1].requests == 9
+    real = [record(status=503, ttft_s=None, served_replica=None, reason=REASON_ROUTER_UNREACHABLE) for _ in range(2)]
+    breach, direct, _ = evaluate(CRITERIA, balanced(18) + injected + real, LIVE)
+    assert breach is not None and breach.criterion == "ratio_503" and direct.requests == 20
+    assert breach.value == 2 / 20
+
+
 def test_the_legacy_path_and_too_few_requests_never_breach() -> None:
     assert evaluate(CRITERIA, [record(LEGACY_PATH, status=503) for _ in range(50)], LIVE)[0] is None
     assert evaluate(CRITERIA, [record(status=503) for _ in range(9)], LIVE)[0] is None
@@ -72,9 +85,10 @@ def test_percentile_is_nearest_rank() -> None:
 
 def test_a_log_line_in_the_rendered_format_parses_into_a_record() -> None:
     # The format's fields, in order, as HAProxy fills them in.
-    fields = ["app-llm", "direct", "200", "42", "1200", "--", "r1", "r1", "850", "req 1"]
-    line = log_format("txn.id").split(" ")[0] + " " + " ".join(fields)
-    assert len(log_format("txn.id").split(" ")) == len(fields) + 1
+    fields = ["app-llm", "direct", "200", "42", "1200", "--", "r1", "r1", "850", "-", "req 1"]
+    line = log_format("txn.id", "txn.reason").split(" ")[0] + " " + " ".join(fields)
+    assert len(log_format("txn.id", "txn.reason").split(" ")) == len(fields) + 1
+    assert log_format("txn.id", "txn.reason").split(" ")[-2:] == ["%[var(txn.reason)]", "%[var(txn.id)]"]
     parsed = parse_record(line + "\n", at=5.0)
     assert parsed == RequestRecord(
         at=5.0,
@@ -90,6 +104,8 @@ def test_a_log_line_in_the_rendered_format_parses_into_a_record() -> None:
     )
     legacy = parse_record(line.replace(" 850 ", " - "), at=5.0)
     assert legacy is not None and legacy.route_s is None
+    failed = parse_record(line.replace(" 200 ", " 503 ").replace(" - req", f" {REASON_INJECTED_FAULT} req"), at=5.0)
+    assert failed is not None and failed.reason == REASON_INJECTED_FAULT and failed.status == 503
 
 
 @pytest.mark.parametrize(
@@ -97,9 +113,10 @@ def test_a_log_line_in_the_rendered_format_parses_into_a_record() -> None:
     [
         "",
         "garbage",
-        "sluice a - 200 1 1 -- r r - id",
-        "sluice a direct x 1 1 -- r r - id",
-        "sluice a direct 200 1 1 -- r r x id",
+        "sluice a - 200 1 1 -- r r - - id",
+        "sluice a direct x 1 1 -- r r - - id",
+        "sluice a direct 200 1 1 -- r r x - id",
+        "sluice a direct 200 1 1 -- r r - id",
     ],
 )
 def test_lines_that_are_no_path_record_are_ignored(line: str) -> None:
@@ -111,6 +128,6 @@ def test_the_log_keeps_records_by_age() -> None:
     log = PathLog(clock=lambda: now[0])
     for t in (1.0, 2.0, 3.0):
         now[0] = t
-        log.datagram_received(f"sluice a direct 200 1 1 -- r r 700 id{t}".encode(), None)
+        log.datagram_received(f"sluice a direct 200 1 1 -- r r 700 - id{t}".encode(), None)
     assert [r.request_id for r in log.records_since(2.0)] == ["id3.0", "id2.0"]
     assert [r.at for r in log.find({"id1.0"})] == [1.0]

@@ -5,13 +5,15 @@ breaching canary back, and a restarted replica keeps a run-time weight only unde
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
 import pytest
 
-from base.contracts import DIRECT_PATH, LEGACY_PATH
+from base.contracts import DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT, REASON_ROUTER_UNREACHABLE
 from infra.haproxy_apps import AppRoute
+from infra.haproxy_canary import ROLLBACK_COUNTER, ROLLBACK_TABLE
 from infra.haproxy_config import HAProxySettings
 from infra.runtime_api import ServerStat
 from services import ingress_control
@@ -24,9 +26,13 @@ class RecordingRuntime:
     def __init__(self) -> None:
         self.maps: dict[str, str] = {}
         self.streams: dict[tuple[str, str], int] = {}
+        self.tables: dict[tuple[str, str, str], int] = {}
 
     def set_map(self, path: Path, key: str, value: str) -> None:
         self.maps[key] = value
+
+    def set_table_counter(self, table: str, key: str, counter: str, value: int) -> None:
+        self.tables[(table, key, counter)] = value
 
     def show_stat(self) -> dict[tuple[str, str], ServerStat]:
         return {
@@ -82,29 +88,60 @@ def test_a_move_to_the_legacy_path_without_a_legacy_replica_is_refused(tmp_path:
     assert ingress.weight == 100 and runtime.maps == {}
 
 
-def test_the_guard_rolls_a_breaching_canary_back_and_names_the_criterion(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(ingress_control, "GUARD_INTERVAL_S", 0.05)
-    ingress, runtime, log = controller(tmp_path)
-    ingress.config = IngressConfig(abort=AbortCriteria(min_requests=5))
+def _guard_a_canary(ingress: IngressController, log: PathLog, weight: int, reason: str | None) -> None:
+    """A canary at `weight` whose direct path answered every other request 503 for `reason`, under the guard."""
 
     async def canary() -> None:
-        await ingress.shift(40)
+        ingress.abort = None  # as `sluice canary` does (the frontend's `shift`)
+        await ingress.shift(weight)
         for i in range(10):
             status = 503 if i % 2 else 200
             log.records.append(
-                RequestRecord(time.monotonic(), "app", DIRECT_PATH, status, 0.01, "--", "r1", "r1", str(i))
-            )
+                RequestRecord(
+                    time.monotonic(), "app", DIRECT_PATH, status, 0.01, "--", "r1", "r1", str(i),
+                    reason=reason if status == 503 else None,
+                )
+            )  # fmt: skip
         guard = asyncio.create_task(ingress.guard())
-        for _ in range(40):
+        for _ in range(20):
             await asyncio.sleep(0.05)
             if ingress.abort is not None:
                 break
         guard.cancel()
 
     asyncio.run(canary())
+
+
+def test_the_guard_rolls_a_breaching_canary_back_names_the_criterion_and_counts_it(
+    tmp_path: Path, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(ingress_control, "GUARD_INTERVAL_S", 0.05)
+    ingress, runtime, log = controller(tmp_path)
+    ingress.config = IngressConfig(abort=AbortCriteria(min_requests=5))
+    with caplog.at_level(logging.WARNING, logger=ingress_control.__name__):
+        _guard_a_canary(ingress, log, 40, REASON_ROUTER_UNREACHABLE)
     assert ingress.abort is not None and ingress.abort.breach.criterion == "ratio_503"
     assert ingress.abort.weight_before == 40 and ingress.weight == 0 and runtime.maps == {"app": "0"}
     assert "ratio_503" in ingress.abort.describe()
+    # Visible: a warning in the frontend's log, and `sluice_canary_rollbacks_total{reason="ratio_503"}` 1.
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [ingress.abort.describe()]
+    assert runtime.tables == {(ROLLBACK_TABLE, "ratio_503", ROLLBACK_COUNTER): 1}
+    # A second rollback counts on; a restarted HAProxy (an empty table) gets the counts again.
+    _guard_a_canary(ingress, log, 40, REASON_ROUTER_UNREACHABLE)
+    assert runtime.tables == {(ROLLBACK_TABLE, "ratio_503", ROLLBACK_COUNTER): 2}
+    runtime.tables.clear()
+    ingress.publish_rollbacks()
+    assert runtime.tables == {(ROLLBACK_TABLE, "ratio_503", ROLLBACK_COUNTER): 2}
+
+
+def test_the_guard_leaves_a_canary_whose_only_503s_were_injected_faults(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(ingress_control, "GUARD_INTERVAL_S", 0.05)
+    ingress, runtime, log = controller(tmp_path)
+    ingress.config = IngressConfig(abort=AbortCriteria(min_requests=5))
+    _guard_a_canary(ingress, log, 40, REASON_INJECTED_FAULT)
+    assert ingress.abort is None and ingress.weight == 40 and runtime.maps == {"app": "40"}
+    assert not ingress.rollbacks and not runtime.tables
 
 
 @pytest.mark.parametrize(("declared_before", "expected"), [(30, 70), (20, 30)])

@@ -14,7 +14,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from base.contracts import CANARY_CRITERIA
 from infra.haproxy_apps import AppRoute
+from infra.haproxy_canary import ROLLBACK_COUNTER, ROLLBACK_TABLE
 from infra.haproxy_config import (
     PROMETHEUS_PATH,
     ROUTER_BACKEND,
@@ -170,6 +172,21 @@ def test_the_lua_lists_each_app_s_targets_with_its_metrics_path(tmp_path: Path) 
     assert 'router_targets_backend = "sluice_router_targets_1"' in lua
     assert 'router_metrics_path = "/chat-router/metrics"' in lua and 'replica_metrics_path = "/code/metrics"' in lua
     assert '"sluice_frontend_unrouted_total"' in lua and 'local UNROUTED_TABLE = "sluice_unrouted"' in lua
+
+
+def test_the_canary_s_automatic_rollbacks_are_a_counter_by_criterion_read_from_a_table_the_frontend_sets(
+    tmp_path: Path,
+) -> None:
+    config = render_config(two_apps(tmp_path))
+    table = config[config.index(f"backend {ROLLBACK_TABLE}\n") :].split("\n\n")[0]
+    assert f"store {ROLLBACK_COUNTER}" in table
+    assert f"table {ROLLBACK_TABLE}" not in config.replace(f"backend {ROLLBACK_TABLE}", "")  # no request tracks it
+    lua = render_lua(two_apps(tmp_path))
+    reasons = ", ".join(f'"{c}"' for c in CANARY_CRITERIA)
+    assert f"local ROLLBACK_REASONS = {{{reasons}}}" in lua
+    assert f'local ROLLBACK_TABLE = "{ROLLBACK_TABLE}"' in lua
+    assert f'local ROLLBACK_COUNTER = "{ROLLBACK_COUNTER}"' in lua
+    assert 'counter_lines(lines, "sluice_canary_rollbacks_total",' in lua
 
 
 # The syncer keeps each router's Serve address for the discovery.
