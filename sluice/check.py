@@ -1,11 +1,16 @@
-"""`sluice check [FILE | --target URL]`: the adoption checklist, one verdict.
+"""`sluice check [FILE | --target URL]`: the adoption checklist, one verdict. It observes and never changes a stack.
 
 With a spec file (the embedded default when none is given) the stack is checked on its Ray cluster: ray and vLLM
 versions, direct streaming on per app, HAProxy's server map against the live replicas, served replica == chosen
-replica on sampled requests, fault injection on a staging stack (a router made to fail gives 503 with its reason),
-the API contract, client disconnect freeing the engine request within 1 s, and the legacy path answering the same
-requests with the same texts. With `--target` only what the URL shows is checked; the rest is reported skipped.
-A human table, or `--json`; the exit code is 1 when any item fails.
+replica on sampled requests, fault injection on a staging stack (a router made to fail gives 503 with its reason;
+the canary guard counts such requests nowhere, so a live canary is not rolled back by the check), the API contract,
+client disconnect freeing the engine request within 1 s, and the legacy path answering the same requests with the
+same texts. With `--target` only what the URL shows is checked; the rest is skipped.
+
+The verdict: `pass` (exit 0) only when every item ran and passed, `incomplete` (exit 4) when none failed but some
+were skipped (each names why and the flag or spec setting that runs it), `fail` (exit 1) when any failed. A skip the
+user accepts (`--allow-skip ITEM`, the item's name without its model) is still reported, marked allowed, and does not
+make the verdict incomplete. A human table, or `--json`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -33,12 +39,61 @@ from sluice.check_items import Result, chat, check_client, direct_post, headers
 FAULT_SECONDS = 5.0
 SAMPLES = 8
 
+VERDICT_PASS = "pass"
+VERDICT_INCOMPLETE = "incomplete"
+VERDICT_FAIL = "fail"
+CHECK_EXIT_PASS = 0
+CHECK_EXIT_FAIL = 1
+CHECK_EXIT_INCOMPLETE = 4
+EXIT_CODES = {VERDICT_PASS: CHECK_EXIT_PASS, VERDICT_INCOMPLETE: CHECK_EXIT_INCOMPLETE, VERDICT_FAIL: CHECK_EXIT_FAIL}
+
+# The items, in the order they run (a per-model item is reported as `<name> (<model>)`): what `--allow-skip` takes.
+VERSIONS = "versions"
+DIRECT_STREAMING = "direct streaming"
+SERVER_MAP = "server map"
+SERVED_IS_CHOSEN = "served replica is the chosen one"
+FAULT_INJECTION = "fault injection"
+API_CONTRACT = "API contract"
+DISCONNECT = "disconnect frees the engine"
+LEGACY_SAME_TEXTS = "legacy path, same texts"
+ITEMS = (
+    VERSIONS,
+    DIRECT_STREAMING,
+    SERVER_MAP,
+    SERVED_IS_CHOSEN,
+    FAULT_INJECTION,
+    API_CONTRACT,
+    DISCONNECT,
+    LEGACY_SAME_TEXTS,
+)
+# What runs an item that a stack's spec made skip.
+ENABLED_BY = {
+    FAULT_INJECTION: "spec setting `staging: true`",
+    LEGACY_SAME_TEXTS: "spec setting `ingress.mode: both` or `legacy` (a mode that retains the legacy path)",
+}
+# Why `--target` skips the items only a stack's spec file runs, and what runs them.
+NEEDS_SPEC_REASON = "needs the stack's spec file (not --target)"
+NEEDS_SPEC_ENABLED_BY = "give the stack's spec file instead of --target"
+
 
 @dataclass
 class Item:
     item: str
     ok: bool | None  # None: skipped
-    detail: str
+    detail: str  # a skipped item: why
+    # A skipped item: the flag or spec setting that runs it, and whether the user accepts the skip (`--allow-skip`).
+    enable_with: str | None = None
+    allowed: bool = False
+
+
+def allowed_skips(names: Iterable[str]) -> frozenset[str]:
+    """The item names a user accepts as skipped; ValueError naming the valid ones for any other name."""
+    allowed = frozenset(names)
+    unknown = sorted(allowed - set(ITEMS))
+    if unknown:
+        names = ", ".join(map(repr, ITEMS))
+        raise ValueError(f"no check item {', '.join(map(repr, unknown))} to allow skipped: the items are {names}")
+    return allowed
 
 
 def installed(*distributions: str) -> str:
@@ -148,15 +203,20 @@ def legacy_same_texts(client: httpx.Client, base: str, model: Any) -> Result:
     return True, f"{len(prompts)} greedy requests, the same texts on both paths"
 
 
-def run_checks(spec: Any | None, plan: Any | None, base: str) -> list[Item]:
+def run_checks(spec: Any | None, plan: Any | None, base: str, allow_skip: Iterable[str] = ()) -> list[Item]:
     items: list[Item] = []
+    allowed = allowed_skips(allow_skip)
 
-    def record(name: str, check: Any, *args: Any) -> None:
+    def skipped(name: str, label: str, reason: str, enable_with: str) -> Item:
+        return Item(label, None, reason, enable_with, name in allowed)
+
+    def record(name: str, check: Callable[..., Result], *args: Any, model: str | None = None) -> None:
+        label = name if model is None else f"{name} ({model})"
         try:
             ok, detail = check(*args)
         except Exception as error:  # an item that cannot run fails, naming why
             ok, detail = False, f"{type(error).__name__}: {error}"
-        items.append(Item(name, ok, detail))
+        items.append(skipped(name, label, detail, ENABLED_BY[name]) if ok is None else Item(label, ok, detail))
 
     with check_client() as client:
         model = plan.models[0].name if plan else client.get(f"{base}/v1/models").json()["data"][0]["id"]
@@ -174,38 +234,56 @@ def run_checks(spec: Any | None, plan: Any | None, base: str) -> list[Item]:
                 for m in plan.models
                 for e in asyncio.run(list_replica_endpoints(m.llm_app))
             ]
-        record("versions", versions, client, base)
+        record(VERSIONS, versions, client, base)
         if plan is None:
-            record("direct streaming", check_items.direct_streaming, client, base, model)
+            record(DIRECT_STREAMING, check_items.direct_streaming, client, base, model)
         for planned in plan.models if plan else []:
-            record(f"direct streaming ({planned.name})", check_items.direct_streaming, client, base, planned.name)
-        skipped = "needs the stack's spec file (not --target)"
+            record(DIRECT_STREAMING, check_items.direct_streaming, client, base, planned.name, model=planned.name)
         if plan is not None:
-            record("server map", server_map, frontend, plan)
-            record("served replica is the chosen one", served_is_chosen, client, base, model, handle)
-            record("fault injection", fault_injection, client, base, spec, plan)
+            record(SERVER_MAP, server_map, frontend, plan)
+            record(SERVED_IS_CHOSEN, served_is_chosen, client, base, model, handle)
+            record(FAULT_INJECTION, fault_injection, client, base, spec, plan)
         else:
-            items += [
-                Item(n, None, skipped) for n in ("server map", "served replica is the chosen one", "fault injection")
-            ]
-        record("API contract", check_items.api_contract, client, base, model)
-        record("disconnect frees the engine", check_items.disconnect_frees_engine, client, base, model, metrics_urls)
+            needs_spec = (SERVER_MAP, SERVED_IS_CHOSEN, FAULT_INJECTION)
+            items += [skipped(n, n, NEEDS_SPEC_REASON, NEEDS_SPEC_ENABLED_BY) for n in needs_spec]
+        record(API_CONTRACT, check_items.api_contract, client, base, model)
+        record(DISCONNECT, check_items.disconnect_frees_engine, client, base, model, metrics_urls)
         if plan is not None:
             for planned in plan.models:
-                record(f"legacy path, same texts ({planned.name})", legacy_same_texts, client, base, planned)
+                record(LEGACY_SAME_TEXTS, legacy_same_texts, client, base, planned, model=planned.name)
         else:
-            items.append(Item("legacy path, same texts", None, skipped))
+            items.append(skipped(LEGACY_SAME_TEXTS, LEGACY_SAME_TEXTS, NEEDS_SPEC_REASON, NEEDS_SPEC_ENABLED_BY))
     return items
 
 
 def verdict(items: list[Item]) -> dict[str, Any]:
-    """The checklist as JSON: `pass` or `fail`, the failed items by name, and every item."""
+    """The checklist as JSON: the verdict, the failed items by name, the skipped ones (why, what runs them, whether
+    the user allowed the skip), and every item."""
     failed = [item.item for item in items if item.ok is False]
-    return {"verdict": "fail" if failed else "pass", "failed": failed, "items": [asdict(i) for i in items]}
+    skipped = [
+        {"item": i.item, "reason": i.detail, "enable_with": i.enable_with, "allowed": i.allowed}
+        for i in items
+        if i.ok is None
+    ]
+    outcome = VERDICT_FAIL if failed else VERDICT_INCOMPLETE if any(not s["allowed"] for s in skipped) else VERDICT_PASS
+    return {"verdict": outcome, "failed": failed, "skipped": skipped, "items": [asdict(i) for i in items]}
+
+
+def _verdict_line(result: dict[str, Any]) -> str:
+    skipped = [s["item"] for s in result["skipped"] if not s["allowed"]]
+    allowed = [s["item"] for s in result["skipped"] if s["allowed"]]
+    if result["verdict"] == VERDICT_FAIL:
+        return f"verdict: FAIL ({', '.join(result['failed'])})"
+    if result["verdict"] == VERDICT_INCOMPLETE:
+        return (
+            f"verdict: INCOMPLETE ({len(skipped)} skipped: {'; '.join(skipped)}): run them with the setting named, "
+            "or accept each with --allow-skip ITEM"
+        )
+    return f"verdict: PASS (skips allowed: {'; '.join(allowed)})" if allowed else "verdict: PASS"
 
 
 def report(items: list[Item], as_json: bool) -> int:
-    """Print the checklist (a table, or JSON); the exit code: 1 when an item failed."""
+    """Print the checklist (a table, or JSON); the exit code: `CHECK_EXIT_PASS`, `_INCOMPLETE` or `_FAIL`."""
     result = verdict(items)
     if as_json:
         print(json.dumps(result, indent=2))
@@ -213,17 +291,22 @@ def report(items: list[Item], as_json: bool) -> int:
         width = max(len(item.item) for item in items)
         for item in items:
             mark = "SKIP" if item.ok is None else "PASS" if item.ok else "FAIL"
-            print(f"{mark:4}  {item.item:<{width}}  {item.detail}")
-        failed = result["failed"]
-        print(f"\nverdict: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}")
-    return 1 if result["failed"] else 0
+            detail = item.detail
+            if item.ok is None:
+                detail += f"; runs with: {item.enable_with}" + (" (skip allowed)" if item.allowed else "")
+            print(f"{mark:4}  {item.item:<{width}}  {detail}")
+        print(f"\n{_verdict_line(result)}")
+    return EXIT_CODES[result["verdict"]]
 
 
-def check(path: str | None, target: str | None, address: str, as_json: bool) -> int:
+def check(path: str | None, target: str | None, address: str, as_json: bool, allow_skip: Iterable[str] = ()) -> int:
+    """Run the checklist and print it; the exit code. ValueError (before anything runs) for an unknown
+    `allow_skip` item."""
+    allowed = allowed_skips(allow_skip)
     if target is not None:
-        return report(run_checks(None, None, target.rstrip("/")), as_json)
+        return report(run_checks(None, None, target.rstrip("/"), allowed), as_json)
     from sluice.deploy import connect, frontend_url, plan_of
 
     spec, plan = plan_of(path)
     connect(address)
-    return report(run_checks(spec, plan, frontend_url(plan)), as_json)
+    return report(run_checks(spec, plan, frontend_url(plan), allowed), as_json)

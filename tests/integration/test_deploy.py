@@ -23,6 +23,7 @@ from ray import serve
 from base.contracts import REPLICA_HEADER
 from infra.haproxy_process import pid_alive
 from services.serve_internals import list_replica_endpoints
+from sluice.check import CHECK_EXIT_INCOMPLETE, CHECK_EXIT_PASS, ENABLED_BY, FAULT_INJECTION, LEGACY_SAME_TEXTS
 from tests.integration.conftest import free_port
 from tests.integration.frontend_contract import register_frontend
 from tests.integration.sse import chunks, data_lines
@@ -98,14 +99,25 @@ def test_status_shows_replicas_routers_and_the_server_map(stack: Deployed) -> No
     assert len([s for s in servers if s["backend"] == "sluice_routers" and s["status"] == "UP"]) == 1
 
 
-def test_sluice_check_passes_on_the_embedded_default(stack: Deployed) -> None:
+def test_sluice_check_on_the_embedded_default_is_incomplete_naming_what_runs_the_skipped_items(stack: Deployed) -> None:
     result = _sluice("check", str(stack.spec), "--address", stack.address, "--json", timeout_s=300)
     verdict = json.loads(result.stdout)
-    assert result.returncode == 0 and verdict["verdict"] == "pass", verdict
+    assert result.returncode == CHECK_EXIT_INCOMPLETE and verdict["verdict"] == "incomplete", verdict
     outcome = {item["item"]: item["ok"] for item in verdict["items"]}
     assert outcome["server map"] and outcome["API contract"] and outcome["disconnect frees the engine"]
-    # Not a staging stack, no legacy path retained: those items are skipped, not passed.
-    assert outcome["fault injection"] is None and outcome["legacy path, same texts (sluice-tiny)"] is None
+    # Not a staging stack, no legacy path retained: those items are skipped, not passed, each naming its setting.
+    skipped = {s["item"]: s["enable_with"] for s in verdict["skipped"]}
+    assert skipped == {
+        FAULT_INJECTION: ENABLED_BY[FAULT_INJECTION],
+        f"{LEGACY_SAME_TEXTS} (sluice-tiny)": ENABLED_BY[LEGACY_SAME_TEXTS],
+    }
+    assert not verdict["failed"] and not any(s["allowed"] for s in verdict["skipped"])
+    # The user accepts both skips: the verdict passes, the skips still reported.
+    allow = ["--allow-skip", FAULT_INJECTION, "--allow-skip", LEGACY_SAME_TEXTS]
+    result = _sluice("check", str(stack.spec), "--address", stack.address, "--json", *allow, timeout_s=300)
+    verdict = json.loads(result.stdout)
+    assert result.returncode == CHECK_EXIT_PASS and verdict["verdict"] == "pass", verdict
+    assert len(verdict["skipped"]) == 2 and all(s["allowed"] for s in verdict["skipped"])
 
 
 def test_a_killed_haproxy_is_replaced_without_touching_a_replica(stack: Deployed) -> None:
