@@ -1,8 +1,9 @@
 """The canary between the direct path and the retained legacy ingress, on a real stack (canary-cpu: the tiny model's
-two vLLM replicas, a router, the legacy ingress, HAProxy): sticky weighted split, connection-draining rollback and
-its reverse under streaming load, automatic rollback on an injected router fault, one generation per request id on
-either path, and `sluice check` passing, then failing by name when a router is broken or a replica is out of
-HAProxy's map."""
+two vLLM replicas, a router, the legacy ingress, HAProxy): `sluice check` passing twice on the live canary and
+leaving it as it was (its injected fault counts nowhere), sticky weighted split, connection-draining rollback and its
+reverse under streaming load, automatic rollback on a real router fault (counted on the frontend's metrics), one
+generation per request id on either path, and `sluice check` failing by name when a router is broken or a replica is
+out of HAProxy's map."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from base.contracts import (
     LEGACY_PATH,
     REASON_DUPLICATE_REQUEST,
     REASON_INJECTED_FAULT,
+    REASON_ROUTER_UNREACHABLE,
     REQUEST_ID_HEADER,
     SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
@@ -31,8 +33,10 @@ from base.contracts import (
 )
 from base.runtime import cache_dir
 from infra.runtime_api import RuntimeAPI
+from services.ingress_control import GUARD_INTERVAL_S
 from services.serve_internals import list_replica_endpoints
-from sluice.check import report, run_checks, verdict
+from sluice.check import CHECK_EXIT_PASS, FAULT_INJECTION, LEGACY_SAME_TEXTS, report, run_checks, verdict
+from tests.integration.frontend_metrics import frontend_counts
 from tests.integration.sse import DONE, data_payloads
 from tests.integration.team_stack import TeamStack, team_stack
 from tests.integration.vllm_metrics import engine_requests
@@ -87,26 +91,58 @@ def _completion(client: httpx.Client, url: str, session: str, request_id: str | 
     return client.post(f"{url}/v1/completions", json=COMPLETION, headers=headers)
 
 
-def test_the_stack_passes_sluice_check(stack: TeamStack) -> None:
-    assert _ingress(stack)["direct_weight"] == stack.spec.ingress.canary_weight == 30  # as declared
-    _shift(stack, 100, wait=True)  # the check's injected fault would count against a running canary
-    items = run_checks(stack.spec, stack.plan, stack.url)
-    failed = [(i.item, i.detail) for i in items if i.ok is False]
-    assert not failed
-    ran = {i.item for i in items if i.ok}
-    assert {"server map", "served replica is the chosen one", "fault injection", "API contract"} <= ran
-    assert "legacy path, same texts (sluice-tiny)" in ran
+def _rollbacks(stack: TeamStack) -> dict[str, int]:
+    return frontend_counts(stack.spec.frontend.metrics_port, "sluice_canary_rollbacks_total")
 
 
-def test_an_injected_router_fault_rolls_the_canary_back_naming_the_criterion(stack: TeamStack) -> None:
+def test_sluice_check_twice_on_the_live_canary_passes_both_times_and_leaves_it_as_it_was(stack: TeamStack) -> None:
+    before = _ingress(stack)
+    assert before["direct_weight"] == stack.spec.ingress.canary_weight == 30 and before["abort"] is None  # as declared
+    runs = []
+    for _ in range(2):
+        items = run_checks(stack.spec, stack.plan, stack.url)
+        runs.append((report(items, as_json=False), verdict(items)))
+    time.sleep(3 * GUARD_INTERVAL_S)  # the guard has looked at every request the checks sent
+    (first_code, first), (second_code, second) = runs
+    assert (first_code, first["verdict"]) == (second_code, second["verdict"]) == (CHECK_EXIT_PASS, "pass"), runs
+    for run in (first, second):
+        outcome = {i["item"]: i["ok"] for i in run["items"]}
+        assert outcome[FAULT_INJECTION] is True  # its 503s reached the guard and counted nowhere
+        assert outcome[f"{LEGACY_SAME_TEXTS} (sluice-tiny)"] is True and not run["skipped"]
+    after = _ingress(stack)
+    assert after["abort"] is None and after["direct_weight"] == 30, after
+    status = _frontend(stack).status.remote().result(timeout_s=30)
+    assert status["haproxy_weights"] == {stack.plan.models[0].llm_app: 30}  # HAProxy's own map, read back
+    assert set(_rollbacks(stack).values()) == {0}
+
+
+@contextlib.contextmanager
+def _routers_unreachable(stack: TeamStack) -> Iterator[None]:
+    """Every router out of HAProxy's pool (maintenance): the frontend fails direct requests closed, a real fault
+    (unlike an injected one, which the guard leaves out)."""
+    runtime = RuntimeAPI(cache_dir() / f"frontend-{stack.plan.stack}" / "haproxy.sock")
+    backend = stack.plan.models[0].router_backend
+    status = _frontend(stack).status.remote().result(timeout_s=30)
+    routers = [s["server"] for s in status["servers"] if s["backend"] == backend]
+    assert routers
+    for router in routers:
+        runtime.set_server_state(backend, router, "maint")
+    try:
+        yield
+    finally:
+        for router in routers:
+            runtime.set_server_state(backend, router, "ready")
+
+
+def test_a_router_fault_rolls_the_canary_back_naming_the_criterion_and_counting_it(stack: TeamStack) -> None:
     _shift(stack, 50)
     paths = []
-    with _router_fault(stack), httpx.Client(timeout=60) as client:
+    with _routers_unreachable(stack), httpx.Client(timeout=60) as client:
         for i in range(60):
             response = _completion(client, stack.url, f"fault-{i}")
             paths.append((response.headers.get(SERVE_PATH_HEADER), response.status_code))
             if response.status_code == 503:
-                assert response.headers[SERVE_REASON_HEADER] == REASON_INJECTED_FAULT
+                assert response.headers[SERVE_REASON_HEADER] == REASON_ROUTER_UNREACHABLE
         deadline = time.monotonic() + 15
         while _ingress(stack)["abort"] is None and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -121,6 +157,7 @@ def test_an_injected_router_fault_rolls_the_canary_back_naming_the_criterion(sta
     assert abort["breach"]["value"] > abort["breach"]["threshold"] == stack.spec.ingress.abort.max_503_ratio
     assert abort["weight_before"] == 50
     assert ingress["direct_weight"] == 0
+    assert _rollbacks(stack) == {"ratio_503": 1, "ttft_p99_s": 0, "stream_error_ratio": 0, "replica_imbalance": 0}
     with httpx.Client(timeout=60) as client:  # rolled back: every session is served by the legacy path
         answers = [_completion(client, stack.url, f"after-{i}") for i in range(10)]
     assert {(r.headers[SERVE_PATH_HEADER], r.status_code) for r in answers} == {(LEGACY_PATH, 200)}
