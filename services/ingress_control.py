@@ -200,9 +200,9 @@ class IngressController:
                 if breach is not None:
                     self.abort = CanaryAbort(at=time.time(), app=app, weight_before=self.weight, breach=breach)
                     logger.warning("%s", self.abort.describe())
+                    await self.shift(0)
                     self.rollbacks[breach.criterion] += 1
                     await asyncio.to_thread(self.publish_rollbacks)
-                    await self.shift(0)
                     break
 
     def publish_rollbacks(self) -> None:

@@ -91,8 +91,8 @@ def allowed_skips(names: Iterable[str]) -> frozenset[str]:
     allowed = frozenset(names)
     unknown = sorted(allowed - set(ITEMS))
     if unknown:
-        names = ", ".join(map(repr, ITEMS))
-        raise ValueError(f"no check item {', '.join(map(repr, unknown))} to allow skipped: the items are {names}")
+        valid = ", ".join(map(repr, ITEMS))
+        raise ValueError(f"no check item {', '.join(map(repr, unknown))} to allow skipped: the items are {valid}")
     return allowed
 
 
@@ -161,7 +161,7 @@ def served_is_chosen(client: httpx.Client, base: str, model: str, frontend_handl
 
 def fault_injection(client: httpx.Client, base: str, spec: Any, plan: Any) -> Result:
     if not spec.staging:
-        return None, "not a staging stack (`staging: true` lets sluice make a router fail)"
+        return None, "not a staging stack (only a staging stack's routers can be made to fail)"
     from services.serve_internals import list_replica_endpoints
 
     first = plan.models[0]
