@@ -66,6 +66,31 @@ def process_env() -> dict[str, str]:
     }
 
 
+# Read by Ray when a node starts (`ray start`, `ray.init` of a new cluster): a job's runtime_env cannot carry it, and a
+# worker of a node on the machine's address must not run with it (Ray would take it for a loopback node).
+NODE_START_ENV_KEYS = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",)
+# Read by Serve's controller: `sluice deploy` starts the controller with them (Serve's `controller_options`); a
+# controller someone else started without them cannot run a sluice stack.
+SERVE_CONTROLLER_ENV_KEYS = (
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS",
+    "RAY_SERVE_ENABLE_HA_PROXY",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+)
+# The one command that starts a Ray on this machine that sluice can deploy onto, on loopback only.
+COMPATIBLE_RAY_START = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address 127.0.0.1"
+
+
+def carried_env() -> dict[str, str]:
+    """`process_env()` as the stack's apps carry it in their runtime_env: everything a worker reads, so that a
+    cluster started with a plain `ray start` runs sluice's replicas as sluice's own cluster would."""
+    return {key: value for key, value in process_env().items() if key not in NODE_START_ENV_KEYS}
+
+
+def serve_controller_env() -> dict[str, str]:
+    env = process_env()
+    return {key: env[key] for key in SERVE_CONTROLLER_ENV_KEYS}
+
+
 def apply_process_env() -> dict[str, str]:
     """Set `process_env()` on this process (before Ray or vLLM is imported) and return it."""
     env = process_env()

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from base.route_wire import endpoint_id
+from base.waiting import START_DEADLINE_S, wait_for
 from routers.core import ReplicaView
 from services.serve_internals import ReplicaEndpoint
 
@@ -23,8 +24,10 @@ class LiveReplicas:
         capacity: int,
         refresh_interval_s: float,
         ranks: int = 1,
+        what: str = "the target replicas' endpoints",
     ) -> None:
         self._source = source
+        self._what = what
         self._capacity = capacity
         self._ranks = ranks
         self.refresh_interval_s = refresh_interval_s
@@ -36,12 +39,15 @@ class LiveReplicas:
     def views(self) -> tuple[ReplicaView, ...]:
         return self._views
 
-    async def start(self) -> None:
-        """Return once the set is known and non-empty; keep polling in the background after that."""
-        while not self._views:
+    async def start(self, timeout_s: float = START_DEADLINE_S) -> None:
+        """Return once the set is known and non-empty (`base.waiting.StartDeadline` past `timeout_s`, saying what it
+        waited for); keep polling in the background after that."""
+
+        async def known() -> tuple[ReplicaView, ...] | None:
             await self._refresh()
-            if not self._views:
-                await asyncio.sleep(self.refresh_interval_s)
+            return self._views or None
+
+        await wait_for(known, self._what, timeout_s, self.refresh_interval_s, logger)
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
     def stop(self) -> None:

@@ -13,20 +13,21 @@ group that no longer exists.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
+import logging
 
 import ray
 from ray import serve
 from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
 from base.runtime import free_port
+from base.waiting import wait_for
 from services.llm_config import EngineArgValue
 
 GANG_KEY_PREFIX = "sluice/dp-gang/"
 RENDEZVOUS_TIMEOUT_S = 120.0
 _POLL_S = 0.25
+logger = logging.getLogger(__name__)
 
 
 def _key(gang_id: str) -> bytes:
@@ -59,12 +60,11 @@ class RankGang:
         }
 
     async def _published(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while (published := _internal_kv_get(_key(self.gang_id))) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 0 of gang {self.gang_id} published no DP address within {timeout_s:.0f} s")
-            await asyncio.sleep(_POLL_S)
-        return json.loads(published)
+        async def published() -> bytes | None:
+            return _internal_kv_get(_key(self.gang_id))
+
+        what = f"rank 0 of gang {self.gang_id} to publish its DP rendezvous address"
+        return json.loads(await wait_for(published, what, timeout_s, _POLL_S, logger))
 
     def leave(self) -> None:
         """Rank 0 takes its gang's entry with it."""

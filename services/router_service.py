@@ -357,10 +357,23 @@ class RouterReplica:
         self._app.state.route_listener_port = await self._listener.start(ray.util.get_node_ip_address())
 
     def _live_replicas(self, app: str, capacity: int, ranks: int = 1) -> LiveReplicas:
-        return LiveReplicas(lambda: list_replica_endpoints(app), capacity, self._settings.refresh_interval_s, ranks)
+        # An app whose replicas run but list no endpoint was started by a Serve without direct ingress.
+        what = f"a running replica of app {app!r} with its own HTTP port (Serve's direct ingress)"
+        return LiveReplicas(
+            lambda: list_replica_endpoints(app), capacity, self._settings.refresh_interval_s, ranks, what
+        )
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
+
+    async def describe(self) -> dict[str, Any]:
+        """The policy this router runs (`sluice status` reports it, not the spec file's)."""
+        prefill = self._settings.prefill
+        return {
+            "policy": self._settings.policy,
+            "policy_kwargs": self._settings.policy_kwargs,
+            "prefill_policy": prefill.policy if prefill is not None else None,
+        }
 
     def __del__(self) -> None:
         listener = getattr(self, "_listener", None)

@@ -42,6 +42,40 @@ def ray_resolves_node_ip_to_loopback() -> bool:
     return not ray_constants.ENABLE_RAY_CLUSTER
 
 
+class ControllerSettings(BaseModel):
+    """What a running Serve controller was started with, as far as sluice depends on it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    direct_ingress: bool
+    # The controller's values of `base.runtime.SERVE_CONTROLLER_ENV_KEYS` (None: unset).
+    env: dict[str, str | None]
+    # Where Serve's HTTP (its proxies and every replica's own port) binds.
+    http_host: str
+    applications: list[str]
+
+
+def _controller_view(controller: object, keys: list[str]) -> dict:
+    import os
+
+    return {
+        "direct_ingress": controller._direct_ingress_enabled,  # type: ignore[attr-defined]
+        "env": {key: os.environ.get(key) for key in keys},
+        "http_host": controller.get_http_config().host,  # type: ignore[attr-defined]
+        "applications": sorted(controller.application_state_manager.list_app_statuses()),  # type: ignore[attr-defined]
+    }
+
+
+def serve_controller_settings(keys: list[str], timeout_s: float) -> ControllerSettings | None:
+    """The running Serve controller's settings, read inside its process (None: Serve is not started)."""
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return None
+    view = ray.get(controller.__ray_call__.remote(_controller_view, keys), timeout=timeout_s)
+    return ControllerSettings.model_validate(view)
+
+
 class ReplicaEndpoint(BaseModel):
     """Where one live replica serves HTTP, keyed by its Serve replica id."""
 
@@ -105,3 +139,18 @@ def wait_for_endpoints(app_name: str, count: int, timeout_s: float = 180.0) -> l
         if time.monotonic() > deadline:
             raise TimeoutError(f"{app_name}: {len(endpoints)} endpoints after {timeout_s}s, wanted {count}")
         time.sleep(0.5)
+
+
+def replica_log_tail(app_name: str, deployment: str, lines: int) -> tuple[str, list[str]]:
+    """The newest log file of a replica of `app_name`'s `deployment` on this machine's Ray session, and its last
+    `lines` lines (no file: an empty list; a replica on another node logs there)."""
+    from pathlib import Path
+
+    node = ray._private.worker._global_node
+    if node is None:
+        return "", []
+    folder = Path(node.get_session_dir_path()) / "logs" / "serve"
+    files = sorted(folder.glob(f"replica_{app_name}_{deployment}_*.log"), key=lambda path: path.stat().st_mtime)
+    if not files:
+        return str(folder), []
+    return str(files[-1]), files[-1].read_text(errors="replace").splitlines()[-lines:]

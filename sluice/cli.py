@@ -15,9 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
-from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env, default_model_dir, default_moe_model_dir
+from base.runtime import (
+    COMPATIBLE_RAY_START,
+    DEFAULT_SERVE_PROXY_PORT,
+    apply_process_env,
+    default_model_dir,
+    default_moe_model_dir,
+)
 from sluice.stack_cli import add_stack_commands
 
+# How often `sluice serve` looks for a canary that rolled back by itself.
+CANARY_WATCH_S = 2.0
 EMBEDDED_SPEC = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "local-cpu.yaml"
 
 
@@ -55,6 +63,16 @@ def serve_spec(args: argparse.Namespace) -> Any:
     return parse_spec(data, args.file)
 
 
+def watch_canary(plan: Any, said: str | None) -> str | None:
+    """Print a line in `sluice serve`'s terminal when the stack's canary rolls back by itself; the line in force."""
+    from sluice.status import canary_line, ingress_state
+
+    line = canary_line(ingress_state(plan))
+    if line is not None and line != said and "ROLLED BACK" in line:
+        print(line, flush=True)
+    return line
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -78,14 +96,20 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("ray").setLevel(logging.WARNING)
     print(f"starting Ray on 127.0.0.1; Ray's and vLLM's logs: {ray_temp_dir()}/session_latest/logs", flush=True)
     start_local_cluster(serve_proxy_port=args.serve_proxy_port, log_to_driver=args.verbose)
+    import ray
+
     if not args.verbose:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    said: str | None = None
     try:
         if not apply_plan(spec, plan):
             return 1
         print("\n".join(serving_lines(spec, plan)))
+        address = ray.get_runtime_context().gcs_address
+        print(f"  sluice status {plan.stack} --address {address}", flush=True)
         print("Ctrl-C stops everything.", flush=True)
-        stop.wait()
+        while not stop.wait(CANARY_WATCH_S):
+            said = watch_canary(plan, said=said)
     finally:
         # Serve's shutdown deletes every app; HAProxy dies with its frontend replica.
         print("shutting down", flush=True)
@@ -143,44 +167,52 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _on_cluster(args: argparse.Namespace) -> int:
-    """`sluice deploy | status | down`: a spec's stack on a running Ray cluster."""
-    from sluice import deploy
-    from topologies.problems import SpecError
-
-    try:
-        if args.command == "status":
-            return deploy.status(args.file, args.address, as_json=args.json)
-        return getattr(deploy, args.command)(args.file, args.address)
-    except (SpecError, deploy.NoClusterError) as error:
-        print(error, file=sys.stderr)
-        return 1
-
-
-def _ingress(args: argparse.Namespace) -> int:
-    """`sluice canary | rollback`: move a deployed stack's traffic between the paths."""
+    """`sluice deploy | status | down | canary | rollback | check`: a stack on a running Ray cluster, after the
+    preflight (exit `PREFLIGHT_EXIT_CODE` with the fix when the cluster cannot run a sluice stack)."""
     from services.ingress_control import NoLegacyPath
-    from sluice import deploy, ingress_cli
+    from sluice import deploy, ingress_cli, status
+    from sluice.check import check
+    from sluice.preflight import PREFLIGHT_EXIT_CODE, PreflightError, check_serve_controller, connect
     from topologies.problems import SpecError
 
+    deploy.quiet_ray_loggers(args.verbose)
     try:
+        if args.command == "deploy":
+            return deploy.deploy(args.file, args.address, args.timeout)
+        connect(args.address)
+        if args.command == "down":
+            return deploy.down(args.target, args.address)
+        check_serve_controller(must_reach_nodes=False)
+        if args.command == "status":
+            return status.status(args.target, args.address, as_json=args.json)
         if args.command == "canary":
             return ingress_cli.canary(args.file, args.address, args.weight, args.watch)
-        return ingress_cli.rollback(args.file, args.address)
-    except (SpecError, deploy.NoClusterError, NoLegacyPath) as error:
+        if args.command == "rollback":
+            return ingress_cli.rollback(args.file, args.address)
+        try:
+            return check(args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip)
+        except ValueError as error:  # an unknown --allow-skip item
+            print(error, file=sys.stderr)
+            return 2
+    except PreflightError as error:
+        print(error, file=sys.stderr)
+        return PREFLIGHT_EXIT_CODE
+    except (SpecError, NoLegacyPath) as error:
         print(error, file=sys.stderr)
         return 1
 
 
 def _check(args: argparse.Namespace) -> int:
-    from sluice import deploy
+    """`sluice check --target URL` needs no cluster; with a spec file it is a command on the cluster."""
     from sluice.check import check
-    from topologies.problems import SpecError
 
+    if args.target is None:
+        return _on_cluster(args)
     try:
-        return check(args.file or str(EMBEDDED_SPEC), args.target, args.address, args.json)
-    except (SpecError, deploy.NoClusterError) as error:
+        return check(None, args.target, args.address, args.json, args.allow_skip)
+    except ValueError as error:
         print(error, file=sys.stderr)
-        return 1
+        return 2
 
 
 def _load(args: argparse.Namespace) -> int:
@@ -332,16 +364,29 @@ def build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="print the JSON Schema of topology specs (for editors)")
     schema.set_defaults(func=_schema)
 
-    for name, help_text in (
-        ("deploy", "deploy a spec to a running Ray cluster and return once it serves"),
-        ("status", "a deployed spec's apps, replicas, routers and HAProxy server map, ready or degraded and why"),
-        ("down", "delete a deployed spec's apps (HAProxy goes with the frontend app)"),
-    ):
-        command = commands.add_parser(name, help=help_text)
-        command.add_argument("file")
-        command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS or local)")
-        if name == "status":
-            command.add_argument("--json", action="store_true")
+    deploy = commands.add_parser(
+        "deploy",
+        help="deploy a spec to a running Ray cluster and return once it serves",
+        description="Preflight (exit 3 with the fix when the cluster cannot run a sluice stack), deploy the spec's "
+        "apps, show each deployment's replicas as they start, return once the frontend serves every replica. "
+        f"A compatible Ray on this machine: `{COMPATIBLE_RAY_START}`.",
+    )
+    deploy.add_argument("file")
+    deploy.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds to wait for the stack (default 600, or 1800 when a model asks for GPUs); on the deadline, "
+        "exit 1 naming the stuck deployment and its replica log's last lines",
+    )
+    status = commands.add_parser(
+        "status",
+        help="what runs on the cluster: every sluice stack, or one stack's policy, replicas, routers, ingress, canary",
+    )
+    status.add_argument("target", nargs="?", help="a stack's spec file or its name team-name (none: list stacks)")
+    status.add_argument("--json", action="store_true")
+    down = commands.add_parser("down", help="delete a deployed stack's apps (HAProxy goes with the frontend app)")
+    down.add_argument("target", help="the stack's spec file or its name team-name")
+    for command in (deploy, status, down):
         command.set_defaults(func=_on_cluster)
 
     canary = commands.add_parser("canary", help="set a deployed stack's share of sessions on the direct path")
@@ -351,15 +396,24 @@ def build_parser() -> argparse.ArgumentParser:
     rollback = commands.add_parser("rollback", help="every new request to the legacy path; drain the direct one")
     rollback.add_argument("file")
     for command in (canary, rollback):
-        command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS or local)")
-        command.set_defaults(func=_ingress)
+        command.set_defaults(func=_on_cluster)
     add_stack_commands(commands)
-    check = commands.add_parser("check", help="the adoption checklist of a deployed stack (or of a URL)")
+    check = commands.add_parser(
+        "check",
+        help="the adoption checklist of a deployed stack (or of a URL)",
+        description="Observes and never changes the stack. Exit 0: every item ran and passed; 4: incomplete (items "
+        "skipped, each with the setting that enables it); 1: an item failed.",
+    )
     check.add_argument("file", nargs="?", help="the stack's spec (default: the embedded one)")
     check.add_argument("--target", help="check only what this frontend URL shows")
-    check.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS or local)")
     check.add_argument("--json", action="store_true")
+    check.add_argument(
+        "--allow-skip", action="append", default=[], metavar="ITEM", help="an item you accept skipped (repeatable)"
+    )
     check.set_defaults(func=_check)
+    for command in (deploy, status, down, canary, rollback, check):
+        command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS, else local)")
+        command.add_argument("--verbose", action="store_true", help="Ray's and Serve's own log lines too")
 
     api_key = commands.add_parser("api-key", help="team API keys: the key file holds their hashes only")
     api_key_commands = api_key.add_subparsers(dest="api_key_command", required=True)

@@ -1,38 +1,36 @@
-"""`sluice deploy | status | down | render`: a team's stack on a running Ray cluster, from its spec file.
+"""`sluice deploy | down | render`: a team's stack on a running Ray cluster, from its spec file.
 
-`deploy` applies the spec's plan (`builders.plan`) app by app, shows each app's state until the frontend has
-every replica UP, prints the URL and returns: the stack (its frontend included) lives in the cluster, not in
-this process. Ray's and Serve's own logs stay in the cluster's log folder.
+`deploy` runs the preflight (`sluice.preflight`: exit 3 with the fix, nothing deployed), applies the spec's plan
+(`builders.plan`) app by app, shows each deployment's replicas as they start (`sluice.deploy_progress`) until the
+frontend has every replica UP, prints the URL and returns: the stack (its frontend included) lives in the cluster,
+not in this process, and is recorded there (`sluice.registry`). A deployment Serve gives up on, or the deadline
+(`--timeout`), ends it with exit 1, naming the deployment, Serve's reason and the last lines of its replica log.
+Ray's and Serve's own logs stay in the cluster's log folder.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib
-import json
-import re
-import socket
+import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 import yaml
 
-from base.contracts import NODE_BIND_ALL, SERVED_RANK_HEADER, WORKER_NODE_RESOURCE
-from base.runtime import DEFAULT_SERVE_PROXY_PORT, apply_process_env
-from builders.plan import PlannedModel, StackPlan, build_plan, model_path, serve_config
-from infra.haproxy_canary import legacy_backend
-from services.remote_prefill import PREFILL_REQUESTS_METRIC
+from builders.plan import StackPlan, build_plan, model_path, serve_config
+from sluice import registry
+from sluice.deploy_progress import DeployProgress
+from sluice.preflight import cluster_spans_nodes, connect, preflight, replica_demands
 from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, load_spec
 
-READY_TIMEOUT_S = 600.0
-GCS_PROBE_TIMEOUT_S = 3.0
-# A decode replica's count of the requests it served by prefill replica and outcome (services.remote_prefill).
-_PREFILL_SAMPLE = re.compile(rf"^{PREFILL_REQUESTS_METRIC}_total\{{([^}}]*)\}} (\S+)$", re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+# Sized for a model load: the tiny model on CPU starts in ~30 s, a real model on GPUs in minutes.
+CPU_DEPLOY_TIMEOUT_S = 600.0
+GPU_DEPLOY_TIMEOUT_S = 1800.0
+_POLL_S = 0.5
 
 
 def plan_of(path: str) -> tuple[Any, StackPlan]:
@@ -46,25 +44,20 @@ def render(path: str) -> str:
     return header + yaml.safe_dump(serve_config(plan), sort_keys=False)
 
 
-class NoClusterError(RuntimeError):
-    pass
+def default_timeout_s(plan: StackPlan) -> float:
+    """How long `deploy` waits by default: a GPU model load when any replica asks for a GPU."""
+    gpus = any(one.get("GPU", 0.0) > 0 for _, one, _ in replica_demands(plan))
+    return GPU_DEPLOY_TIMEOUT_S if gpus else CPU_DEPLOY_TIMEOUT_S
 
 
-def connect(address: str) -> None:
-    apply_process_env()
-    import ray
+def quiet_ray_loggers(verbose: bool) -> None:
+    """Ray's and Serve's own lines stay out of a command's output unless `--verbose` (after Ray's import, which
+    configures its loggers)."""
+    import ray  # noqa: F401
 
-    try:
-        if address != "auto":
-            host, _, port = address.removeprefix("ray://").rpartition(":")
-            # Ray retries an unreachable GCS for a minute; one TCP connect says at once.
-            socket.create_connection((host, int(port)), timeout=GCS_PROBE_TIMEOUT_S).close()
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
-    except (ConnectionError, OSError, ValueError) as error:
-        raise NoClusterError(
-            f"no Ray cluster at {address!r} ({error}): start one (`ray start --head --node-ip-address 127.0.0.1`) "
-            "and give its address, or run the stack on a local Ray of its own with `sluice serve FILE`"
-        ) from None
+    level = logging.INFO if verbose else logging.ERROR
+    for name in ("ray", "ray.serve"):
+        logging.getLogger(name).setLevel(level)
 
 
 def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
@@ -92,36 +85,54 @@ def ensure_models(spec: Any) -> None:
             ensure_built(Path(model_path(source)), moe)
 
 
-def apply_plan(spec: Any, plan: StackPlan) -> bool:
-    """Deploy the plan's apps in order, showing each one's state, until the frontend has every replica UP."""
+def _published(plan: StackPlan) -> bool:
+    """Whether the frontend has every model's replicas UP and published to its routers."""
+    status = _frontend_status(plan)
+    wanted = [model.min_replicas for model in plan.models]
+    if not status or len(status["published"]) != len(wanted):
+        return False
+    return all(published >= n for published, n in zip(status["published"], wanted, strict=True))
+
+
+def apply_plan(spec: Any, plan: StackPlan, timeout_s: float | None = None, source: str = "sluice serve") -> bool:
+    """Deploy the plan's apps in order and record the stack; show each deployment's replicas as they start, until
+    the frontend has every replica UP (True), a deployment failed or the deadline passed (False, said why)."""
     from ray import serve
 
     started = time.monotonic()
+    deadline = started + (default_timeout_s(plan) if timeout_s is None else timeout_s)
 
     def say(line: str) -> None:
         print(f"[{time.monotonic() - started:5.1f} s] {line}", flush=True)
 
+    targets = []
     for app in plan.apps:
         module, name = app.import_path.split(":")
         builder = getattr(importlib.import_module(module), name)
-        say(f"{app.name}: deploying")
-        serve.run(builder(app.args), name=app.name, route_prefix=app.route_prefix, blocking=False)
-        say(f"{app.name}: {serve.status().applications[app.name].status.value}")
-    wanted = [model.min_replicas for model in plan.models]
-    while time.monotonic() - started < READY_TIMEOUT_S:
-        status = _frontend_status(plan)
-        if status and len(status["published"]) == len(wanted):
-            if all(published >= n for published, n in zip(status["published"], wanted, strict=True)):
-                for model in plan.models:
-                    say(f"frontend: {model.name}: {model.min_replicas} replica(s) UP and published to its routers")
-                settle_ingress(spec, plan, say)
-                return True
-        time.sleep(0.5)
-    print(f"the frontend did not have every replica UP within {READY_TIMEOUT_S:.0f} s", file=sys.stderr)
+        targets.append(serve.RunTarget(builder(app.args), name=app.name, route_prefix=app.route_prefix))
+    # Serve's own wait for an app to run has no deadline: submit every app, then follow them here.
+    serve.run_many(targets, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    say(f"deploying {', '.join(app.name for app in plan.apps)}")
+    registry.record(spec, plan, source)
+    progress = DeployProgress([app.name for app in plan.apps], say)
+    while time.monotonic() < deadline:
+        failed = progress.poll()
+        if failed is not None:
+            print(f"\ndeploy failed: Serve gave up on a deployment:\n{failed}", file=sys.stderr)
+            return False
+        if _published(plan):
+            for model in plan.models:
+                say(f"frontend: {model.name}: {model.min_replicas} replica(s) UP and published to its routers")
+            settle_ingress(spec, plan, say)
+            return True
+        time.sleep(_POLL_S)
+    stuck = progress.stuck() or [f"{plan.frontend_app}: the frontend has not every replica UP in HAProxy yet"]
+    waited = time.monotonic() - started
+    print(f"\ndeploy timed out after {waited:.0f} s; still not ready:\n" + "\n".join(stuck), file=sys.stderr)
     return False
 
 
-def settle_ingress(spec: Any, plan: StackPlan, say: Any) -> None:
+def settle_ingress(spec: Any, plan: StackPlan, say: Callable[[str], None]) -> None:
     """Wait for the declared ingress: the frontend reconfigured to its weight, a path that lost its traffic drained;
     then remove a legacy ingress the spec no longer retains."""
     from ray import serve
@@ -163,205 +174,53 @@ def serving_lines(spec: Any, plan: StackPlan) -> list[str]:
     ]
 
 
-def delete_plan(plan: StackPlan) -> None:
+def delete_apps(apps: list[str]) -> None:
     from ray import serve
 
-    for app in reversed(plan.apps):  # the frontend first: nothing is routed to an app that is going away
-        serve.delete(app.name)
-        print(f"deleted {app.name}", flush=True)
+    existing = serve.status().applications
+    for app in reversed(apps):  # the frontend first: nothing is routed to an app that is going away
+        if app in existing:
+            serve.delete(app)
+            print(f"deleted {app}", flush=True)
 
 
-def cluster_spans_nodes() -> bool:
-    """Whether the connected cluster is made of sluice nodes with roles (`sluice node`, KubeRay): its worker nodes
-    advertise WORKER_NODE_RESOURCE."""
-    import ray
-
-    return WORKER_NODE_RESOURCE in ray.cluster_resources()
+def delete_plan(plan: StackPlan) -> None:
+    delete_apps([app.name for app in plan.apps])
 
 
-def deploy(path: str, address: str) -> int:
+def deploy(path: str, address: str, timeout_s: float | None = None) -> int:
+    from ray import serve
+
     spec = load_spec(path)
     ensure_models(spec)
     connect(address)
     spans_nodes = cluster_spans_nodes()
     plan = build_plan(spec, spans_nodes=spans_nodes)
+    start_serve = preflight(plan, spans_nodes)
+    if start_serve is not None:
+        serve.start(**start_serve)
     if spans_nodes:
-        from ray import serve
-
-        # Serve's per-replica ports must be reachable from the head's HAProxy: each binds its node's interfaces.
-        serve.start(http_options={"host": NODE_BIND_ALL, "port": DEFAULT_SERVE_PROXY_PORT})
         print("a cluster of sluice nodes: LLM replicas on the worker nodes, the frontend on the head", flush=True)
-    if not apply_plan(spec, plan):
+    if not apply_plan(spec, plan, timeout_s, source=str(Path(path).resolve())):
         return 1
     plan = plan.model_copy(update={"url": frontend_url(plan)})
     print("\n".join(serving_lines(spec, plan)))
     return 0
 
 
-def degraded_reasons(spec: Any, plan: StackPlan, report: dict[str, Any]) -> list[str]:
-    """Why a deployed stack is not ready (none: it is)."""
-    reasons = []
-    for app in plan.apps:
-        state = report["apps"][app.name]["status"]
-        if state != "RUNNING":
-            reasons.append(f"app {app.name} is {state}")
-    several = len(plan.models) > 1
-    for model in plan.models:
-        llm = report["apps"][model.llm_app]["replicas"]
-        if len(llm) < model.min_replicas:
-            what = "decode" if model.prefill_app else "LLM"
-            reasons.append(f"{_of(model, several)}{len(llm)} of {model.min_replicas} {what} replicas running")
-        if model.prefill_app is not None:
-            prefill = report["apps"][model.prefill_app]["replicas"]
-            if len(prefill) < model.prefill_replicas:
-                reasons.append(
-                    f"{_of(model, several)}{len(prefill)} of {model.prefill_replicas} prefill replicas running"
-                )
-    frontend = report.get("frontend") or {}
-    if not frontend.get("running"):
-        return [*reasons, "HAProxy is not running"]
-    up: dict[str, int] = {}
-    for server in frontend["servers"]:
-        up[server["backend"]] = up.get(server["backend"], 0) + (server["status"] == "UP")
-    for index, model in enumerate(plan.models):
-        llm, routers = (len(report["apps"][app]["replicas"]) for app in (model.llm_app, model.router_app))
-        if up.get(model.replica_backend, 0) < llm:
-            reasons.append(
-                f"{_of(model, several)}HAProxy has {up.get(model.replica_backend, 0)} of {llm} LLM replicas UP"
-            )
-        if up.get(model.router_backend, 0) < max(1, routers):
-            reasons.append(
-                f"{_of(model, several)}HAProxy has {up.get(model.router_backend, 0)} of {max(1, routers)} routers UP"
-            )
-        if model.legacy_deployed and model.legacy_app is not None:
-            legacy = len(report["apps"][model.legacy_app]["replicas"])
-            if up.get(legacy_backend(index), 0) < max(1, legacy):
-                reasons.append(
-                    f"{_of(model, several)}HAProxy has {up.get(legacy_backend(index), 0)} of {max(1, legacy)} "
-                    "legacy ingress replicas UP"
-                )
-    return reasons
-
-
-def _of(model: PlannedModel, several: bool) -> str:
-    return f"{model.name}: " if several else ""
-
-
-def app_roles(plan: StackPlan) -> dict[str, str]:
-    """What each app of the plan is, for people reading `sluice status`."""
-    roles = {plan.frontend_app: "HAProxy and its syncer"}
-    for model in plan.models:
-        roles[model.router_app] = f"routers of {model.name}"
-        if model.legacy_deployed and model.legacy_app is not None:
-            roles[model.legacy_app] = f"legacy ingress of {model.name} (the retained Python path)"
-        if model.prefill_app is not None:
-            roles[model.prefill_app] = f"prefill replicas of {model.name} (KV producers)"
-            roles[model.llm_app] = f"decode replicas of {model.name} (KV consumers, pinned by HAProxy)"
-        elif model.data_parallel == "in_engine":
-            roles[model.llm_app] = f"replicas of {model.name}, {model.data_parallel_size} engine ranks each"
-        elif model.data_parallel == "ranks":
-            roles[model.llm_app] = f"rank replicas of {model.name}, gangs of {model.data_parallel_size}"
-        else:
-            roles[model.llm_app] = f"replicas of {model.name}"
-    return roles
-
-
-def model_line(model: PlannedModel) -> str:
-    if model.prefill_app is not None:
-        policy = f"decode policy {model.policy}, prefill policy {model.prefill_policy}"
+def down(target: str, address: str) -> int:
+    """Delete a stack, named by its spec file or its name (`team-name`), and forget it."""
+    connect(address)
+    stack = load_spec(target).stack if Path(target).is_file() else target
+    entry = registry.deployed(stack)
+    if entry is not None:
+        apps = entry.apps
+    elif Path(target).is_file():
+        apps = [app.name for app in plan_of(target)[1].apps]
     else:
-        policy = f"policy {model.policy}"
-    return f"  model {model.name}: {policy}, HAProxy backends {model.replica_backend} + {model.router_backend}"
-
-
-def prefill_pairs(metrics_text: str) -> dict[tuple[str, str], float]:
-    """(prefill replica, outcome) -> requests, from a decode replica's /metrics."""
-    pairs: dict[tuple[str, str], float] = {}
-    for labels, value in _PREFILL_SAMPLE.findall(metrics_text):
-        named = dict(_LABEL.findall(labels))
-        key = (named.get("prefill_replica", ""), named.get("outcome", ""))
-        pairs[key] = pairs.get(key, 0.0) + float(value)
-    return pairs
-
-
-def _gang_rank(model: PlannedModel, endpoint: Any) -> str:
-    """The DP rank a `ranks` replica answers as ("?" when it does not answer)."""
-    try:
-        response = httpx.get(f"{endpoint.url}/{model.llm_app}/v1/models", timeout=5)
-    except httpx.HTTPError:
-        return "?"
-    return response.headers.get(SERVED_RANK_HEADER, "?")
-
-
-def _pairs_report(model: PlannedModel, endpoints: list[Any]) -> list[dict[str, Any]]:
-    """Which prefill replica served each decode replica's requests, and how (remote, local fallback, ...)."""
-    served = []
-    for endpoint in endpoints:
-        try:
-            text = httpx.get(f"{endpoint.url}/{model.llm_app}/metrics", timeout=5).text
-        except httpx.HTTPError:
-            continue
-        for (prefill, outcome), count in sorted(prefill_pairs(text).items()):
-            served.append({"decode": endpoint.replica_id, "prefill": prefill, "outcome": outcome, "requests": count})
-    return served
-
-
-def status(path: str, address: str, as_json: bool = False) -> int:
-    spec, plan = plan_of(path)
-    connect(address)
-    from ray import serve
-
-    from services.serve_internals import list_replica_endpoints
-
-    applications = serve.status().applications
-    report: dict[str, Any] = {"stack": f"{spec.team}/{spec.name}", "apps": {}, "pairs": {}}
-    roles = app_roles(plan)
-    endpoints_of = {}
-    for app in plan.apps:
-        state = applications.get(app.name)
-        endpoints_of[app.name] = asyncio.run(list_replica_endpoints(app.name)) if state is not None else []
-        report["apps"][app.name] = {
-            "role": roles[app.name],
-            "status": state.status.value if state is not None else "NOT_DEPLOYED",
-            "replicas": [f"{e.replica_id} {e.host}:{e.port}" for e in endpoints_of[app.name]],
-        }
-    for model in plan.models:
-        if model.prefill_app is not None:
-            report["pairs"][model.name] = _pairs_report(model, endpoints_of[model.llm_app])
-        if model.data_parallel == "ranks":
-            report["apps"][model.llm_app]["replicas"] = [
-                f"{e.replica_id} {e.host}:{e.port} rank {_gang_rank(model, e)}" for e in endpoints_of[model.llm_app]
-            ]
-    report["frontend"] = _frontend_status(plan)
-    reasons = degraded_reasons(spec, plan, report)
-    ready = not reasons
-    report["state"] = "ready" if ready else "degraded: " + "; ".join(reasons)
-    if as_json:
-        print(json.dumps(report, indent=2))
-        return 0 if ready else 1
-    print(f"{report['stack']}: {report['state']}")
-    for model in plan.models:
-        print(model_line(model))
-        for pair in report["pairs"].get(model.name, []):
-            print(
-                f"    pair decode {pair['decode']} <- prefill {pair['prefill'] or '-'}: "
-                f"{pair['outcome']} {pair['requests']:.0f}"
-            )
-    for name, app_report in report["apps"].items():
-        print(f"  app {name} ({app_report['role']}): {app_report['status']}")
-        for replica in app_report["replicas"]:
-            print(f"    replica {replica}")
-    frontend = report["frontend"] or {}
-    if frontend.get("running"):
-        print(f"  ingress mode {spec.ingress.mode}: direct weight {frontend['direct_weight']}%")
-        print(f"  HAProxy {frontend['url']} (master {frontend['master_pid']}, restarts {frontend['restarts']}):")
-        for server in frontend["servers"]:
-            print(f"    {server['backend']}/{server['server']} {server['addr']} {server['status']}")
-    return 0 if ready else 1
-
-
-def down(path: str, address: str) -> int:
-    _, plan = plan_of(path)
-    connect(address)
-    delete_plan(plan)
+        known = ", ".join(e.stack for e in registry.deployed_stacks()) or "none"
+        print(f"no sluice stack {stack!r} on this cluster (deployed: {known})", file=sys.stderr)
+        return 1
+    delete_apps(apps)
+    registry.forget(stack)
     return 0

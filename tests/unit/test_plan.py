@@ -20,7 +20,9 @@ from services.frontend_app import FrontendArgs
 from services.llm_config import LLMAppConfig
 from services.router_service import RouterAppArgs
 from sluice.cli import main
-from sluice.deploy import app_roles, degraded_reasons, model_line, prefill_pairs, render
+from sluice.deploy import render
+from sluice.preflight import PREFLIGHT_EXIT_CODE
+from sluice.status import app_roles, degraded_reasons, model_line, prefill_pairs
 from topologies.problems import SpecError
 from topologies.spec import load_spec
 
@@ -204,7 +206,7 @@ def test_status_says_why_a_stack_is_degraded() -> None:
 
 def test_without_a_cluster_the_cli_says_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Port 1 on loopback: nothing listens there.
-    assert main(["status", str(TEAMS / "local-cpu.yaml"), "--address", "127.0.0.1:1"]) == 1
+    assert main(["status", str(TEAMS / "local-cpu.yaml"), "--address", "127.0.0.1:1"]) == PREFLIGHT_EXIT_CODE
     assert "no Ray cluster at '127.0.0.1:1'" in capsys.readouterr().err
     broken = tmp_path / "broken.yaml"
     broken.write_text((TEAMS / "local-cpu.yaml").read_text().replace("replicas: 2", "replicas: 0"))

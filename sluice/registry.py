@@ -1,0 +1,61 @@
+"""The sluice stacks deployed on a cluster, as they were deployed.
+
+`sluice deploy` and `sluice serve` record each stack in Ray's GCS key-value store: the spec as deployed (with
+`sluice serve`'s flags applied), the file it came from and the stack's Serve apps. `sluice status` with no argument
+lists them, `sluice status STACK` and `sluice down STACK` work without the file, and `status FILE` says where the
+file and the running stack differ. The record lives as long as the cluster; `down` removes it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from builders.plan import StackPlan
+
+KEY_PREFIX = "sluice/stack/"
+
+
+class DeployedStack(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stack: str
+    source: str
+    spec: dict[str, Any]
+    apps: list[str]
+    deployed_at: float
+
+
+def record(spec: Any, plan: StackPlan, source: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    entry = DeployedStack(
+        stack=plan.stack,
+        source=source,
+        spec=spec.model_dump(mode="json"),
+        apps=[app.name for app in plan.apps],
+        deployed_at=time.time(),
+    )
+    _internal_kv_put(KEY_PREFIX + plan.stack, entry.model_dump_json(), overwrite=True)
+
+
+def deployed(stack: str) -> DeployedStack | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(KEY_PREFIX + stack)
+    return DeployedStack.model_validate_json(raw) if raw is not None else None
+
+
+def deployed_stacks() -> list[DeployedStack]:
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    names = sorted(key.decode().removeprefix(KEY_PREFIX) for key in _internal_kv_list(KEY_PREFIX))
+    return [entry for name in names if (entry := deployed(name)) is not None]
+
+
+def forget(stack: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(KEY_PREFIX + stack)
