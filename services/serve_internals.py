@@ -154,3 +154,12 @@ def replica_log_tail(app_name: str, deployment: str, lines: int) -> tuple[str, l
     if not files:
         return str(folder), []
     return str(files[-1]), files[-1].read_text(errors="replace").splitlines()[-lines:]
+
+
+def send_ray_token_if_present() -> None:
+    """Ray 2.60's `ray start` turns token authentication on when a token exists (`~/.ray/auth_token`,
+    `RAY_AUTH_TOKEN`), but a driver connecting to that cluster sends it only when RAY_AUTH_MODE says so: do what
+    `ray start` did (an explicit RAY_AUTH_MODE wins; a cluster without authentication ignores the token)."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)

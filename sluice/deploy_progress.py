@@ -60,10 +60,18 @@ class DeployProgress:
         ]
 
 
+def _gist(message: str) -> str:
+    """Serve's message without the traceback it may carry: its first line and the exception's."""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if len(lines) <= 2:
+        return " ".join(lines)
+    return f"{lines[0]} ... {lines[-1].strip()}"
+
+
 def report(app: str, deployment: str, message: str) -> str:
     from services.serve_internals import replica_log_tail
 
     where, lines = replica_log_tail(app, deployment, LOG_TAIL_LINES)
-    said = message.strip() or "Serve gives no message"
+    said = _gist(message) or "Serve gives no message"
     tail = "".join(f"\n    | {line}" for line in lines) if lines else f"\n    (no replica log of it here: {where})"
     return f"{app}/{deployment}: {said}\n  last lines of its replica log ({where}):{tail}"

@@ -72,8 +72,11 @@ def connect(address: str) -> None:
     apply_process_env()
     import ray
 
+    from services.serve_internals import send_ray_token_if_present
+
     if ray.is_initialized():
         return
+    send_ray_token_if_present()
     fix = f"start one: `{COMPATIBLE_RAY_START}` (or `sluice node head`), then give its address with --address"
     gcs = _gcs_address(address)
     if gcs is not None:
