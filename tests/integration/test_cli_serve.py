@@ -1,7 +1,9 @@
-"""`sluice serve` (what `make serve` runs): HAProxy streams from both replicas, and Ctrl-C cleans up."""
+"""`sluice serve` (what `make serve` runs) with a policy flag: HAProxy streams from both replicas, `sluice status`
+reports the policy the routers run (the flag's, not the file's), and Ctrl-C cleans up."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from sluice.cli import EMBEDDED_SPEC
 from tests.integration.conftest import free_port
 from tests.integration.frontend_contract import register_frontend
 from tests.integration.sse import chunks, data_lines
@@ -21,17 +24,26 @@ from tests.integration.sse import chunks, data_lines
 pytestmark = pytest.mark.integration
 
 URL = re.compile(r"sluice is serving at (http://127\.0\.0\.1:\d+):")
+STATUS = re.compile(r"sluice status (\S+) --address (\S+)")
 
 
-def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) -> str:
+def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) -> tuple[str, tuple[str, str]]:
+    """The frontend's URL and the `sluice status` command `sluice serve` printed (stack, address)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert process.poll() is None, f"sluice serve exited early:\n{log.read_text()[-3000:]}"
         text = log.read_text()
         if "Ctrl-C stops everything" in text:
-            return URL.findall(text)[0]
+            return URL.findall(text)[0], STATUS.findall(text)[0]
         time.sleep(1)
     raise AssertionError(f"sluice serve never became ready:\n{log.read_text()[-3000:]}")
+
+
+def _status(target: str, address: str) -> dict:
+    command = [sys.executable, "-m", "sluice.cli", "status", target, "--address", address, "--json"]
+    status = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert status.stdout, status.stderr
+    return json.loads(status.stdout)
 
 
 def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -42,20 +54,25 @@ def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp
         process = subprocess.Popen(
             [
                 *(sys.executable, "-m", "sluice.cli", "serve", "--serve-proxy-port", str(free_port())),
-                *("--port", str(port), "--prometheus-port", str(free_port())),
+                *("--port", str(port), "--prometheus-port", str(free_port()), "--policy", "consistent_hash"),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
-        url = _wait_until_ready(process, log, timeout_s=300)
+        url, (stack, address) = _wait_until_ready(process, log, timeout_s=300)
         assert url == f"http://127.0.0.1:{port}"
+        report = _status(stack, address)
+        assert report["models"]["sluice-tiny"]["routers"]["policy"] == "consistent_hash"
+        # The embedded file says round_robin: status names the difference.
+        against_file = _status(str(EMBEDDED_SPEC), address)["differences"]
+        assert "sluice-tiny: policy round_robin in the file, consistent_hash running" in against_file
         served = set()
         body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
         body["ignore_eos"] = True
         body["stream"] = True
-        for _ in range(6):  # round-robin over 2 replicas, through HAProxy and the router
+        for _ in range(16):  # no session header: hashed by request id, over both replicas (all on one: p = 3e-5)
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
                 assert response.status_code == 200
                 served.add(response.headers["x-serve-replica"])
