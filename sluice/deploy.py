@@ -192,11 +192,11 @@ def deploy(path: str, address: str, timeout_s: float | None = None) -> int:
     from ray import serve
 
     spec = load_spec(path)
-    ensure_models(spec)
     connect(address)
     spans_nodes = cluster_spans_nodes()
     plan = build_plan(spec, spans_nodes=spans_nodes)
     start_serve = preflight(plan, spans_nodes)
+    ensure_models(spec)
     if start_serve is not None:
         serve.start(**start_serve)
     if spans_nodes:

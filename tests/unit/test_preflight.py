@@ -1,0 +1,106 @@
+"""The preflight's verdicts and messages, without a cluster: each problem names its exact fix."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from base.runtime import COMPATIBLE_RAY_START, SERVE_CONTROLLER_ENV_KEYS, carried_env, process_env
+from builders.plan import build_plan
+from services.serve_internals import ControllerSettings
+from sluice import preflight
+from sluice.cli import main
+from sluice.preflight import PREFLIGHT_EXIT_CODE, PreflightError
+from topologies.spec import load_spec
+
+TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
+
+
+def _controller(monkeypatch: pytest.MonkeyPatch, **settings: Any) -> None:
+    view = {"direct_ingress": True, "env": {}, "http_host": "127.0.0.1", "applications": ["team-app"], **settings}
+    monkeypatch.setattr(
+        "services.serve_internals.serve_controller_settings", lambda keys, timeout_s: ControllerSettings(**view)
+    )
+
+
+def test_no_cluster_exits_3_within_10_s_with_the_ray_start_line(capsys: pytest.CaptureFixture[str]) -> None:
+    began = time.monotonic()
+    assert main(["deploy", str(TEAMS / "local-cpu.yaml"), "--address", "127.0.0.1:1"]) == PREFLIGHT_EXIT_CODE
+    assert time.monotonic() - began < 10
+    error = capsys.readouterr().err
+    assert "no Ray cluster at '127.0.0.1:1'" in error and COMPATIBLE_RAY_START in error
+
+
+def test_a_serve_without_direct_ingress_is_refused_with_both_fixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    _controller(monkeypatch, direct_ingress=False)
+    with pytest.raises(PreflightError) as refused:
+        preflight.check_serve_controller(must_reach_nodes=False)
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS=1" in refused.value.problem
+    # Either restart Serve (naming what that deletes) or restart Ray with every setting in its environment.
+    assert "serve shutdown -y" in refused.value.fix and "team-app" in refused.value.fix
+    assert preflight.ray_start_line() in refused.value.fix
+    assert all(f"{key}={process_env()[key]}" in refused.value.fix for key in SERVE_CONTROLLER_ENV_KEYS)
+
+
+def test_rays_own_haproxy_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _controller(monkeypatch, env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    with pytest.raises(PreflightError, match="RAY_SERVE_ENABLE_HA_PROXY=1"):
+        preflight.check_serve_controller(must_reach_nodes=False)
+
+
+def test_serve_on_loopback_cannot_serve_nodes_on_other_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    _controller(monkeypatch)
+    assert preflight.check_serve_controller(must_reach_nodes=False)
+    with pytest.raises(PreflightError, match="not on loopback"):
+        preflight.check_serve_controller(must_reach_nodes=True)
+
+
+def test_no_controller_means_sluice_starts_serve_with_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("services.serve_internals.serve_controller_settings", lambda keys, timeout_s: None)
+    assert not preflight.check_serve_controller(must_reach_nodes=False)
+    monkeypatch.setattr(preflight, "nodes_on_loopback", lambda: True)
+    options = preflight.serve_start_options(spans_nodes=False)
+    assert options["http_options"]["host"] == "127.0.0.1"
+    env = options["controller_options"]["runtime_env"]["env_vars"]
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and env["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    monkeypatch.setattr(preflight, "nodes_on_loopback", lambda: False)
+    assert preflight.serve_start_options(spans_nodes=False)["http_options"]["host"] == "0.0.0.0"
+
+
+def test_the_apps_carry_every_worker_setting_but_the_node_start_ones() -> None:
+    carried = carried_env()
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in carried
+    assert carried["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and carried["HF_HUB_OFFLINE"] == "1"
+
+
+def _nodes(monkeypatch: pytest.MonkeyPatch, *resources: dict[str, float]) -> None:
+    import ray
+
+    total: dict[str, float] = {}
+    for node in resources:
+        for key, value in node.items():
+            total[key] = total.get(key, 0.0) + value
+    monkeypatch.setattr(preflight, "_alive_nodes", lambda: [{"Resources": r, "Alive": True} for r in resources])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: total)
+
+
+def test_resources_the_plan_asks_for_must_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = build_plan(load_spec(TEAMS / "local-cpu.yaml"))  # 2 replicas x 0.25 CPU
+    _nodes(monkeypatch, {"CPU": 2.0})
+    preflight.check_resources(plan)
+    _nodes(monkeypatch, {"CPU": 0.1}, {"CPU": 0.1})
+    with pytest.raises(PreflightError, match="no node of the cluster can hold one replica"):
+        preflight.check_resources(plan)
+    _nodes(monkeypatch, {"CPU": 0.25})
+    with pytest.raises(PreflightError, match="CPU: the plan asks for 0.5, the cluster has 0.25"):
+        preflight.check_resources(plan)
+
+
+def test_a_gpu_spec_needs_a_node_with_its_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = build_plan(load_spec(TEAMS / "gpu-chat-8b.yaml"))
+    _nodes(monkeypatch, {"CPU": 64.0})
+    with pytest.raises(PreflightError, match="GPU"):
+        preflight.check_resources(plan)
