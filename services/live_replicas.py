@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from base.route_wire import endpoint_id
 from base.waiting import START_DEADLINE_S, wait_for
 from routers.core import ReplicaView
-from services.serve_internals import ReplicaEndpoint
+from services.serve_internals import REPLICA_LOGGER, ReplicaEndpoint
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(REPLICA_LOGGER)
 
 
 class LiveReplicas:

@@ -23,11 +23,12 @@ from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _in
 from base.runtime import free_port
 from base.waiting import wait_for
 from services.llm_config import EngineArgValue
+from services.serve_internals import REPLICA_LOGGER
 
 GANG_KEY_PREFIX = "sluice/dp-gang/"
 RENDEZVOUS_TIMEOUT_S = 120.0
 _POLL_S = 0.25
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(REPLICA_LOGGER)
 
 
 def _key(gang_id: str) -> bytes:

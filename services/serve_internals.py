@@ -42,6 +42,11 @@ def ray_resolves_node_ip_to_loopback() -> bool:
     return not ray_constants.ENABLE_RAY_CLUSTER
 
 
+# Serve writes this logger's records to the replica's own log file (`sluice deploy` shows its last lines); a module's
+# own logger goes to the worker's stderr file instead.
+REPLICA_LOGGER = "ray.serve"
+
+
 class ControllerSettings(BaseModel):
     """What a running Serve controller was started with, as far as sluice depends on it."""
 

@@ -8,9 +8,13 @@ a replica says what it waits for (`base.waiting`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 LOG_TAIL_LINES = 12
+# Right after a redeploy Serve may still report the previous deploy's DEPLOY_FAILED: it counts only once the
+# deployment was seen trying again, or after this long (a redeploy of the same failing version is not retried).
+STALE_FAILURE_S = 5.0
 
 
 def _replicas(states: dict) -> str:
@@ -27,6 +31,8 @@ class DeployProgress:
         self._apps = apps
         self._say = say
         self._shown: dict[tuple[str, str], tuple[str, str]] = {}
+        self._since = time.monotonic()
+        self._retried: set[tuple[str, str]] = set()
 
     def _deployments(self) -> list[tuple[str, str, object]]:
         from ray import serve
@@ -47,7 +53,9 @@ class DeployProgress:
             if self._shown.get((app, name)) != shown:
                 self._shown[(app, name)] = shown
                 self._say(f"{app}/{name}: {shown[1]} ({state.lower()})")
-            if state == "DEPLOY_FAILED":
+            if state != "DEPLOY_FAILED":
+                self._retried.add((app, name))
+            elif (app, name) in self._retried or time.monotonic() - self._since > STALE_FAILURE_S:
                 return report(app, name, deployment.message)  # type: ignore[attr-defined]
         return None
 

@@ -1,0 +1,39 @@
+"""The one deadline-polling helper and the router's wait for its replicas: never forever, always saying what for."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from base.waiting import StartDeadline, wait_for
+from services.live_replicas import LiveReplicas
+from services.serve_internals import ReplicaEndpoint
+
+
+def test_a_wait_returns_the_first_value_it_finds() -> None:
+    answers = iter([None, None, "ready"])
+
+    async def probe() -> str | None:
+        return next(answers)
+
+    assert asyncio.run(wait_for(probe, "the answer", 5, 0.001, logging.getLogger("t"))) == "ready"
+
+
+def test_a_wait_logs_what_it_waits_for_and_gives_up_at_its_deadline(caplog: pytest.LogCaptureFixture) -> None:
+    async def never() -> None:
+        return None
+
+    with caplog.at_level(logging.WARNING, logger="t"), pytest.raises(StartDeadline, match="waiting for the answer"):
+        asyncio.run(wait_for(never, "the answer", 0.3, 0.01, logging.getLogger("t"), log_interval_s=0.1))
+    assert any("for the answer" in record.getMessage() for record in caplog.records)
+
+
+def test_a_router_without_endpoints_fails_its_start_naming_the_app() -> None:
+    async def none_listed() -> list[ReplicaEndpoint]:
+        return []
+
+    live = LiveReplicas(none_listed, capacity=8, refresh_interval_s=0.01, what="a running replica of app 'x-llm'")
+    with pytest.raises(StartDeadline, match="a running replica of app 'x-llm'"):
+        asyncio.run(live.start(timeout_s=0.1))
