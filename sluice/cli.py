@@ -172,23 +172,22 @@ def _on_cluster(args: argparse.Namespace) -> int:
     from services.ingress_control import NoLegacyPath
     from sluice import deploy, ingress_cli, status
     from sluice.check import check
-    from sluice.preflight import PREFLIGHT_EXIT_CODE, PreflightError, check_serve_controller, connect
+    from sluice.preflight import PREFLIGHT_EXIT_CODE, PreflightError, connect_to_serve
     from topologies.problems import SpecError
 
     deploy.quiet_ray_loggers(args.verbose)
     try:
         if args.command == "deploy":
             return deploy.deploy(args.file, args.address, args.timeout)
-        connect(args.address)
         if args.command == "down":
             return deploy.down(args.target, args.address)
-        check_serve_controller(must_reach_nodes=False)
-        if args.command == "status":
-            return status.status(args.target, args.address, as_json=args.json)
         if args.command == "canary":
             return ingress_cli.canary(args.file, args.address, args.weight, args.watch)
         if args.command == "rollback":
             return ingress_cli.rollback(args.file, args.address)
+        connect_to_serve(args.address)
+        if args.command == "status":
+            return status.status(args.target, args.address, as_json=args.json)
         try:
             return check(args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip)
         except ValueError as error:  # an unknown --allow-skip item

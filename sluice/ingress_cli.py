@@ -13,7 +13,8 @@ from typing import Any
 
 from base.contracts import DIRECT_WEIGHT_MAX
 from services.ingress_control import LEGACY_WAIT_S, NoLegacyPath
-from sluice.deploy import connect, plan_of
+from sluice.deploy import plan_of
+from sluice.preflight import connect_to_serve
 
 WATCH_POLL_S = 2.0
 EXIT_ABORTED = 2
@@ -67,7 +68,7 @@ def move(path: str, address: str, weight: int) -> tuple[Any, dict[str, Any]]:
             f"{path} retains no legacy path (ingress.mode {spec.ingress.mode}): deploy it with ingress.mode both "
             "(or legacy) before moving traffic there"
         )
-    connect(address)
+    connect_to_serve(address)
     timeout = spec.ingress.drain_deadline_s + LEGACY_WAIT_S + 30
     return spec, _frontend(plan).shift.remote(weight, True).result(timeout_s=timeout)
 

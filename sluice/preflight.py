@@ -173,6 +173,12 @@ def check_serve_controller(must_reach_nodes: bool) -> bool:
     return True
 
 
+def connect_to_serve(address: str) -> None:
+    """`connect`, then the Serve controller's check: what `status`, `check`, `canary` and `rollback` need."""
+    connect(address)
+    check_serve_controller(must_reach_nodes=False)
+
+
 def replica_demands(plan: StackPlan) -> Iterable[tuple[str, dict[str, float], int]]:
     """(deployment, resources of one replica, replicas) of each planned deployment that asks for resources."""
     for app in plan.apps:
