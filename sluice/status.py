@@ -209,8 +209,9 @@ def list_stacks(as_json: bool) -> int:
     return 0
 
 
-def _running_stack(target: str) -> tuple[Any, StackPlan, list[str]] | None:
-    """The running stack's spec and plan, and where `target` (a file) differs from it; None: no such stack."""
+def _running_stack(target: str) -> tuple[Any, StackPlan, list[str], str] | None:
+    """The running stack's spec and plan, where `target` (a file) differs from it, and what the report is read
+    from; None: no such stack."""
     spans_nodes = cluster_spans_nodes()
     file_spec = load_spec(target) if Path(target).is_file() else None
     entry = registry.deployed(file_spec.stack if file_spec is not None else target)
@@ -218,12 +219,13 @@ def _running_stack(target: str) -> tuple[Any, StackPlan, list[str]] | None:
         if file_spec is None:
             return None
         plan = build_plan(file_spec, spans_nodes=spans_nodes)
-        return file_spec, plan, ["the cluster has no record of this stack's deployment: described from the file"]
+        return file_spec, plan, [], "the file: the cluster has no record of this stack's deployment"
     spec = parse_spec(entry.spec, entry.source)
     plan = build_plan(spec, spans_nodes=spans_nodes)
+    recorded = f"the deployment record ({entry.source})"
     if file_spec is None:
-        return spec, plan, []
-    return spec, plan, differences(file_spec, build_plan(file_spec, spans_nodes=spans_nodes), spec, plan)
+        return spec, plan, [], recorded
+    return spec, plan, differences(file_spec, build_plan(file_spec, spans_nodes=spans_nodes), spec, plan), recorded
 
 
 def status(target: str | None, address: str, as_json: bool = False) -> int:
@@ -237,13 +239,14 @@ def status(target: str | None, address: str, as_json: bool = False) -> int:
         known = ", ".join(e.stack for e in registry.deployed_stacks()) or "none"
         print(f"no sluice stack {target!r} on this cluster (deployed: {known})", file=sys.stderr)
         return 1
-    spec, plan, differ = found
+    spec, plan, differ, described_from = found
     from ray import serve
 
     from services.serve_internals import list_replica_endpoints
 
     applications = serve.status().applications
     report: dict[str, Any] = {"stack": plan.stack, "apps": {}, "pairs": {}, "models": {}, "differences": differ}
+    report["described_from"] = described_from
     roles = app_roles(plan)
     endpoints_of = {}
     for app in plan.apps:
@@ -273,6 +276,7 @@ def status(target: str | None, address: str, as_json: bool = False) -> int:
         print(json.dumps(report, indent=2))
         return 0 if ready else 1
     print(f"{report['stack']}: {report['state']}")
+    print(f"  described from {described_from}")
     if report["canary"]:
         print(f"  {report['canary']}")
     for line in differ:
