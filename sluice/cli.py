@@ -326,6 +326,7 @@ def _bench_routers(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from routers.config import SETTINGS
+    from sluice.check import ITEMS as CHECK_ITEMS
 
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -407,7 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--target", help="check only what this frontend URL shows")
     check.add_argument("--json", action="store_true")
     check.add_argument(
-        "--allow-skip", action="append", default=[], metavar="ITEM", help="an item you accept skipped (repeatable)"
+        "--allow-skip",
+        action="append",
+        default=[],
+        metavar="ITEM",
+        help="an item you accept skipped (repeatable): " + ", ".join(repr(item) for item in CHECK_ITEMS),
     )
     check.set_defaults(func=_check)
     for command in (deploy, status, down, canary, rollback, check):
