@@ -86,7 +86,13 @@ def ensure_models(spec: Any) -> None:
 
 
 def _published(plan: StackPlan) -> bool:
-    """Whether the frontend has every model's replicas UP and published to its routers."""
+    """Whether every app runs its new version (a redeploy reports DEPLOYING until it does) and the frontend has every
+    model's replicas UP and published to its routers."""
+    from ray import serve
+
+    applications = serve.status().applications
+    if any(app.name not in applications or applications[app.name].status.value != "RUNNING" for app in plan.apps):
+        return False
     status = _frontend_status(plan)
     wanted = [model.min_replicas for model in plan.models]
     if not status or len(status["published"]) != len(wanted):
