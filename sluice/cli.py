@@ -16,17 +16,15 @@ from typing import Any
 
 from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
 from base.runtime import (
-    COMPATIBLE_RAY_START,
     DEFAULT_SERVE_PROXY_PORT,
     apply_process_env,
     default_model_dir,
     default_moe_model_dir,
 )
-from sluice.stack_cli import add_stack_commands
+from sluice.cluster_cli import EMBEDDED_SPEC, add_cluster_commands
 
 # How often `sluice serve` looks for a canary that rolled back by itself.
 CANARY_WATCH_S = 2.0
-EMBEDDED_SPEC = Path(__file__).resolve().parents[1] / "topologies" / "teams" / "local-cpu.yaml"
 
 
 def _model_build(args: argparse.Namespace) -> int:
@@ -166,54 +164,6 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _on_cluster(args: argparse.Namespace) -> int:
-    """`sluice deploy | status | down | canary | rollback | check`: a stack on a running Ray cluster, after the
-    preflight (exit `PREFLIGHT_EXIT_CODE` with the fix when the cluster cannot run a sluice stack)."""
-    from services.ingress_control import NoLegacyPath
-    from sluice import deploy, ingress_cli, status
-    from sluice.check import check
-    from sluice.preflight import PREFLIGHT_EXIT_CODE, PreflightError, connect_to_serve
-    from topologies.problems import SpecError
-
-    deploy.quiet_ray_loggers(args.verbose)
-    try:
-        if args.command == "deploy":
-            return deploy.deploy(args.file, args.address, args.timeout)
-        if args.command == "down":
-            return deploy.down(args.target, args.address)
-        if args.command == "canary":
-            return ingress_cli.canary(args.file, args.address, args.weight, args.watch)
-        if args.command == "rollback":
-            return ingress_cli.rollback(args.file, args.address)
-        connect_to_serve(args.address)
-        if args.command == "status":
-            return status.status(args.target, args.address, as_json=args.json)
-        try:
-            return check(args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip)
-        except ValueError as error:  # an unknown --allow-skip item
-            print(error, file=sys.stderr)
-            return 2
-    except PreflightError as error:
-        print(error, file=sys.stderr)
-        return PREFLIGHT_EXIT_CODE
-    except (SpecError, NoLegacyPath) as error:
-        print(error, file=sys.stderr)
-        return 1
-
-
-def _check(args: argparse.Namespace) -> int:
-    """`sluice check --target URL` needs no cluster; with a spec file it is a command on the cluster."""
-    from sluice.check import check
-
-    if args.target is None:
-        return _on_cluster(args)
-    try:
-        return check(None, args.target, args.address, args.json, args.allow_skip)
-    except ValueError as error:
-        print(error, file=sys.stderr)
-        return 2
-
-
 def _load(args: argparse.Namespace) -> int:
     """`sluice load WORKLOAD --target URL`: a Locust campaign; exit 1 when a gate is breached."""
     from loadtests.campaign import Campaign, gates_from_spec, run
@@ -326,7 +276,6 @@ def _bench_routers(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from routers.config import SETTINGS
-    from sluice.check import ITEMS as CHECK_ITEMS
 
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -364,60 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="print the JSON Schema of topology specs (for editors)")
     schema.set_defaults(func=_schema)
 
-    deploy = commands.add_parser(
-        "deploy",
-        help="deploy a spec to a running Ray cluster and return once it serves",
-        description="Preflight (exit 3 with the fix when the cluster cannot run a sluice stack), deploy the spec's "
-        "apps, show each deployment's replicas as they start, return once the frontend serves every replica. "
-        f"A compatible Ray on this machine: `{COMPATIBLE_RAY_START}`.",
-    )
-    deploy.add_argument("file")
-    deploy.add_argument(
-        "--timeout",
-        type=float,
-        help="seconds to wait for the stack (default 600, or 1800 when a model asks for GPUs); on the deadline, "
-        "exit 1 naming the stuck deployment and its replica log's last lines",
-    )
-    status = commands.add_parser(
-        "status",
-        help="what runs on the cluster: every sluice stack, or one stack's policy, replicas, routers, ingress, canary",
-    )
-    status.add_argument("target", nargs="?", help="a stack's spec file or its name team-name (none: list stacks)")
-    status.add_argument("--json", action="store_true")
-    down = commands.add_parser("down", help="delete a deployed stack's apps (HAProxy goes with the frontend app)")
-    down.add_argument("target", help="the stack's spec file or its name team-name")
-    for command in (deploy, status, down):
-        command.set_defaults(func=_on_cluster)
-
-    canary = commands.add_parser("canary", help="set a deployed stack's share of sessions on the direct path")
-    canary.add_argument("file")
-    canary.add_argument("--weight", type=int, required=True, choices=range(0, 101), metavar="0..100")
-    canary.add_argument("--watch", type=float, default=0.0, help="follow both paths' measures for this many seconds")
-    rollback = commands.add_parser("rollback", help="every new request to the legacy path; drain the direct one")
-    rollback.add_argument("file")
-    for command in (canary, rollback):
-        command.set_defaults(func=_on_cluster)
-    add_stack_commands(commands)
-    check = commands.add_parser(
-        "check",
-        help="the adoption checklist of a deployed stack (or of a URL)",
-        description="Observes and never changes the stack. Exit 0: every item ran and passed; 4: incomplete (items "
-        "skipped, each with the setting that enables it); 1: an item failed.",
-    )
-    check.add_argument("file", nargs="?", help="the stack's spec (default: the embedded one)")
-    check.add_argument("--target", help="check only what this frontend URL shows")
-    check.add_argument("--json", action="store_true")
-    check.add_argument(
-        "--allow-skip",
-        action="append",
-        default=[],
-        metavar="ITEM",
-        help="an item you accept skipped (repeatable): " + ", ".join(repr(item) for item in CHECK_ITEMS),
-    )
-    check.set_defaults(func=_check)
-    for command in (deploy, status, down, canary, rollback, check):
-        command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS, else local)")
-        command.add_argument("--verbose", action="store_true", help="Ray's and Serve's own log lines too")
+    add_cluster_commands(commands)
 
     api_key = commands.add_parser("api-key", help="team API keys: the key file holds their hashes only")
     api_key_commands = api_key.add_subparsers(dest="api_key_command", required=True)
