@@ -67,7 +67,7 @@ REASON_REPLICA_TIMEOUT = "replica_timeout"  # 504: no response headers within th
 REASON_FRONTEND_ERROR = "frontend_error"  # 500: an internal error of the frontend itself
 # A 5xx the replica sent itself without a reason gets this one.
 REASON_REPLICA_ERROR = "replica_error"
-# The frontend's protection of the replicas: refused before any route call (`infra/frontend_protection.py`).
+# The frontend's protection of the replicas: refused before any route call (`infra/haproxy/protection.py`).
 REASON_INVALID_API_KEY = "invalid_api_key"  # 401: no, or no valid, `Authorization: Bearer` key
 REASON_REQUEST_TIMEOUT = "request_timeout"  # 408: the body did not arrive whole within the request timeout
 REASON_BODY_TOO_LARGE = "body_too_large"  # 413: a body over the stack's maximum

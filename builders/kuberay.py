@@ -48,7 +48,7 @@ import yaml
 from base.contracts import HEAD_NODE_RESOURCE, NODE_BIND_ALL, NODE_ROLE_CAPACITY, WORKER_NODE_RESOURCE
 from base.runtime import CLUSTER_NODE_ENV, DEFAULT_SERVE_PROXY_PORT, process_env
 from builders.plan import StackPlan, build_plan, serve_config
-from infra.haproxy_config import PROMETHEUS_PATH
+from infra.haproxy.config import PROMETHEUS_PATH
 from infra.kuberay import ObjectMeta, RayService, ray_start_resources
 from topologies.sections import Scaling
 from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, DataParallelModel, PrefillDecodeModel, StackBase

@@ -15,18 +15,18 @@ from __future__ import annotations
 import json
 
 from builders.plan_types import PlannedModel, ServeApp, import_path, model_path
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_config import replica_backend, router_backend
-from services.legacy_ingress import LegacyIngressSettings, build_legacy_ingress_application
-from services.llm_config import (
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.config import replica_backend, router_backend
+from services.legacy.ingress import LegacyIngressSettings, build_legacy_ingress_application
+from services.replica.llm_config import (
     DataParallelEngine,
     EngineConfig,
     LLMAppConfig,
     PrefillDecodeRole,
     ReplicaDeploymentConfig,
 )
-from services.llm_replica import build_llm_application
-from services.router_service import PrefillTarget, RouterAppArgs, RouterSettings, build_router_application
+from services.replica.llm_replica import build_llm_application
+from services.router.service import PrefillTarget, RouterAppArgs, RouterSettings, build_router_application
 from topologies.sections import Routing, Scaling
 from topologies.spec import (
     DataParallelModel,

@@ -18,10 +18,10 @@ from typing import Any
 from base.runtime import LOOPBACK
 from builders.model_apps import openai_model_apps, prefill_decode_model_apps
 from builders.plan_types import PlannedModel, ServeApp, StackPlan, import_path, model_path
-from infra.haproxy_apps import AppRoute
-from services.frontend_app import FRONTEND_DEPLOYMENT_NAME, FrontendArgs, ServedApp, build_frontend_application
-from services.legacy_ingress import build_legacy_ingress_application
-from services.router_service import build_router_application
+from infra.haproxy.apps import AppRoute
+from services.frontend.app import FRONTEND_DEPLOYMENT_NAME, FrontendArgs, ServedApp, build_frontend_application
+from services.legacy.ingress import build_legacy_ingress_application
+from services.router.service import build_router_application
 from topologies.problems import SpecError, SpecProblem
 from topologies.spec import PrefillDecodeModel, StackBase
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import yaml
 
-from infra.haproxy_config import PROMETHEUS_PATH, SLUICE_METRICS_PATH, HAProxySettings
-from infra.haproxy_format import haproxy_time
+from infra.haproxy.config import PROMETHEUS_PATH, SLUICE_METRICS_PATH, HAProxySettings
+from infra.haproxy.formatting import haproxy_time
 from infra.observability.targets import ROLE_REPLICA, ROLE_ROUTER, TARGETS_PATH, TARGETS_ROLE_PARAM
 
 JOB_HAPROXY = "sluice-haproxy"

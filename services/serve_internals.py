@@ -90,7 +90,7 @@ class ReplicaEndpoint(BaseModel):
     deployment: str
     host: str
     port: int
-    # A router replica's route listener (services.route_listener): HAProxy's route calls go there, its health
+    # A router replica's route listener (services.router.route_listener): HAProxy's route calls go there, its health
     # checks still to `port`.
     route_port: int | None = None
 

@@ -15,12 +15,12 @@ from base.contracts import (
     ROUTE_TIMEOUT_S_DEFAULT,
     SESSION_HEADER_DEFAULT,
 )
-from infra.frontend_protection import FrontendProtection
-from infra.haproxy_apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
+from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
+from infra.haproxy.protection import FrontendProtection
 from routers.config import PolicyConfigError, PolicyName, validate_settings
-from services.canary_guard import AbortCriteria
-from services.ingress_control import DRAIN_DEADLINE_S_DEFAULT, IngressConfig
-from services.llm_config import EngineArgValue
+from services.frontend.canary_guard import AbortCriteria
+from services.frontend.ingress_control import DRAIN_DEADLINE_S_DEFAULT, IngressConfig
+from services.replica.llm_config import EngineArgValue
 
 # Names that become Serve app names, HAProxy identifiers and metric labels.
 NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")

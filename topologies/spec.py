@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
-from infra.haproxy_models import MODEL_NAME_PATTERN
-from services.llm_config import CPU_ONLY_DEFAULTS, EngineArgValue, EngineConfig
+from infra.haproxy.models import MODEL_NAME_PATTERN
+from services.replica.llm_config import CPU_ONLY_DEFAULTS, EngineArgValue, EngineConfig
 from topologies.problems import SpecError, SpecProblem, pydantic_problems
 from topologies.sections import (
     NAME_PATTERN,
@@ -246,7 +246,7 @@ def _relative_to(data: Any, folder: Path) -> Any:
 
 def engine_problems(spec: StackBase) -> list[SpecProblem]:
     """Each model's (and role's) engine arguments through vLLM's own `vllm serve` parser."""
-    from services.vllm_app import EngineArgsError, check_engine_args
+    from services.replica.vllm_app import EngineArgsError, check_engine_args
 
     problems = []
     for i, model in enumerate(spec.models):  # type: ignore[attr-defined]

@@ -7,5 +7,5 @@ from __future__ import annotations
 from pathlib import Path
 
 DASHBOARD_PATH = Path(__file__).with_name("sluice-dashboard.json")
-# The frontend's metrics services in Lua, rendered after the route action by `infra.haproxy_lua`.
+# The frontend's metrics services in Lua, rendered after the route action by `infra.haproxy.lua`.
 METRICS_LUA_TEMPLATE_PATH = Path(__file__).with_name("frontend_metrics.lua.tmpl")

@@ -16,13 +16,13 @@ traffic ever reaches, read only by the discovery.
 
 from __future__ import annotations
 
-from infra.haproxy_apps import AppRoute
+from infra.haproxy.apps import AppRoute
 
 # GET on the frontend's metrics port: Prometheus HTTP service discovery (JSON list of target groups).
 TARGETS_PATH = "/sluice/targets"
 TARGETS_ROLE_PARAM = "role"
 LUA_TARGETS_SERVICE = "sluice_targets"
-# Where routers (`services.router_service`) and vLLM replicas serve Prometheus text, under their app's route prefix.
+# Where routers (`services.router.service`) and vLLM replicas serve Prometheus text, under their app's route prefix.
 METRICS_PATH = "/metrics"
 ROLE_ROUTER = "router"
 ROLE_REPLICA = "replica"

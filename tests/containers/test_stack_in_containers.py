@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from base.contracts import REPLICA_HEADER, SERVE_REASON_HEADER
-from sluice.stack import RunningStack, stack_down, stack_status, stack_up
+from sluice.deploy.container_stack import RunningStack, stack_down, stack_status, stack_up
 from tests.integration.sse import DONE, data_lines
 
 docker = pytest.importorskip("docker")

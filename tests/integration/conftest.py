@@ -14,10 +14,10 @@ from typing import Any
 import psutil
 import pytest
 
-from builders.direct_stream import DirectStreamSpec, DirectStreamStack
-from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
+from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.serve_internals import ReplicaEndpoint, wait_for_endpoints
-from sluice.cluster import start_local_cluster, stop_local_cluster
+from sluice.bench.stack_harness import DirectStreamSpec, DirectStreamStack
+from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
 from tests.integration.frontend_contract import checking_frontend_responses, register_frontend
 
 LLM_APP = "llm"
@@ -63,7 +63,7 @@ def deploy_llm_app(
     `EngineConfig` fields."""
     from ray import serve
 
-    from services.llm_replica import llm_application
+    from services.replica.llm_replica import llm_application
 
     config = LLMAppConfig(engine=EngineConfig(model=str(model), **engine), deployment=deployment)
     serve.run(llm_application(config), name=name, route_prefix=route_prefix, blocking=False)

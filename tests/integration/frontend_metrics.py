@@ -7,7 +7,7 @@ import re
 import httpx
 
 from base.runtime import LOOPBACK
-from infra.haproxy_config import FRONTEND, PROMETHEUS_PATH, SLUICE_METRICS_PATH
+from infra.haproxy.config import FRONTEND, PROMETHEUS_PATH, SLUICE_METRICS_PATH
 
 
 def frontend_counts(prometheus_port: int, counter: str) -> dict[str, int]:

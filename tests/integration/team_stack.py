@@ -13,7 +13,7 @@ import yaml
 from ray import serve
 
 from builders.plan import StackPlan, build_plan
-from sluice.deploy import apply_plan, ensure_models
+from sluice.deploy.apply import apply_plan, ensure_models
 from tests.integration.conftest import free_port
 from tests.integration.frontend_contract import register_frontend
 from topologies.spec import load_spec

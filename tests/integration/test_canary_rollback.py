@@ -32,10 +32,10 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.runtime import cache_dir
-from infra.runtime_api import RuntimeAPI
-from services.ingress_control import GUARD_INTERVAL_S
+from infra.haproxy.runtime_api import RuntimeAPI
+from services.frontend.ingress_control import GUARD_INTERVAL_S
 from services.serve_internals import list_replica_endpoints
-from sluice.check import CHECK_EXIT_PASS, FAULT_INJECTION, LEGACY_SAME_TEXTS, report, run_checks, verdict
+from sluice.deploy.check import CHECK_EXIT_PASS, FAULT_INJECTION, LEGACY_SAME_TEXTS, report, run_checks, verdict
 from tests.integration.frontend_metrics import frontend_counts
 from tests.integration.sse import DONE, data_payloads
 from tests.integration.team_stack import TeamStack, team_stack

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from sluice.cli import EMBEDDED_SPEC
+from sluice.cli.main import EMBEDDED_SPEC
 from tests.integration.conftest import free_port
 from tests.integration.frontend_contract import register_frontend
 from tests.integration.sse import chunks, data_lines
@@ -40,7 +40,7 @@ def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) ->
 
 
 def _status(target: str, address: str) -> dict:
-    command = [sys.executable, "-m", "sluice.cli", "status", target, "--address", address, "--json"]
+    command = [sys.executable, "-m", "sluice.cli.main", "status", target, "--address", address, "--json"]
     status = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert status.stdout, status.stderr
     return json.loads(status.stdout)
@@ -53,7 +53,7 @@ def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp
     with log.open("w") as out:
         process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "sluice.cli", "serve", "--serve-proxy-port", str(free_port())),
+                *(sys.executable, "-m", "sluice.cli.main", "serve", "--serve-proxy-port", str(free_port())),
                 *("--port", str(port), "--prometheus-port", str(free_port()), "--policy", "consistent_hash"),
             ],
             stdout=out,

@@ -14,7 +14,7 @@ from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
 from base.contracts import REPLICA_HEADER
-from sluice.deploy import render
+from sluice.deploy.apply import render
 from tests.integration.conftest import free_port
 from tests.integration.frontend_contract import register_frontend
 from tests.integration.sse import chunks, data_lines

@@ -21,9 +21,9 @@ import yaml
 from ray import serve
 
 from base.contracts import REPLICA_HEADER
-from infra.haproxy_process import pid_alive
+from infra.haproxy.process import pid_alive
 from services.serve_internals import list_replica_endpoints
-from sluice.check import CHECK_EXIT_INCOMPLETE, CHECK_EXIT_PASS, ENABLED_BY, FAULT_INJECTION, LEGACY_SAME_TEXTS
+from sluice.deploy.check import CHECK_EXIT_INCOMPLETE, CHECK_EXIT_PASS, ENABLED_BY, FAULT_INJECTION, LEGACY_SAME_TEXTS
 from tests.integration.conftest import free_port
 from tests.integration.frontend_contract import register_frontend
 from tests.integration.sse import chunks, data_lines
@@ -31,7 +31,7 @@ from tests.integration.sse import chunks, data_lines
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-SLUICE = [sys.executable, "-m", "sluice.cli"]
+SLUICE = [sys.executable, "-m", "sluice.cli.main"]
 STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 8, "ignore_eos": True, "stream": True}
 
 

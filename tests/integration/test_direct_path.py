@@ -20,9 +20,9 @@ from base.contracts import (
     ROUTE_PATH,
     SERVE_REASON_HEADER,
 )
-from builders.direct_stream import DirectStreamStack
-from infra.haproxy_config import router_backend
+from infra.haproxy.config import router_backend
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
+from sluice.bench.stack_harness import DirectStreamStack
 from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.sse import chunks, data_lines
 from tests.integration.vllm_metrics import engine_requests

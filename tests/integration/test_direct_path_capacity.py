@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from base.contracts import CAPACITY_TOKEN_HEADER, REPLICA_HEADER
-from builders.direct_stream import DirectStreamStack
 from routers.ledger_actor import ledger_actor_name
+from sluice.bench.stack_harness import DirectStreamStack
 from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.sse import chunks, data_lines
 

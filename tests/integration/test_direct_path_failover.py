@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from base.contracts import FALLBACK_RANK_HEADER, REPLICA_HEADER, ROUTE_PATH, SESSION_HEADER_DEFAULT
-from builders.direct_stream import DirectStreamStack
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
+from sluice.bench.stack_harness import DirectStreamStack
 from tests.integration.conftest import LLMCluster, direct_stack
 
 pytestmark = pytest.mark.integration

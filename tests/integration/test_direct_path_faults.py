@@ -26,7 +26,7 @@ from base.contracts import (
     SERVE_FALLBACK_HEADER,
     SERVE_REASON_HEADER,
 )
-from infra.haproxy_apps import AppRoute
+from infra.haproxy.apps import AppRoute
 from services.serve_internals import list_replica_endpoints
 from tests.integration.conftest import LLMCluster
 from tests.integration.dataplane.plane import Plane, start_plane, stop_plane

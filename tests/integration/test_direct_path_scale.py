@@ -13,9 +13,9 @@ import psutil
 import pytest
 
 from base.contracts import REPLICA_HEADER, SERVE_REASON_HEADER
-from builders.direct_stream import DirectStreamStack
-from infra.haproxy_config import REPLICA_BACKEND
+from infra.haproxy.config import REPLICA_BACKEND
 from services.serve_internals import wait_for_endpoints
+from sluice.bench.stack_harness import DirectStreamStack
 from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.integration.sse import chunks, data_lines
 

@@ -30,11 +30,11 @@ from base.contracts import (
     RETRY_AFTER_HEADER,
     SERVE_REASON_HEADER,
 )
-from builders.direct_stream import DirectStreamStack
 from infra.api_keys import ApiKeySource, key_hash_line
-from infra.frontend_protection import ClientLimits, FrontendProtection
-from services.llm_config import ReplicaDeploymentConfig
+from infra.haproxy.protection import ClientLimits, FrontendProtection
+from services.replica.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
+from sluice.bench.stack_harness import DirectStreamStack
 from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.integration.frontend_contract import assert_frontend_error, assert_refused
 from tests.integration.frontend_metrics import refusal_counts, request_errors

@@ -22,8 +22,8 @@ from ray import serve
 
 from base.contracts import LEGACY_PATH, REPLICA_HEADER, SERVE_PATH_HEADER
 from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
-from services.legacy_ingress import LegacyIngressSettings, legacy_ingress_application
-from services.llm_config import ReplicaDeploymentConfig
+from services.legacy.ingress import LegacyIngressSettings, legacy_ingress_application
+from services.replica.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.integration.sse import chunks, data_lines
@@ -108,7 +108,7 @@ def test_replay_compare_finds_the_direct_and_the_legacy_path_identical(
             [
                 sys.executable,
                 "-m",
-                "sluice.cli",
+                "sluice.cli.main",
                 "replay",
                 str(recording),
                 "--target",

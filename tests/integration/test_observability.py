@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from base.contracts import REASON_NO_REPLICA, REASON_UNKNOWN_REPLICA_ID, SERVE_REASON_HEADER
-from infra.haproxy_config import PROMETHEUS_PATH, ROUTER_BACKEND, SLUICE_METRICS_PATH
+from infra.haproxy.config import PROMETHEUS_PATH, ROUTER_BACKEND, SLUICE_METRICS_PATH
 from infra.observability.dashboard import load_dashboard, metric_names
 from infra.observability.targets import (
     APP_LABEL,

@@ -23,8 +23,8 @@ import yaml
 
 from base.contracts import REPLICA_HEADER
 from base.runtime import COMPATIBLE_RAY_START
-from sluice.check import CHECK_EXIT_FAIL
-from sluice.preflight import PREFLIGHT_EXIT_CODE
+from sluice.deploy.check import CHECK_EXIT_FAIL
+from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
 from tests.integration.conftest import free_port
 from tests.integration.frontend_contract import register_frontend
 
@@ -43,7 +43,7 @@ def _user_env() -> dict[str, str]:
 
 
 def _sluice(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "sluice.cli", *args]
+    command = [sys.executable, "-m", "sluice.cli.main", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=_user_env())
 
 

@@ -36,7 +36,7 @@ from base.contracts import (
     SERVED_PREFILL_HEADER,
 )
 from builders.plan import StackPlan
-from services.remote_prefill import REMOTE_DECODE_PARAMS
+from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.integration.conftest import LLMCluster
 from tests.integration.sse import chunks, data_lines
@@ -205,7 +205,7 @@ def test_twenty_concurrent_streams_all_complete_through_both_replicas(stack: PDS
 def test_status_shows_each_apps_role_and_which_pairs_served(stack: PDStack) -> None:
     address = ray.get_runtime_context().gcs_address
     result = subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "status", str(stack.spec_path), "--address", address, "--json"],
+        [sys.executable, "-m", "sluice.cli.main", "status", str(stack.spec_path), "--address", address, "--json"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -66,7 +66,7 @@ def test_the_gang_forms_its_dp_group_with_every_rank(stack: GangStack) -> None:
         [
             sys.executable,
             "-m",
-            "sluice.cli",
+            "sluice.cli.main",
             "status",
             str(stack.path),
             "--address",

@@ -9,7 +9,7 @@ import pytest
 from ray import serve
 
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
-from services.asgi_call import ResponseStart
+from services.replica.asgi_call import ResponseStart
 from tests.integration.conftest import LLMCluster
 from tests.integration.sse import chunks
 

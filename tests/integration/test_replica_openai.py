@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
-from sluice.check_items import WEATHER_SCHEMA, forced_tool_call
+from sluice.deploy.check_items import WEATHER_SCHEMA, forced_tool_call
 from tests.integration.conftest import LLMCluster
 from tests.integration.sse import chunks, data_lines
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sluice.routing_suite import routing_suite
+from sluice.bench.routing_suite import routing_suite
 from tests.integration.conftest import free_port
 from tests.integration.frontend_contract import register_frontend
 

@@ -23,11 +23,11 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from base.contracts import ENGINE_STAND_IN_HEADER, ZERO_COMPUTE_STAND_IN
 from base.tiny_model import SERVED_MODEL_NAME
-from services.asgi_call import ResponseStart, stream_asgi
-from services.llm_config import EngineConfig
-from services.replica_headers import ASGIApp, ReplicaHeadersMiddleware
-from services.vllm_app import build_openai_app, parse_engine_args, start_engine
-from services.zero_compute_engine import ZeroComputeEngineStandIn
+from services.replica.asgi_call import ResponseStart, stream_asgi
+from services.replica.llm_config import EngineConfig
+from services.replica.middleware.replica_headers import ASGIApp, ReplicaHeadersMiddleware
+from services.replica.vllm_app import build_openai_app, parse_engine_args, start_engine
+from services.replica.zero_compute_engine import ZeroComputeEngineStandIn
 from tests.integration.sse import chunks, data_payloads
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from infra.haproxy_process import find_haproxy_binary
-from sluice.bench_overhead import passthrough_config, post_at_rate
+from infra.haproxy.process import find_haproxy_binary
+from sluice.bench.overhead import passthrough_config, post_at_rate
 
 LOOPBACK = "127.0.0.1"
 

@@ -117,7 +117,7 @@ def test_a_breached_gate_fails_the_command_and_names_it(server: str, tmp_path: P
         [
             sys.executable,
             "-m",
-            "sluice.cli",
+            "sluice.cli.main",
             "load",
             "short_long",
             "--target",

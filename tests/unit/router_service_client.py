@@ -18,7 +18,7 @@ from base.contracts import (
 )
 from base.route_wire import RouteReply
 from routers.core import ReplicaView
-from services.router_service import (
+from services.router.service import (
     RouterSettings,
     build_policy,
     build_router_app,

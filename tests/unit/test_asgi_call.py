@@ -3,7 +3,7 @@ import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from services.asgi_call import ResponseStart, stream_asgi
+from services.replica.asgi_call import ResponseStart, stream_asgi
 
 
 def _app(events: list[str]) -> FastAPI:

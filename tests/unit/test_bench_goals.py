@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sluice.bench_goals import breakdown, judge
-from sluice.bench_summary import FIGURES, summarize
+from sluice.bench.goals import breakdown, judge
+from sluice.bench.summary import FIGURES, summarize
 
 
 def rounds(tokens_per_s: float, latency_ms: float) -> list[dict[str, float]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sluice.bench_summary import FIGURES, summarize, table
+from sluice.bench.summary import FIGURES, summarize, table
 
 
 def rounds_of(tokens_per_s: list[float], ttft_ms: list[float]) -> list[dict[str, float]]:

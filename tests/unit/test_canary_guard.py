@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from base.contracts import DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT, REASON_ROUTER_UNREACHABLE
-from infra.haproxy_canary import log_format
-from services.canary_guard import AbortCriteria, RequestRecord, evaluate, measure, percentile
-from services.path_log import PathLog, parse_record
+from infra.haproxy.canary import log_format
+from services.frontend.canary_guard import AbortCriteria, RequestRecord, evaluate, measure, percentile
+from services.frontend.path_log import PathLog, parse_record
 
 CRITERIA = AbortCriteria(min_requests=10)
 LIVE = ["r1", "r2"]

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from base.contracts import CAPACITY_TOKEN_HEADER
-from services.capacity_release import CapacityReleaseMiddleware
-from services.replica_headers import Message
+from services.replica.middleware.capacity_release import CapacityReleaseMiddleware
+from services.replica.middleware.replica_headers import Message
 
 TOKEN = "tok-1"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice import check as check_module
-from sluice.check import (
+from sluice.deploy import check as check_module
+from sluice.deploy.check import (
     CHECK_EXIT_FAIL,
     CHECK_EXIT_INCOMPLETE,
     CHECK_EXIT_PASS,

@@ -23,11 +23,11 @@ from infra.api_keys import (
     parse_key_hashes,
     render_acl,
 )
-from infra.frontend_protection import ClientLimits, FrontendProtection, protection_lines
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_config import HAProxySettings
-from services.api_key_watcher import ApiKeyWatcher
-from sluice.cli import build_parser, main, serve_spec
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.config import HAProxySettings
+from infra.haproxy.protection import ClientLimits, FrontendProtection, protection_lines
+from services.frontend.api_key_watcher import ApiKeyWatcher
+from sluice.cli.main import build_parser, main, serve_spec
 
 KEYS_ACL = "/w/api_keys.acl"
 

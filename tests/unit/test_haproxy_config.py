@@ -12,22 +12,23 @@ import pytest
 from pydantic import ValidationError
 
 from base import contracts
-from infra import frontend_protection, haproxy_config
 from infra.api_keys import ApiKeySource, key_digest, key_hash_line
-from infra.frontend_protection import ClientLimits, FrontendProtection
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_config import (
+from infra.haproxy import config as haproxy_config
+from infra.haproxy import protection as frontend_protection
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.config import (
     REPLICA_BACKEND,
     RETRY_SERVERS,
     ROUTER_BACKEND,
     HAProxySettings,
     render_config,
 )
-from infra.haproxy_lua import LUA_TEMPLATE, render_lua
-from infra.haproxy_process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
-from infra.haproxy_servers import replica_server_options
-from infra.runtime_api import RuntimeAPIError, ServerStat
-from services.haproxy_syncer import AppSources, HAProxySyncer
+from infra.haproxy.lua import LUA_TEMPLATE, render_lua
+from infra.haproxy.process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
+from infra.haproxy.protection import ClientLimits, FrontendProtection
+from infra.haproxy.runtime_api import RuntimeAPIError, ServerStat
+from infra.haproxy.servers import replica_server_options
+from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.serve_internals import ReplicaEndpoint
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from base.contracts import HEAD_NODE_RESOURCE, NODE_ROLE_CAPACITY, WORKER_NODE_RESOURCE
 from infra.container_images import IMAGES_DIR, stage_context
-from sluice.node import RAY_GCS_PORT, node_env, ray_start_argv
+from sluice.deploy.node import RAY_GCS_PORT, node_env, ray_start_argv
 
 DOCKERFILE = IMAGES_DIR / "Dockerfile"
 
@@ -34,7 +34,7 @@ def test_the_dockerfile_is_parametrised_by_base_image_and_engine() -> None:
 
 def test_the_staged_context_holds_the_source_the_ca_bundle_and_the_cpu_wheels(tmp_path: Path) -> None:
     stage_context(tmp_path, "cpu")
-    for name in ("pyproject.toml", "Makefile", "infra/images/Dockerfile", "sluice/node.py"):
+    for name in ("pyproject.toml", "Makefile", "infra/images/Dockerfile", "sluice/deploy/node.py"):
         assert (tmp_path / "src" / name).is_file(), name
     assert not (tmp_path / "src" / ".venv").exists()
     assert "BEGIN CERTIFICATE" in (tmp_path / "build" / "ca-bundle.crt").read_text()

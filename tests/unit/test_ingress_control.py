@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from base.contracts import DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT, REASON_ROUTER_UNREACHABLE
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_canary import ROLLBACK_COUNTER, ROLLBACK_TABLE
-from infra.haproxy_config import HAProxySettings
-from infra.runtime_api import ServerStat
-from services import ingress_control
-from services.canary_guard import AbortCriteria, RequestRecord
-from services.ingress_control import IngressConfig, IngressController, NoLegacyPath
-from services.path_log import PathLog
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.canary import ROLLBACK_COUNTER, ROLLBACK_TABLE
+from infra.haproxy.config import HAProxySettings
+from infra.haproxy.runtime_api import ServerStat
+from services.frontend import ingress_control
+from services.frontend.canary_guard import AbortCriteria, RequestRecord
+from services.frontend.ingress_control import IngressConfig, IngressController, NoLegacyPath
+from services.frontend.path_log import PathLog
 
 
 class RecordingRuntime:

@@ -11,12 +11,12 @@ import yaml
 
 from base.contracts import REASON_DUPLICATE_REQUEST
 from builders.plan import build_plan, serve_config
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_canary import LEGACY_BACKEND, RUNNING_TABLE, weights_map
-from infra.haproxy_config import HAProxySettings, render_config
-from infra.haproxy_lua import render_lua
-from infra.haproxy_process import check_config, write_files
-from services.frontend_app import build_frontend_application
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.canary import LEGACY_BACKEND, RUNNING_TABLE, weights_map
+from infra.haproxy.config import HAProxySettings, render_config
+from infra.haproxy.lua import render_lua
+from infra.haproxy.process import check_config, write_files
+from services.frontend.app import build_frontend_application
 from topologies.problems import SpecError
 from topologies.spec import load_spec, parse_spec
 
@@ -97,7 +97,7 @@ def test_the_canary_renders_legacy_backends_the_weights_map_and_the_duplicate_re
 
 @pytest.mark.parametrize("command", [["rollback"], ["canary", "--weight", "30"]])
 def test_moving_traffic_to_a_stack_without_a_legacy_path_fails_at_once_naming_the_fix(command, capsys) -> None:
-    from sluice.cli import main
+    from sluice.cli.main import main
 
     assert main([*command, str(TEAMS / "local-cpu.yaml"), "--address", "127.0.0.1:1"]) == 1
     error = capsys.readouterr().err

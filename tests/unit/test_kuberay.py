@@ -35,8 +35,8 @@ from builders.kuberay import (
 )
 from builders.plan import serve_config
 from infra.kuberay import RayService, parse_ray_start_resources, ray_start_resources
-from sluice.deploy import render
-from sluice.render_kuberay import render_kuberay
+from sluice.deploy.apply import render
+from sluice.deploy.render_kuberay import render_kuberay
 from topologies.spec import load_spec, parse_spec
 
 TEAMS = sorted((Path(__file__).resolve().parents[2] / "topologies" / "teams").glob("*.yaml"))

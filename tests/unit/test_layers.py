@@ -21,7 +21,9 @@ def test_an_upward_import_fails_the_check(tmp_path: Path) -> None:
     contracts = tmp_path / "base" / "contracts.py"
     lines = contracts.read_text().splitlines()
     # Deep inside a function counts too: a lazy import still couples the layers.
-    contracts.write_text("\n".join([*lines, "", "def _helper():", "    from services import llm_replica"]) + "\n")
+    contracts.write_text(
+        "\n".join([*lines, "", "def _helper():", "    from services.replica import llm_replica"]) + "\n"
+    )
     problems = upward_imports(tmp_path)
     assert problems == [
         f"base/contracts.py:{len(lines) + 3}: base (layer 0) imports services (layer 3): "

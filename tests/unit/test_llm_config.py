@@ -1,8 +1,8 @@
 import pytest
 from pydantic import ValidationError
 
-from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
-from services.vllm_app import parse_engine_args
+from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
+from services.replica.vllm_app import parse_engine_args
 
 
 def test_cli_args_render_named_and_extra_flags() -> None:
@@ -56,7 +56,7 @@ def test_serve_options_set_max_ongoing_requests_explicitly() -> None:
 
 
 def test_the_serve_deployment_carries_the_options() -> None:
-    from services.llm_replica import llm_deployment
+    from services.replica.llm_replica import llm_deployment
 
     deployment = llm_deployment(
         LLMAppConfig(
@@ -73,7 +73,7 @@ def test_every_vllm_engine_process_loads_the_amx_plugin() -> None:
     """vLLM loads its general plugins in each engine process: ours must be one of them, and callable."""
     from vllm.plugins import load_plugins_by_group
 
-    from services.vllm_cpu_amx import request_amx_permission
+    from services.replica.vllm_cpu_amx import request_amx_permission
 
     plugins = load_plugins_by_group("vllm.general_plugins")
     assert plugins.get("sluice_cpu_amx") is request_amx_permission
@@ -81,7 +81,7 @@ def test_every_vllm_engine_process_loads_the_amx_plugin() -> None:
 
 
 def test_each_engine_rank_of_a_node_gets_its_own_cpu() -> None:
-    from services.llm_replica import engine_cpu_binding
+    from services.replica.llm_replica import engine_cpu_binding
 
     assert engine_cpu_binding(0, 2, cpus=[0, 1, 2, 3]) == "0|1"
     assert engine_cpu_binding(1, 2, cpus=[0, 1, 2, 3]) == "2|3"

@@ -15,9 +15,9 @@ import yaml
 from pydantic import ValidationError
 
 from base.contracts import CANARY_CRITERIA
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_canary import ROLLBACK_COUNTER, ROLLBACK_TABLE
-from infra.haproxy_config import (
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.canary import ROLLBACK_COUNTER, ROLLBACK_TABLE
+from infra.haproxy.config import (
     PROMETHEUS_PATH,
     ROUTER_BACKEND,
     SLUICE_METRICS_PATH,
@@ -25,7 +25,7 @@ from infra.haproxy_config import (
     HAProxySettings,
     render_config,
 )
-from infra.haproxy_lua import LUA_TEMPLATE, render_lua
+from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.observability import DASHBOARD_PATH
 from infra.observability.dashboard import Dashboard, GridPos, load_dashboard, metric_names
 from infra.observability.targets import ROUTER_TARGETS_BACKEND, TARGETS_PATH, router_targets_backend
@@ -41,7 +41,7 @@ from infra.prometheus_config import (
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import CapacityQueue, LocalLedgerClient
 from routers.metrics import LEDGER_METRICS, LedgerMetrics
-from services.router_service import METRICS_PATH, RouterSettings
+from services.router.service import METRICS_PATH, RouterSettings
 from services.serve_internals import ReplicaEndpoint
 from tests.unit.router_service_client import REPLICA_IDS, route, router, unique_app, views
 from tests.unit.test_haproxy_config import FakeRuntime, endpoint, make_syncer

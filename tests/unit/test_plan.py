@@ -14,15 +14,15 @@ from ray.serve.schema import ServeDeploySchema
 
 from base.contracts import HEAD_NODE_RESOURCE, NODE_ROLE_PER_ACTOR, WORKER_NODE_RESOURCE
 from builders.plan import ServeApp, build_plan, serve_config
-from infra.haproxy_config import HAProxySettings
-from infra.haproxy_lua import render_lua
-from services.frontend_app import FrontendArgs
-from services.llm_config import LLMAppConfig
-from services.router_service import RouterAppArgs
-from sluice.cli import main
-from sluice.deploy import render
-from sluice.preflight import PREFLIGHT_EXIT_CODE
-from sluice.status import app_roles, degraded_reasons, model_line, prefill_pairs
+from infra.haproxy.config import HAProxySettings
+from infra.haproxy.lua import render_lua
+from services.frontend.app import FrontendArgs
+from services.replica.llm_config import LLMAppConfig
+from services.router.service import RouterAppArgs
+from sluice.cli.main import main
+from sluice.deploy.apply import render
+from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
+from sluice.deploy.status import app_roles, degraded_reasons, model_line, prefill_pairs
 from topologies.problems import SpecError
 from topologies.spec import load_spec
 

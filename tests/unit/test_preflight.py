@@ -11,9 +11,9 @@ import pytest
 from base.runtime import COMPATIBLE_RAY_START, SERVE_CONTROLLER_ENV_KEYS, carried_env, process_env
 from builders.plan import build_plan
 from services.serve_internals import ControllerSettings
-from sluice import preflight
-from sluice.cli import main
-from sluice.preflight import PREFLIGHT_EXIT_CODE, PreflightError
+from sluice.cli.main import main
+from sluice.deploy import preflight
+from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE, PreflightError
 from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"

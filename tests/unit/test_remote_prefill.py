@@ -1,4 +1,5 @@
-"""The decode replica's prefill phase (services.remote_prefill) against a recording inner app and a prefill replica
+"""The decode replica's prefill phase (services.replica.middleware.remote_prefill) against a recording inner app and a
+prefill replica
 answered by httpx's MockTransport: what the prefill call sends, what decode gets, each failure and its answer.
 The real path (vLLM engines, NIXL) is tested end to end in tests/integration/test_prefill_decode.py."""
 
@@ -21,8 +22,8 @@ from base.contracts import (
     SERVE_REASON_HEADER,
     SERVED_PREFILL_HEADER,
 )
-from services.asgi_call import route_path
-from services.remote_prefill import REMOTE_DECODE_PARAMS, RemotePrefillMiddleware, prefill_body
+from services.replica.asgi_call import route_path
+from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS, RemotePrefillMiddleware, prefill_body
 
 PREFILL_URL = "http://127.0.0.1:30007/tiny-prefill"
 TRANSFER = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [3, 4], "remote_port": 5600}

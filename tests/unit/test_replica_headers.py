@@ -1,7 +1,7 @@
 import asyncio
 
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
-from services.replica_headers import ReplicaHeadersMiddleware
+from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
 
 
 def _run(middleware: ReplicaHeadersMiddleware, request_headers: list[tuple[bytes, bytes]]):

@@ -1,6 +1,6 @@
-from services.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
-from services.llm_replica import llm_deployment
-from services.router_service import RouterSettings, router_application
+from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
+from services.replica.llm_replica import llm_deployment
+from services.router.service import RouterSettings, router_application
 
 
 def _config(**deployment: object) -> LLMAppConfig:

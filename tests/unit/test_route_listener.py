@@ -8,8 +8,8 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from infra.haproxy_config import ROUTER_BACKEND
-from services.route_listener import MAX_HEAD_BYTES, RouteListener
+from infra.haproxy.config import ROUTER_BACKEND
+from services.router.route_listener import MAX_HEAD_BYTES, RouteListener
 from tests.unit.test_haproxy_config import FakeRuntime, endpoint, make_syncer
 
 LOOPBACK = "127.0.0.1"

@@ -10,8 +10,8 @@ from base.contracts import (
 )
 from base.route_wire import Membership, RouteRefusal
 from routers.consistent_hash import ConsistentHash
-from services.frontend_membership import FrontendMembership
-from services.router_service import (
+from services.router.membership import FrontendMembership
+from services.router.service import (
     RouterSettings,
 )
 from tests.unit.router_service_client import REPLICA_IDS, named_ids, publish, route, router, sample, unique_app, views

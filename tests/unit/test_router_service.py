@@ -18,10 +18,10 @@ from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import LocalLedgerClient
 from routers.config import build_stateless_policy
 from routers.core import ReplicaView, RouteRequest
-from services.frontend_membership import FrontendMembership
-from services.live_replicas import LiveReplicas
-from services.route_request import fields_from_body, route_request_from
-from services.router_service import (
+from services.router.live_replicas import LiveReplicas
+from services.router.membership import FrontendMembership
+from services.router.route_request import fields_from_body, route_request_from
+from services.router.service import (
     METRICS_PATH,
     PrefillChooser,
     PrefillTarget,

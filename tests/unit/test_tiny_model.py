@@ -10,7 +10,7 @@ from base.tiny_model import EOS_TOKEN, EXPERTS_PER_TOKEN, HIDDEN_SIZE, NUM_EXPER
 
 def _build(out: Path, *flags: str) -> None:
     subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "model", "build", "--out", str(out), *flags],
+        [sys.executable, "-m", "sluice.cli.main", "model", "build", "--out", str(out), *flags],
         check=True,
         capture_output=True,
     )

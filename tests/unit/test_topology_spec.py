@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from sluice.cli import main
+from sluice.cli.main import main
 from topologies.problems import SpecError
 from topologies.spec import engine_problems, load_spec, parse_spec, topology_json_schema
 

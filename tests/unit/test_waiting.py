@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from base.waiting import StartDeadline, wait_for
-from services.live_replicas import LiveReplicas
+from services.router.live_replicas import LiveReplicas
 from services.serve_internals import ReplicaEndpoint
 
 

@@ -14,9 +14,9 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from base.contracts import ENGINE_STAND_IN_HEADER, ZERO_COMPUTE_STAND_IN
-from services.llm_config import EngineConfig, LLMAppConfig, PrefillDecodeRole
-from services.replica_headers import ReplicaHeadersMiddleware
-from services.zero_compute_engine import STAND_IN_WORD, ZeroComputeEngineStandIn
+from services.replica.llm_config import EngineConfig, LLMAppConfig, PrefillDecodeRole
+from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
+from services.replica.zero_compute_engine import STAND_IN_WORD, ZeroComputeEngineStandIn
 
 WORD_ID = 7
 PROMPT_IDS = [3, 4, 5]

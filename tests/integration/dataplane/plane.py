@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.frontend_protection import FrontendProtection
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_config import HAProxySettings
-from infra.haproxy_process import HAProxyProcess, pid_alive
-from infra.runtime_api import RuntimeAPI
-from services.api_key_watcher import ApiKeyWatcher
-from services.haproxy_syncer import AppSources, HAProxySyncer, ServerPool
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.config import HAProxySettings
+from infra.haproxy.process import HAProxyProcess, pid_alive
+from infra.haproxy.protection import FrontendProtection
+from infra.haproxy.runtime_api import RuntimeAPI
+from services.frontend.api_key_watcher import ApiKeyWatcher
+from services.frontend.haproxy_syncer import AppSources, HAProxySyncer, ServerPool
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
 from tests.integration.dataplane.standins import (

@@ -26,8 +26,8 @@ from base.contracts import (
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_config import REPLICA_BACKEND
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.config import REPLICA_BACKEND
 from tests.integration.dataplane.plane import Env, Plane, fallback_counts, start_plane, stop_plane
 from tests.integration.dataplane.standins import (
     CHAT_PATH,

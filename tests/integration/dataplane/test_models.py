@@ -23,10 +23,10 @@ from base.contracts import (
     ROUTE_PATH,
     SERVE_REASON_HEADER,
 )
-from infra.haproxy_apps import AppRoute
-from infra.haproxy_config import HAProxySettings, replica_backend
-from infra.haproxy_process import HAProxyProcess
-from services.haproxy_syncer import AppSources, HAProxySyncer
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.config import HAProxySettings, replica_backend
+from infra.haproxy.process import HAProxyProcess
+from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
 from tests.integration.dataplane.standins import (

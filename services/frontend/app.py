@@ -1,0 +1,260 @@
+"""The frontend as a Serve application, so a stack outlives the CLI that deployed it.
+
+One replica supervises HAProxy and runs its syncer (and the API key watcher when the stack uses a key file) on a
+background loop of its own, with the ingress controller (the canary weight, draining moves between the direct
+path and the legacy ingress, the guard: `services.frontend.ingress_control`) and the request log it measures both paths
+from (`services.frontend.path_log`). The declared ingress is the deployment's `user_config`: changing it reconfigures
+the
+running replica, HAProxy and every stream included (no restart). HAProxy is started from that loop's thread with
+PR_SET_PDEATHSIG, so it dies with the replica; if HAProxy dies alone, the supervisor starts a new one at once and a
+fresh syncer adds every server again (no LLM replica is touched). `check_health` fails while HAProxy is down, and
+`status()` tells the CLI what the frontend sees: HAProxy's PIDs, its restarts, and its server map. On a stack across
+nodes (`node_role`) the frontend runs on the head node and HAProxy listens on that node's address, the stack's URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.serve import Application
+
+from base.contracts import NodeRole, node_role_resources
+from base.rollout import config_version
+from base.runtime import cache_dir
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.canary import legacy_backend
+from infra.haproxy.config import HAProxySettings, is_internal_server
+from infra.haproxy.process import HAProxyProcess, HAProxyStartError
+from infra.haproxy.runtime_api import RuntimeAPI
+from services.frontend.api_key_watcher import ApiKeyWatcher
+from services.frontend.background_loop import BackgroundLoop
+from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
+from services.frontend.ingress_control import IngressConfig, IngressController
+from services.frontend.path_log import PathLog
+from services.router.route_listener import router_source
+from services.serve_internals import list_replica_endpoints, with_rollout_version
+
+logger = logging.getLogger(__name__)
+
+FRONTEND_DEPLOYMENT_NAME = "Frontend"
+# How often the supervisor looks at HAProxy's master process.
+SUPERVISE_INTERVAL_S = 0.2
+FIRST_START_TIMEOUT_S = 30.0
+
+
+class ServedApp(BaseModel):
+    """The Serve apps behind one of the frontend's apps: its LLM replicas and its routers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    llm_app: str
+    router_app: str
+    # The app's retained legacy ingress (served while deployed; None: the app has no legacy path).
+    legacy_app: str | None = None
+
+
+class FrontendArgs(BaseModel):
+    """What `build_frontend_application` takes from a Serve config's `args`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stack: str  # names the frontend's working folder
+    # In the order of `haproxy.apps`.
+    apps: list[ServedApp]
+    # HAProxySettings without `workdir` (chosen on the node the replica runs on).
+    haproxy: dict[str, Any]
+    # The declared ingress: becomes the deployment's `user_config`.
+    ingress: IngressConfig = IngressConfig()
+    # A stack across nodes: the frontend runs on the head node and binds its address; None: one machine, loopback.
+    node_role: NodeRole | None = None
+
+
+class FrontendReplica:
+    def __init__(self, args: dict[str, Any]) -> None:
+        parsed = FrontendArgs.model_validate(args)
+        self._apps = parsed.apps
+        haproxy = dict(parsed.haproxy)
+        if parsed.node_role is not None:
+            haproxy["bind_host"] = ray.util.get_node_ip_address()
+        self._settings = HAProxySettings(workdir=cache_dir() / f"frontend-{parsed.stack}", **haproxy)
+        self._settings.workdir.mkdir(parents=True, exist_ok=True)
+        self._haproxy: HAProxyProcess | None = None
+        self._syncer: HAProxySyncer | None = None
+        self.restarts = 0
+        self._first_start = threading.Event()
+        self._log = PathLog()
+        self._ingress = IngressController(
+            self._settings,
+            self._runtime,
+            self._log,
+            self._live_replicas,
+            self._legacy_up,
+            f"sluice/ingress/{parsed.stack}",
+        )
+        self._loop = BackgroundLoop([self._listen, self._supervise, self._ingress.guard])
+        self._loop.start()
+        # Serve checks the replica's health as soon as it is constructed: HAProxy must be up by then.
+        if not self._first_start.wait(FIRST_START_TIMEOUT_S):
+            raise RuntimeError(f"HAProxy did not start within {FIRST_START_TIMEOUT_S} s")
+
+    def _runtime(self) -> RuntimeAPI | None:
+        return self._haproxy.runtime if self._running() and self._haproxy is not None else None
+
+    def _live_replicas(self) -> dict[str, list[str]]:
+        if self._syncer is None:
+            return {}
+        return {pools.app.name: sorted(pools.replicas.live) for pools in self._syncer.apps}
+
+    def _legacy_up(self) -> bool:
+        """Whether every app with a legacy path has a legacy ingress server UP in HAProxy."""
+        runtime = self._runtime()
+        if runtime is None:
+            return False
+        stats = runtime.show_stat()
+        return all(
+            any(b == legacy_backend(i) and s.up and not is_internal_server(n) for (b, n), s in stats.items())
+            for i, app in enumerate(self._settings.apps)
+            if app.legacy_route_prefix is not None
+        )
+
+    async def _listen(self) -> None:
+        transport = await self._log.listen(self._settings.log_socket_path)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            transport.close()
+
+    def _running(self) -> bool:
+        return self._haproxy is not None and self._haproxy.process is not None and self._haproxy.process.poll() is None
+
+    async def _supervise(self) -> None:
+        while True:
+            self._haproxy = await self._start_haproxy()
+            await asyncio.to_thread(self._ingress.publish_rollbacks)
+            self._first_start.set()
+            runtime = self._haproxy.runtime
+            sources = [_sources(app, route) for app, route in zip(self._apps, self._settings.apps, strict=True)]
+            self._syncer = HAProxySyncer(runtime, self._settings, sources)
+            tasks = [asyncio.create_task(self._syncer.run())]
+            watcher = ApiKeyWatcher.for_settings(runtime, self._settings)
+            if watcher is not None:
+                tasks.append(asyncio.create_task(watcher.run()))
+            try:
+                while self._running():
+                    await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            logger.error("HAProxy exited (status %s): starting a new one", self._haproxy.process.returncode)
+            self._haproxy.stop()
+            self.restarts += 1
+
+    async def _start_haproxy(self) -> HAProxyProcess:
+        """A new HAProxy, retried while the old one's port is still held (its worker exits after its master)."""
+        while True:
+            try:
+                # A new HAProxy starts with the weight in force, not the one it was first declared with.
+                settings = self._settings.model_copy(update={"direct_weight": self._ingress.weight})
+                return HAProxyProcess(settings, die_with_parent=True).start()
+            except HAProxyStartError as error:
+                logger.error("HAProxy did not start, retrying: %s", error)
+                await asyncio.sleep(SUPERVISE_INTERVAL_S)
+
+    async def check_health(self) -> None:
+        if not self._running():
+            raise RuntimeError("HAProxy is not running (the supervisor is starting a new one)")
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """The declared ingress (Serve calls this at start and whenever the deployment's `user_config` changes)."""
+        await self._loop.submit(self._ingress.declare(IngressConfig.model_validate(user_config)))
+
+    async def shift(self, weight: int, wait: bool = False) -> dict[str, Any]:
+        """Set the direct weight now (`sluice canary`, `sluice rollback`); with `wait`, return once a path that lost
+        all its traffic has drained (or its deadline passed)."""
+        self._ingress.abort = None
+        await self._loop.submit(self._ingress.shift(weight))
+        if wait:
+            await self._loop.submit(self._ingress.wait_drained())
+        return self._ingress.status().model_dump(mode="json")
+
+    async def ingress(self) -> dict[str, Any]:
+        """The weight, the last drain, the last abort and both paths' measures."""
+        return self._ingress.status().model_dump(mode="json")
+
+    async def requests(self, request_ids: list[str]) -> list[dict[str, Any]]:
+        """The log records of these request ids (finished requests only)."""
+        return [dataclasses.asdict(record) for record in self._log.find(set(request_ids))]
+
+    async def status(self) -> dict[str, Any]:
+        """HAProxy's PIDs and restarts, and each replica and router server with its state."""
+        if not self._running() or self._haproxy is None:
+            return {"running": False, "restarts": self.restarts}
+        stats = await asyncio.to_thread(self._haproxy.runtime.show_stat)
+        weights = await asyncio.to_thread(self._haproxy.runtime.show_map, self._settings.weights_map_path)
+        servers = [
+            {"backend": backend, "server": name, "status": stat.status, "addr": stat.addr, "sessions": stat.scur}
+            for (backend, name), stat in sorted(stats.items())
+            if not is_internal_server(name)
+        ]
+        return {
+            "running": True,
+            "replica_pid": os.getpid(),
+            "master_pid": self._haproxy.pid,
+            "worker_pid": self._haproxy.worker_pid,
+            "restarts": self.restarts,
+            "url": f"http://{self._settings.bind_host}:{self._settings.port}",
+            # Per app: how many replicas all its routers were last told about.
+            "published": [app.published_replicas() for app in self._syncer.apps] if self._syncer is not None else [],
+            "servers": servers,
+            "direct_weight": self._ingress.weight,
+            # Each app's direct weight as HAProxy holds it (what the Lua action reads).
+            "haproxy_weights": {app: int(weight) for app, weight in weights.items()},
+        }
+
+    def __del__(self) -> None:
+        ingress = getattr(self, "_ingress", None)
+        if ingress is not None:
+            with contextlib.suppress(Exception):  # Ray may be gone already when the process exits
+                ingress.forget()
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            loop.stop()
+        haproxy = getattr(self, "_haproxy", None)
+        if haproxy is not None:
+            haproxy.stop(grace_s=1)
+
+
+def _sources(app: ServedApp, route: AppRoute) -> AppSources:
+    legacy_app = app.legacy_app
+    return AppSources(
+        replicas=lambda: list_replica_endpoints(app.llm_app),
+        routers=router_source(app.router_app, route.router_route_prefix),
+        legacy=(lambda: list_replica_endpoints(legacy_app)) if legacy_app is not None else None,
+    )
+
+
+def build_frontend_application(args: dict[str, Any]) -> Application:
+    """Serve's application builder (`import_path: services.frontend.app:build_frontend_application`).
+
+    One replica, no CPU reserved (HAProxy and the syncer mostly wait), never an HTTP ingress. Its version is its
+    args: a redeploy that changes only the ingress (`user_config`) reconfigures the running replica."""
+    parsed = FrontendArgs.model_validate(args)
+    deployment = serve.deployment(FrontendReplica).options(
+        name=FRONTEND_DEPLOYMENT_NAME,
+        num_replicas=1,
+        max_ongoing_requests=8,
+        ray_actor_options={"num_cpus": 0, "resources": node_role_resources(parsed.node_role)},
+        user_config=parsed.ingress.model_dump(mode="json"),
+    )
+    version = config_version([parsed.model_dump(mode="json", exclude={"ingress"}), FRONTEND_DEPLOYMENT_NAME])
+    return with_rollout_version(deployment, version).bind(parsed.model_dump(exclude={"ingress"}))

@@ -1,0 +1,376 @@
+"""Keeps HAProxy's replica and router servers equal to the live endpoint sets, through the runtime API only, and
+tells the routers which replicas this frontend can route to.
+
+No reload, no restart, no slot limit: each replica is a server named by its replica id, added when it appears
+(`add server`, health checks on, `state ready`) and, when it leaves, put in maintenance at once (the Lua action
+pins nothing new to it; its in-flight streams go on) and deleted once it holds no stream or after the drain
+grace (`shutdown sessions`, then `del server`). A replica on a new address under the same id is moved in
+place (`set server addr`); a live one whose server went missing (deleted by hand) is added again. Routers and
+the legacy ingress replicas (`infra.haproxy.canary`) get the same treatment.
+
+A frontend with several apps (one per model) has a replica backend and a router pool per app; each is kept the
+same way, from its own sources.
+
+Metrics targets: a router's server points at its route listener, so each router's Serve address (where its metrics
+are) is kept, the same way, in a backend of its own without health checks (`router_targets_backend`), which the
+frontend's Prometheus service discovery reads (`infra.observability.targets`).
+
+One membership truth: after each pass the syncer publishes, to every router replica of each app, the ids of that
+app's replicas this frontend can route to now — in its server set, UP, not leaving (`Membership`,
+`POST <prefix>/internal/membership`), when that set changes and every `PUBLISH_HEARTBEAT_S`. A replica joins it
+only once HAProxy's health checks have it UP (a new server starts DOWN instead of being assumed UP; the stats of a
+pass are read before its additions), and leaves it in the same pass that puts it in maintenance, so a router names
+it for at most one publication round trip after; the Lua action walks the router's ranked list past any replica it
+cannot route to, so that moment costs no request either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from base.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
+from base.route_wire import Membership
+from infra.haproxy.apps import AppRoute
+from infra.haproxy.canary import legacy_backend
+from infra.haproxy.config import (
+    SERVER_NAME_PATTERN,
+    HAProxySettings,
+    is_internal_server,
+    replica_backend,
+    router_backend,
+)
+from infra.haproxy.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
+from infra.haproxy.servers import legacy_server_options, replica_server_options, router_server_options
+from infra.observability.targets import router_targets_backend
+from services.serve_internals import ReplicaEndpoint
+
+logger = logging.getLogger(__name__)
+# How often HAProxy's servers are compared with the endpoint sources (and memberships published).
+SYNC_INTERVAL_S = 0.25
+
+EndpointSource = Callable[[], Awaitable[list[ReplicaEndpoint]]]
+# A router that missed a publication (or restarted and lost it) has the set again within this.
+PUBLISH_HEARTBEAT_S = 2.0
+PUBLISH_TIMEOUT_S = 1.0
+
+
+@dataclass
+class Member:
+    endpoint: ReplicaEndpoint
+    leaving_since: float | None = None
+
+
+@dataclass
+class SyncReport:
+    added: list[str] = field(default_factory=list)  # replica (or router) ids
+    moved: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # ids that cannot name an HAProxy server
+    # Per app (in the settings' order): the replica ids published to its routers.
+    routable_by_app: list[list[str]] = field(default_factory=list)
+
+    @property
+    def routable(self) -> list[str]:
+        """The first app's routable replicas (a single-model frontend's only app)."""
+        return self.routable_by_app[0]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.moved or self.left or self.deleted)
+
+
+class ServerPool:
+    """The servers of one backend, keyed by replica (or router) id, which is also the server's name. `checked`:
+    its servers are health-checked (and start DOWN until their checks pass)."""
+
+    def __init__(self, backend: str, options: list[str], checked: bool = True) -> None:
+        self.backend = backend
+        self.options = options
+        self.checked = checked
+        self.members: dict[str, Member] = {}
+
+    @property
+    def live(self) -> dict[str, ReplicaEndpoint]:
+        """Id -> endpoint of every member not leaving (a fresh dict on every read)."""
+        return {name: m.endpoint for name, m in self.members.items() if m.leaving_since is None}
+
+    def leaving(self) -> list[str]:
+        return [name for name, m in self.members.items() if m.leaving_since is not None]
+
+
+@dataclass
+class AppSources:
+    """Where one app's replica and router endpoints come from (e.g. `list_replica_endpoints` of its Serve apps)."""
+
+    replicas: EndpointSource
+    routers: EndpointSource
+    # The app's legacy ingress replicas (an app without a legacy path has none).
+    legacy: EndpointSource | None = None
+
+
+class AppPools:
+    """One app's servers in HAProxy (its replica backend and router pool) and what its routers were last told."""
+
+    def __init__(self, index: int, app: AppRoute, sources: AppSources, settings: HAProxySettings) -> None:
+        self.app = app
+        self.sources = sources
+        self.replicas = ServerPool(replica_backend(index), replica_server_options(settings))
+        self.routers = ServerPool(router_backend(index), router_server_options(settings))
+        self.legacy = ServerPool(legacy_backend(index), legacy_server_options(settings))
+        # The routers' Serve addresses, for the metrics discovery only.
+        self.router_targets = ServerPool(router_targets_backend(index), [], checked=False)
+        # Router id -> (the set last published to it, when).
+        self.published: dict[str, tuple[tuple[str, ...], float]] = {}
+
+    def pools(
+        self, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint], legacy: list[ReplicaEndpoint]
+    ) -> list[tuple[ServerPool, list[ReplicaEndpoint]]]:
+        """Each of the app's pools with the endpoints it should hold (a router's target: its Serve address)."""
+        targets = [router.model_copy(update={"route_port": None}) for router in routers]
+        return [
+            (self.replicas, replicas),
+            (self.routers, routers),
+            (self.legacy, legacy),
+            (self.router_targets, targets),
+        ]
+
+    def published_replicas(self) -> int:
+        """How many replicas every live router has last been told about (0 while one has been told nothing)."""
+        live = self.routers.live
+        if not live or any(name not in self.published for name in live):
+            return 0
+        return min(len(self.published[name][0]) for name in live)
+
+
+def _same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:
+    return (a.host, a.port, a.route_port) == (b.host, b.port, b.route_port)
+
+
+def _check_port_option(endpoint: ReplicaEndpoint) -> list[str]:
+    """A server at a router's route listener is health-checked on Serve's port (where `/-/healthz` is)."""
+    return ["port", str(endpoint.port)] if endpoint.route_port is not None else []
+
+
+# Per app: its replicas, routers and legacy ingress replicas.
+Endpoints = list[tuple[list[ReplicaEndpoint], list[ReplicaEndpoint], list[ReplicaEndpoint]]]
+
+
+class HAProxySyncer:
+    """Reconciles each app's HAProxy servers with its sources (`sources[i]` for `settings.apps[i]`) and publishes
+    each app's routable replicas to that app's routers."""
+
+    def __init__(
+        self,
+        runtime: RuntimeAPI,
+        settings: HAProxySettings,
+        sources: list[AppSources],
+        drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if len(sources) != len(settings.apps):
+            raise ValueError(f"{len(sources)} endpoint sources for {len(settings.apps)} apps")
+        self.runtime = runtime
+        self.settings = settings
+        self.drain_grace_s = drain_grace_s
+        self.clock = clock
+        self.apps = [
+            AppPools(i, app, src, settings) for i, (app, src) in enumerate(zip(settings.apps, sources, strict=True))
+        ]
+        self._adopted = False
+        self._publish_failing: set[str] = set()
+        self._refused_logged: set[str] = set()
+
+    async def sync_once(self) -> SyncReport:
+        """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is (the error
+        propagates)."""
+        endpoints = [
+            (
+                await app.sources.replicas(),
+                await app.sources.routers(),
+                await app.sources.legacy() if app.sources.legacy is not None else [],
+            )
+            for app in self.apps
+        ]
+        report = await asyncio.to_thread(self._sync, endpoints)
+        for app, routable in zip(self.apps, report.routable_by_app, strict=True):
+            await self._publish(app, tuple(routable))
+        return report
+
+    async def run(self, interval_s: float = SYNC_INTERVAL_S) -> None:
+        """Reconcile every `interval_s` until cancelled; a failed pass is logged and retried."""
+        while True:
+            try:
+                report = await self.sync_once()
+                if report.changed:
+                    logger.info("haproxy sync: %s", report)
+            except Exception:
+                logger.exception("haproxy sync pass failed; retrying in %.2f s", interval_s)
+            await asyncio.sleep(interval_s)
+
+    # Blocking part (runs in a worker thread; the runtime API is a unix socket round trip per command).
+    def _sync(self, endpoints: Endpoints) -> SyncReport:
+        stats = self.runtime.show_stat()
+        if not self._adopted:
+            self._adopt(stats, endpoints)
+            self._adopted = True
+        report = SyncReport()
+        for app, (replicas, routers, legacy) in zip(self.apps, endpoints, strict=True):
+            for pool, wanted in app.pools(replicas, routers, legacy):
+                # The router targets mirror the routers: not reported twice.
+                self._sync_pool(pool, wanted, stats, report if pool is not app.router_targets else SyncReport())
+            # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
+            backend = app.replicas.backend
+            report.routable_by_app.append(
+                sorted(
+                    name
+                    for name in app.replicas.live
+                    if (stat := stats.get((backend, name))) is not None and stat.confirmed_up
+                )
+            )
+        return report
+
+    def _sync_pool(
+        self,
+        pool: ServerPool,
+        endpoints: list[ReplicaEndpoint],
+        stats: dict[tuple[str, str], ServerStat],
+        report: SyncReport,
+    ) -> None:
+        wanted: dict[str, ReplicaEndpoint] = {}
+        for endpoint in endpoints:
+            if SERVER_NAME_PATTERN.match(endpoint.replica_id):
+                wanted[endpoint.replica_id] = endpoint
+            else:
+                report.refused.append(endpoint.replica_id)
+                if endpoint.replica_id not in self._refused_logged:
+                    self._refused_logged.add(endpoint.replica_id)
+                    logger.warning("%s: id %r cannot name an HAProxy server; not routable", pool.backend, endpoint)
+        now = self.clock()
+        # 1. Members that left: maintenance at once (nothing new is pinned to them), in-flight streams go on.
+        #    Members that stayed but moved: the new address in place.
+        for name, member in sorted(pool.members.items()):
+            live = wanted.get(name)
+            if live is not None and member.leaving_since is None and (pool.backend, name) not in stats:
+                # Deleted behind the syncer's back (by hand, or a lost command): added again below.
+                logger.warning("%s/%s was missing from HAProxy: adding it again", pool.backend, name)
+                del pool.members[name]
+                continue
+            if live is None:
+                if member.leaving_since is None:
+                    self.runtime.set_server_state(pool.backend, name, "maint")
+                    member.leaving_since = now
+                    report.left.append(name)
+                continue
+            if not _same_address(live, member.endpoint):
+                self.runtime.set_server_addr(pool.backend, name, live.host, live.haproxy_port)
+                self.runtime.set_server_check_port(pool.backend, name, live.port)
+                member.endpoint = live
+                report.moved.append(name)
+            if member.leaving_since is not None:  # came back before it was deleted
+                self.runtime.set_server_state(pool.backend, name, "ready")
+                member.leaving_since = None
+                report.added.append(name)
+        # 2. Leaving members with no stream left (or past the grace): deleted.
+        for name in pool.leaving():
+            member = pool.members[name]
+            stat = stats.get((pool.backend, name))
+            idle = stat is not None and stat.scur == 0 and member.leaving_since != now
+            overdue = now - member.leaving_since >= self.drain_grace_s  # type: ignore[operator]
+            if not (idle or overdue or stat is None):
+                continue
+            try:
+                if overdue and stat is not None and stat.scur:
+                    self.runtime.shutdown_sessions(pool.backend, name)
+                if stat is not None:
+                    self.runtime.del_server(pool.backend, name)
+            except RuntimeAPIError as error:
+                # Connections still attached (HAProxy releases them asynchronously): the next pass tries again.
+                logger.debug("%s", error)
+                continue
+            del pool.members[name]
+            report.deleted.append(name)
+        # 3. New members: a server each.
+        for name, endpoint in sorted(wanted.items()):
+            if name in pool.members:
+                continue
+            options = pool.options + _check_port_option(endpoint)
+            self.runtime.add_server(pool.backend, name, endpoint.host, endpoint.haproxy_port, options)
+            if pool.checked:
+                self.runtime.enable_health(pool.backend, name)
+                # Routable only once its checks say so: HAProxy would otherwise assume a new server UP.
+                self.runtime.set_server_health_down(pool.backend, name)
+            self.runtime.set_server_state(pool.backend, name, "ready")
+            pool.members[name] = Member(endpoint)
+            report.added.append(name)
+
+    def _adopt(self, stats: dict[tuple[str, str], ServerStat], endpoints: Endpoints) -> None:
+        """Take over what an earlier syncer left in this HAProxy: a server that is live under its name and address
+        is kept, any other is treated as leaving (deleted once idle)."""
+        now = self.clock()
+        pools = [
+            (pool, wanted)
+            for app, (replicas, routers, legacy) in zip(self.apps, endpoints, strict=True)
+            for pool, wanted in app.pools(replicas, routers, legacy)
+        ]
+        for pool, endpoints_of_pool in pools:
+            wanted = {e.replica_id: e for e in endpoints_of_pool}
+            for (backend, name), stat in stats.items():
+                if backend != pool.backend or is_internal_server(name):
+                    continue
+                host, _, port = stat.addr.rpartition(":")
+                found = ReplicaEndpoint(replica_id=name, deployment="", host=host, port=int(port or 0))
+                live = wanted.get(name)
+                if live is not None and (live.host, live.haproxy_port) == (host, found.port) and not stat.admin_maint:
+                    pool.members[name] = Member(live)
+                else:
+                    pool.members[name] = Member(found, leaving_since=now)
+            if pool.members:
+                logger.info("adopted %s servers: %s", pool.backend, sorted(pool.members))
+
+    async def _publish(self, app: AppPools, routable: tuple[str, ...]) -> None:
+        """Send the app's routable set to every live router of the app that lacks it or is due a heartbeat."""
+        now = self.clock()
+        live = app.routers.live
+        due = [endpoint for name, endpoint in live.items() if self._due(app, name, routable, now)]
+        for name in app.published.keys() - live.keys():
+            del app.published[name]
+        if not due:
+            return
+        body = Membership(frontend=self.settings.frontend_id, replica_ids=list(routable)).model_dump_json()
+        url_path = app.app.router_route_prefix + MEMBERSHIP_PATH
+        async with httpx.AsyncClient(timeout=PUBLISH_TIMEOUT_S) as client:
+            results = await asyncio.gather(
+                *(self._publish_to(client, f"{endpoint.url}{url_path}", body) for endpoint in due),
+                return_exceptions=True,
+            )
+        for endpoint, result in zip(due, results, strict=True):
+            name = endpoint.replica_id
+            if isinstance(result, BaseException):
+                if name not in self._publish_failing:
+                    logger.warning("publishing the routable replicas to router %s failed: %r", name, result)
+                self._publish_failing.add(name)
+                continue
+            self._publish_failing.discard(name)
+            app.published[name] = (routable, now)
+
+    def published_replicas(self) -> int:
+        """The fewest replicas any app's live routers have all been told about (0 while one has been told
+        nothing)."""
+        return min(app.published_replicas() for app in self.apps)
+
+    @staticmethod
+    def _due(app: AppPools, router: str, routable: tuple[str, ...], now: float) -> bool:
+        last = app.published.get(router)
+        return last is None or last[0] != routable or now - last[1] >= PUBLISH_HEARTBEAT_S
+
+    @staticmethod
+    async def _publish_to(client: httpx.AsyncClient, url: str, body: str) -> None:
+        response = await client.post(url, content=body, headers={"content-type": "application/json"})
+        response.raise_for_status()

@@ -1,0 +1,80 @@
+"""The frontend's request log: HAProxy sends one datagram per finished request to a unix socket the frontend
+replica reads; each becomes a `RequestRecord`, kept for the canary guard's window and for `sluice check`.
+
+A datagram is `infra.haproxy.canary.log_format` rendered: tag, app, path, status, time to response headers (ms,
+-1 when no server answered), total time, termination state, the server it was sent to, the replica that served it,
+µs the route call took, the reason it was not routed as ranked, request id. Anything else on the socket is
+ignored. HAProxy drops records rather than wait when nobody reads, so the log never slows a request down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from infra.haproxy.canary import LOG_TAG
+from services.frontend.canary_guard import RequestRecord
+
+logger = logging.getLogger(__name__)
+# Records kept at most (the window is also bounded by age, `records_since`).
+MAX_RECORDS = 200_000
+_UNSET = "-"
+
+
+def parse_record(line: str, at: float) -> RequestRecord | None:
+    """A record from one rendered log line, or None when the line is not one (or names no path)."""
+    fields = line.strip().split(" ", 11)
+    if len(fields) != 12 or fields[0] != LOG_TAG or fields[2] == _UNSET:
+        return None
+    _, app, path, status, headers_ms, _total_ms, termination, server, served, route_us, reason, request_id = fields
+    try:
+        status_code, ttft_ms = int(status), int(headers_ms)
+        route_s = None if route_us == _UNSET else int(route_us) / 1e6
+    except ValueError:
+        return None
+    return RequestRecord(
+        at=at,
+        app=app,
+        path=path,
+        status=status_code,
+        ttft_s=ttft_ms / 1000 if ttft_ms >= 0 else None,
+        termination=termination,
+        server=server,
+        served_replica=None if served == _UNSET else served,
+        request_id=request_id,
+        route_s=route_s,
+        reason=None if reason == _UNSET else reason,
+    )
+
+
+class PathLog(asyncio.DatagramProtocol):
+    """The records of the last `MAX_RECORDS` finished requests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.records: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
+        self.clock = clock
+
+    def datagram_received(self, data: bytes, addr: object) -> None:
+        record = parse_record(data.decode("utf-8", "replace"), self.clock())
+        if record is not None:
+            self.records.append(record)
+
+    def records_since(self, since: float) -> Iterator[RequestRecord]:
+        return (r for r in reversed(self.records) if r.at >= since)
+
+    def find(self, request_ids: set[str]) -> list[RequestRecord]:
+        return [r for r in self.records if r.request_id in request_ids]
+
+    async def listen(self, path: Path) -> asyncio.DatagramTransport:
+        """Bind the unix datagram socket HAProxy logs to (replacing a stale one)."""
+        path.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+        sock.bind(str(path))
+        transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(lambda: self, sock=sock)
+        return transport  # type: ignore[return-value]

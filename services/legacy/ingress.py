@@ -1,0 +1,135 @@
+"""The retained legacy ingress: the old path, kept deployed beside direct streaming so traffic can move back.
+
+client -> Serve's proxy (or the frontend's legacy backend) -> `LegacyIngress`, a Python Serve replica -> a
+DeploymentHandle streaming call to the LLM deployment's `stream()` -> the very vLLM app (and middleware) that serves
+the LLM replica's own port, run in-process there. Same model artifact, same vLLM settings, same answers; the tokens
+cross one more process and an actor call per chunk, which is what direct streaming removes.
+
+The handle routes each call with the LLM deployment's routing policy through its Serve `RequestRouter` adapter
+(`routers.serve_adapters`, set on the LLM deployment); the session comes from the client's session header, passed
+along with every other client header. A capacity_queue adapter takes its token when it chooses and releases it
+when Serve reports the call complete: the response is consumed (or cancelled) inside the call, so each token is
+released once. A client that disconnects cancels the call: the replica's `stream()` closes, vLLM's app sees the
+disconnect and aborts the engine request. Every response carries `x-serve-path: legacy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.deployment import Application
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from base.contracts import LEGACY_PATH, REASON_REPLICA_FAILED, SERVE_PATH_HEADER, NodeRole, node_role_resources
+from base.rollout import config_version
+from services.replica.asgi_call import ResponseStart, read_body, route_path, send_openai_error
+from services.replica.llm_config import LLM_DEPLOYMENT_NAME
+from services.replica.middleware.replica_headers import Receive, Scope, Send
+from services.serve_internals import with_rollout_version
+
+LEGACY_DEPLOYMENT_NAME = "LegacyIngress"
+_PATH_STAMP = (SERVE_PATH_HEADER.encode(), LEGACY_PATH.encode())
+# Headers of the client's request that belong to its connection, not to the request the replica runs.
+_HOP_BY_HOP = frozenset({"host", "connection", "content-length", "transfer-encoding", "keep-alive", "upgrade"})
+
+
+class LegacyIngressSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target_app: str = Field(min_length=1)
+    target_deployment: str = LLM_DEPLOYMENT_NAME
+    num_replicas: int = Field(1, ge=1)
+    # Concurrent streams one ingress replica relays (each holds a handle call open).
+    max_ongoing_requests: int = Field(256, ge=1)
+    # A stack across nodes runs its ingress on the head node; None: one machine.
+    node_role: NodeRole | None = None
+
+
+def forwarded_headers(scope: Scope) -> dict[str, str]:
+    """The client's headers for the replica (lower-case names; a repeated header keeps its last value)."""
+    return {
+        k.decode("latin-1").lower(): v.decode("latin-1")
+        for k, v in scope["headers"]
+        if k.decode("latin-1").lower() not in _HOP_BY_HOP
+    }
+
+
+class HandleRelay:
+    """ASGI app relaying each HTTP request through a streaming DeploymentHandle call to `stream()`."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await read_body(receive)
+        if body is None:
+            return
+        query = scope.get("query_string", b"").decode("latin-1")
+        path = route_path(scope) + (f"?{query}" if query else "")
+        call = self._handle.stream.remote(scope["method"], path, body, forwarded_headers(scope))
+        disconnect = asyncio.ensure_future(receive())
+        relay = asyncio.ensure_future(self._relay(call, send))
+        try:
+            await asyncio.wait({disconnect, relay}, return_when=asyncio.FIRST_COMPLETED)
+            if relay.done():
+                relay.result()
+            else:
+                call.cancel()
+        finally:
+            for task in (relay, disconnect):
+                if not task.done():
+                    task.cancel()
+
+    async def _relay(self, call: Any, send: Send) -> None:
+        started = False
+        try:
+            async for item in call:
+                if isinstance(item, ResponseStart):
+                    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in item.headers]
+                    headers.append(_PATH_STAMP)
+                    await send({"type": "http.response.start", "status": item.status, "headers": headers})
+                    started = True
+                elif started:
+                    await send({"type": "http.response.body", "body": item, "more_body": True})
+        except Exception as error:  # the replica died or refused the call: an answer if none has started
+            if started:
+                raise
+            message = f"the legacy path could not reach a replica: {type(error).__name__}"
+            await send_openai_error(
+                send, 502, REASON_REPLICA_FAILED, message, [(SERVE_PATH_HEADER.encode(), LEGACY_PATH)]
+            )
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@serve.ingress()
+class LegacyIngress:
+    def __init__(self, settings: dict[str, Any]) -> None:
+        self._settings = LegacyIngressSettings.model_validate(settings)
+        handle = serve.get_deployment_handle(self._settings.target_deployment, app_name=self._settings.target_app)
+        relay = HandleRelay(handle.options(stream=True))
+        self._app = Starlette(routes=[Mount("/", app=relay)])
+
+    async def __serve_build_asgi_app__(self) -> Starlette:
+        return self._app
+
+
+def legacy_ingress_application(settings: LegacyIngressSettings) -> Application:
+    """The legacy ingress app in front of `settings.target_app`'s LLM deployment."""
+    deployment = serve.deployment(LegacyIngress).options(
+        name=LEGACY_DEPLOYMENT_NAME,
+        num_replicas=settings.num_replicas,
+        max_ongoing_requests=settings.max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0, "resources": node_role_resources(settings.node_role)},
+    )
+    version = config_version([settings.model_dump(mode="json"), LEGACY_DEPLOYMENT_NAME])
+    return with_rollout_version(deployment, version).bind(settings.model_dump())
+
+
+def build_legacy_ingress_application(args: dict[str, Any]) -> Application:
+    """Serve's application builder (`import_path: services.legacy.ingress:build_legacy_ingress_application`)."""
+    return legacy_ingress_application(LegacyIngressSettings.model_validate(args))

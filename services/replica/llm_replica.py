@@ -1,0 +1,158 @@
+"""The LLM replica: a Ray Serve replica running a real vLLM engine behind vLLM's own OpenAI app.
+
+The app is served on the replica's own port by Serve's direct ingress (DESIGN.md §5), so Serve
+still counts every request against `max_ongoing_requests` and autoscaling. Serve's
+`/-/healthz` on that port answers 200 only once the constructor (engine start) has finished and
+`check_health` passes, and 503 while the replica drains. On shutdown Serve drains in-flight
+requests for up to `graceful_shutdown_timeout_s` (the configured `drain_grace_s`), then aborts.
+When the deployment's routers take capacity tokens (`capacity_ledger`), the replica releases each
+request's token to the ledger when the request ends (services.replica.middleware.capacity_release).
+
+A data-parallel replica runs `size` engine ranks, each bound to its own CPU (`in_engine`), or is one rank of a
+gang of replicas (`ranks`, services.replica.rank_gang). Prefill/decode replicas run vLLM with a KV connector
+(`--kv-transfer-config`): each gets its own NIXL side channel (host and a free port, set before the engine
+starts), and a decode replica runs every completion's prefill on the prefill replica the router chose
+(services.replica.middleware.remote_prefill).
+
+For benchmarks only, `engine_stand_in: zero_compute` puts services.replica.zero_compute_engine's stand-in in front of
+the
+started engine, so the app answers without running the model; every response then names it (`x-serve-engine-stand-in`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+from ray.serve.deployment import Application, Deployment
+
+from base.runtime import free_port
+from routers.ledger_actor import ledger_actor_name
+from services.replica.asgi_call import ResponseStart, stream_asgi
+from services.replica.llm_config import LLMAppConfig
+from services.replica.middleware.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
+from services.replica.middleware.remote_prefill import RemotePrefillMiddleware
+from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
+from services.replica.rank_gang import RankGang
+from services.replica.vllm_app import build_openai_app, parse_engine_args, start_engine
+from services.serve_internals import with_rollout_version
+
+
+@serve.ingress()
+class LLMReplica:
+    async def __init__(self, config: dict[str, Any]) -> None:
+        self._config = LLMAppConfig.model_validate(config)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        engine = self._config.engine
+        self._prefill_client: httpx.AsyncClient | None = None
+        self._gang: RankGang | None = None
+        # vLLM advertises this address to its peers (KV transfer, ranks): the node's, loopback on one machine.
+        os.environ["VLLM_HOST_IP"] = ray.util.get_node_ip_address()
+        if self._config.prefill_decode is not None:
+            os.environ.update(kv_side_channel_env())
+        data_parallel = self._config.data_parallel
+        if data_parallel is not None and data_parallel.mode == "in_engine":
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(context.rank.local_rank, data_parallel.size)
+        if data_parallel is not None and data_parallel.mode == "ranks":
+            self._gang = RankGang()
+            rank_args = await self._gang.engine_args()
+            engine = engine.model_copy(update={"extra_args": {**engine.extra_args, **rank_args}})
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(context.rank.local_rank, 1)
+        self._args = parse_engine_args(engine)
+        self._engine = start_engine(self._args)
+        self._app = await build_openai_app(self._serving_engine(), self._args)
+        # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
+        # outermost: the headers stamp, then the capacity release, then the remote prefill, then vLLM's.
+        self._app.middleware_stack = None
+        role = self._config.prefill_decode
+        if role is not None and role.role == "decode":
+            limits = httpx.Limits(max_connections=self._config.deployment.max_ongoing_requests)
+            self._prefill_client = httpx.AsyncClient(limits=limits)
+            self._app.add_middleware(
+                RemotePrefillMiddleware,
+                replica_id=self.replica_id,
+                local_fallback=role.local_prefill_fallback,
+                timeout_s=role.prefill_timeout_s,
+                client=self._prefill_client,
+            )
+        if self._config.deployment.capacity_ledger:
+            context = serve.get_replica_context()
+            ledger = NamedLedgerClient(ledger_actor_name(context.app_name, self._config.deployment.name))
+            self._app.add_middleware(CapacityReleaseMiddleware, ledger=ledger)
+        rank = self._gang.rank if self._gang is not None else None
+        stand_in = self._config.engine_stand_in
+        self._app.add_middleware(
+            ReplicaHeadersMiddleware,
+            replica_id=self.replica_id,
+            echo_request_id=False,
+            data_parallel_rank=rank,
+            engine_stand_in=stand_in,
+        )
+        self._handle_app = ReplicaHeadersMiddleware(
+            self._app, self.replica_id, echo_request_id=True, data_parallel_rank=rank, engine_stand_in=stand_in
+        )
+
+    def _serving_engine(self) -> Any:
+        """What the app's handlers call: the engine, or the benchmark stand-in wrapped around it."""
+        if self._config.engine_stand_in is None:
+            return self._engine
+        # Imported here: the module imports vLLM, which a driver importing this one must not pay for.
+        from services.replica.zero_compute_engine import ZeroComputeEngineStandIn
+
+        return ZeroComputeEngineStandIn(self._engine)
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        return self._app
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    async def stream(
+        self, method: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> AsyncIterator[ResponseStart | bytes]:
+        """The HTTP request run through the same app in-process (for DeploymentHandle callers)."""
+        async for item in stream_asgi(self._handle_app, method, path, body, headers):
+            yield item
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()
+        gang = getattr(self, "_gang", None)
+        if gang is not None:
+            gang.leave()
+
+
+def kv_side_channel_env() -> dict[str, str]:
+    """This replica's NIXL side channel (where decode engines ask for its blocks' layout): the node's address and a
+    port free now. Read by vLLM when the engine starts, so set before."""
+    host = ray.util.get_node_ip_address()
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port(host))}
+
+
+def engine_cpu_binding(local_rank: int, ranks: int, cpus: list[int] | None = None) -> str:
+    """vLLM's `VLLM_CPU_OMP_THREADS_BIND` for a replica's engine ranks: each rank its own CPU, the replicas of a
+    node taking consecutive CPUs (wrapping when there are fewer CPUs than ranks). vLLM's `auto` put every rank
+    on CPU 0."""
+    usable = cpus if cpus is not None else sorted(os.sched_getaffinity(0))
+    return "|".join(str(usable[(local_rank * ranks + rank) % len(usable)]) for rank in range(ranks))
+
+
+def llm_deployment(config: LLMAppConfig) -> Deployment:
+    deployment = serve.deployment(LLMReplica).options(**config.deployment.serve_options())
+    return with_rollout_version(deployment, config.rollout_version())
+
+
+def llm_application(config: LLMAppConfig) -> Application:
+    return llm_deployment(config).bind(config.model_dump())
+
+
+def build_llm_application(args: dict[str, Any]) -> Application:
+    """Serve's application builder (`import_path: services.replica.llm_replica:build_llm_application`): `args` is an
+    LLMAppConfig."""
+    return llm_application(LLMAppConfig.model_validate(args))

@@ -1,0 +1,204 @@
+"""The direct path's overhead, part by part (`sluice bench paths` runs it on the stack it measures).
+
+- **HAProxy alone** (`haproxy_only`): a plain HAProxy with no Lua and no route call, round-robin over the same replica
+  ports (`passthrough_haproxy`), measured as one more path beside the others: what the data plane costs by itself.
+- **The route call as HAProxy sees it**: the Lua action times each call (connect, send, the router's reply) and the
+  frontend's request log carries it (`RequestRecord.route_s`). Requests go out open-loop at fixed rates (100, 500,
+  1,000 req/s) as `POST /v1/models`: routed like a completion (route call, pin, replica) but answered by the
+  replica's app at once (405), so the rate measures the route call and not the engine.
+- **The router's CPU per decision**: the router replica process's CPU time over each rate step, less its idle CPU
+  (the membership refresh) over as long, divided by the route calls made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psutil
+
+from base.runtime import LOOPBACK, free_port
+from infra.haproxy.process import find_haproxy_binary
+from loadtests.metrics import quantile
+
+RATES = (100, 500, 1000)
+RATE_STEP_S = 4.0
+# Keep-alive connections the open-loop client may hold: enough that a slow answer never delays the next request.
+MAX_CONNECTIONS = 256
+ROUTED_CHEAP_PATH = "/v1/models"
+
+
+def passthrough_config(port: int, replica_urls: list[str]) -> str:
+    """HAProxy in front of the replica ports with nothing of sluice's: no Lua, no route call, no stick tables."""
+    servers = []
+    for index, url in enumerate(replica_urls):
+        parts = urlsplit(url)
+        servers.append(f"    server r{index} {parts.netloc}")
+    prefix = urlsplit(replica_urls[0]).path
+    return "\n".join(
+        [
+            "global",
+            "    maxconn 4096",
+            "defaults",
+            "    mode http",
+            "    option http-no-delay",
+            "    timeout connect 5s",
+            "    timeout client 3600s",
+            "    timeout server 3600s",
+            "frontend passthrough",
+            f"    bind {LOOPBACK}:{port}",
+            f"    http-request set-path {prefix}%[path]" if prefix else "",
+            "    default_backend replicas",
+            "backend replicas",
+            "    balance roundrobin",
+            *servers,
+            "",
+        ]
+    )
+
+
+@contextlib.contextmanager
+def passthrough_haproxy(folder: Path, replica_urls: list[str]) -> Iterator[str]:
+    """A plain HAProxy process (started here, ended here by its PID) in front of `replica_urls`; yields its URL."""
+    port = free_port(LOOPBACK)
+    config = folder / "passthrough.cfg"
+    config.write_text(passthrough_config(port, replica_urls))
+    process = subprocess.Popen([str(find_haproxy_binary()), "-db", "-f", str(config)])
+    try:
+        deadline = time.monotonic() + 10
+        while not _listening(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the pass-through HAProxy did not start (exit {process.poll()})")
+            time.sleep(0.05)
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), 1):
+        return True
+    return False
+
+
+async def _exchange(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: bytes) -> tuple[int, bool]:
+    """One request on a keep-alive connection: its status, and whether the connection may be reused."""
+    reader, writer = connection
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    status = int(lines[0].split(" ", 2)[1])
+    if "content-length" not in headers:
+        await reader.read()
+        return status, False
+    await reader.readexactly(int(headers["content-length"]))
+    return status, headers.get("connection", "").lower() != "close"
+
+
+async def post_at_rate(url: str, rate: int, seconds: float, id_prefix: str) -> tuple[list[str], Counter[int]]:
+    """Open loop: request i leaves at start + i / rate, whatever the earlier ones are doing. Returns the request ids
+    sent and the count of each status."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or LOOPBACK, parts.port or 80
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    opened: list[asyncio.StreamWriter] = []
+    slots = asyncio.Semaphore(MAX_CONNECTIONS)
+    statuses: Counter[int] = Counter()
+    ids = [f"{id_prefix}-{i}" for i in range(int(rate * seconds))]
+
+    async def one(request_id: str) -> None:
+        async with slots:
+            if idle:
+                connection = idle.pop()
+            else:
+                connection = await asyncio.open_connection(host, port)
+                opened.append(connection[1])
+            request = (
+                f"POST {ROUTED_CHEAP_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nx-request-id: {request_id}\r\n"
+                "content-length: 0\r\n\r\n"
+            ).encode()
+            try:
+                status, reusable = await _exchange(connection, request)
+            except (OSError, asyncio.IncompleteReadError):
+                status, reusable = 0, False
+            statuses[status] += 1
+            if reusable:
+                idle.append(connection)
+            else:
+                connection[1].close()
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    tasks = []
+    for index, request_id in enumerate(ids):
+        delay = started + index / rate - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(request_id)))
+    await asyncio.gather(*tasks)
+    for writer in opened:
+        writer.close()
+    return ids, statuses
+
+
+def router_process(router_app: str) -> psutil.Process:
+    """The router replica's process (the bench stack runs one router replica)."""
+    for process in psutil.process_iter(["cmdline"]):
+        if " ".join(process.info["cmdline"] or []).startswith(f"ray::ServeReplica:{router_app}:"):
+            return process
+    raise RuntimeError(f"no process of router app {router_app}")
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def route_call_rates(url: str, frontend: Any, router_app: str) -> dict[str, Any]:
+    """Route call p50/p99 as timed inside HAProxy's Lua action, and the router's CPU per decision, at each rate."""
+    router = router_process(router_app)
+    before = _cpu_s(router)
+    time.sleep(RATE_STEP_S)
+    idle_cpu_s = _cpu_s(router) - before
+    results: dict[str, Any] = {}
+    for rate in RATES:
+        before = _cpu_s(router)
+        ids, statuses = asyncio.run(post_at_rate(url, rate, RATE_STEP_S, f"bench-rate-{rate}-{time.time_ns()}"))
+        busy_cpu_s = _cpu_s(router) - before
+        time.sleep(0.5)  # the frontend logs a request once it has ended
+        records = frontend.requests.remote(ids).result(timeout_s=60)
+        route_ms = [r["route_s"] * 1000 for r in records if r["route_s"] is not None]
+        if not route_ms:
+            raise RuntimeError(f"no route call was logged at {rate} req/s (statuses {dict(statuses)})")
+        results[str(rate)] = {
+            "requests": len(ids),
+            "statuses": {str(k): v for k, v in sorted(statuses.items())},
+            "route_p50_ms": quantile(route_ms, 0.5),
+            "route_p99_ms": quantile(route_ms, 0.99),
+            "router_cpu_us_per_decision": max(busy_cpu_s - idle_cpu_s, 0.0) / len(route_ms) * 1e6,
+        }
+    return results
+
+
+def rates_table(results: dict[str, Any]) -> str:
+    lines = [f"{'req/s':>6}{'route p50 ms':>14}{'route p99 ms':>14}{'router CPU µs/decision':>24}{'statuses':>16}"]
+    for rate, entry in results.items():
+        lines.append(
+            f"{rate:>6}{entry['route_p50_ms']:>14.2f}{entry['route_p99_ms']:>14.2f}"
+            f"{entry['router_cpu_us_per_decision']:>24.0f}  {entry['statuses']}"
+        )
+    return "\n".join(lines)

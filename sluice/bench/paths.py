@@ -1,0 +1,220 @@
+"""`sluice bench paths`: the same streams over every path to the same replicas, side by side, in one run.
+
+Paths (each to the same two replicas of one stack, the embedded default with its legacy ingress retained and every
+session on the direct path):
+- `replica_port`: the replicas' own HTTP ports, spread round-robin — the limit every other path is compared to;
+- `haproxy_only`: a plain HAProxy round-robin over the same ports, no Lua, no route call (sluice.bench.overhead):
+  what the data plane costs by itself;
+- `direct`: sluice's direct path (HAProxy -> Lua route call -> router -> replica port);
+- `legacy`: sluice's retained legacy ingress (its replica's port: a Python relay and a handle call per chunk);
+- `serve_proxy`: Serve's default Python proxy in front of the LLM app;
+- `ray_peer`: Ray 2.60's own HAProxy direct streaming (`RAY_SERVE_ENABLE_HA_PROXY=1`, Ray Serve LLM's builder and
+  its LLMRouter) on its own replicas of the same model with the same engine settings (sluice.bench.ray_peer), and
+  `ray_replica_port`, those replicas' own ports (the peer's limit). Ray's HAProxy binds ports on all interfaces, so
+  the peer runs only when the bench runs in a private network namespace with loopback alone (`sluice bench paths`
+  re-executes itself in one when it can).
+
+Workloads: the tiny vLLM model at 1, 16 and 64 concurrent streams; then the same paths in front of a zero-compute
+engine stand-in (services.replica.zero_compute_engine, behind the same replica app: the engine is not the bottleneck,
+the
+paths are), many short and many long streams. Then the route call at fixed rates (sluice.bench.overhead).
+
+Every figure is the median of `REPETITIONS` interleaved rounds (path A, B, C, ... then A again), with its min and
+max, because these machines are shared and noisy: ratios to `replica_port` matter, not absolute times. Writes the
+terminal tables, `paths.json` and a chart per workload into the output folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from base.contracts import ZERO_COMPUTE_STAND_IN
+from base.tiny_model import SERVED_MODEL_NAME
+from loadtests.metrics import quantile
+from loadtests.stream_probe import one_stream
+from sluice.bench.goals import breakdown, judge, verdict_lines
+from sluice.bench.overhead import passthrough_haproxy, rates_table, route_call_rates
+from sluice.bench.summary import Rounds, chart, summarize, table
+from topologies import EMBEDDED_SPEC
+
+REPETITIONS = 3
+# A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
+SINGLE_STREAM_SAMPLES = 8
+# Workload -> (label, concurrent streams, max_tokens) cases.
+TINY_MODEL = "tiny_model"
+ZERO_COMPUTE = "zero_compute_engine_stand_in"
+CASES = {
+    TINY_MODEL: [("1", 1, 64), ("16", 16, 64), ("64", 64, 64)],
+    ZERO_COMPUTE: [("64x16", 64, 16), ("64x256", 64, 256)],
+}
+TEAM_FILE = EMBEDDED_SPEC
+
+
+async def _round(urls: list[str], streams: int, max_tokens: int) -> dict[str, float]:
+    """`streams` concurrent streams over `urls` (round-robin; one stream: `SINGLE_STREAM_SAMPLES` in a row): the
+    figures of one round."""
+    limits = httpx.Limits(max_connections=streams)
+    async with httpx.AsyncClient(timeout=300, limits=limits, headers={"accept-encoding": "identity"}) as client:
+        started = time.perf_counter()
+        if streams == 1:
+            results = [
+                await one_stream(client, urls[i % len(urls)], SERVED_MODEL_NAME, max_tokens)
+                for i in range(SINGLE_STREAM_SAMPLES)
+            ]
+        else:
+            results = await asyncio.gather(
+                *(one_stream(client, urls[i % len(urls)], SERVED_MODEL_NAME, max_tokens) for i in range(streams))
+            )
+        wall = time.perf_counter() - started
+    ttfts = [r.ttft_s * 1000 for r in results]
+    gaps = [g * 1000 for r in results for g in r.token_gaps_s] or [0.0]
+    return {
+        "tokens_per_s": sum(r.completion_tokens for r in results) / wall,
+        "ttft_p50_ms": quantile(ttfts, 0.5),
+        "ttft_p99_ms": quantile(ttfts, 0.99),
+        "itl_p50_ms": quantile(gaps, 0.5),
+        "itl_p99_ms": quantile(gaps, 0.99),
+        "headers_p50_ms": quantile([r.headers_s * 1000 for r in results], 0.5),
+    }
+
+
+def interleaved(urls: dict[str, list[str]], cases: list[tuple[str, int, int]]) -> Rounds:
+    """Every case over every path, path after path, `REPETITIONS` times (after one warm-up round per path)."""
+    for path_urls in urls.values():
+        asyncio.run(_round(path_urls, 2, 8))
+    rounds: Rounds = {path: {label: [] for label, _, _ in cases} for path in urls}
+    for _ in range(REPETITIONS):
+        for label, streams, max_tokens in cases:
+            for path, path_urls in urls.items():
+                rounds[path][label].append(asyncio.run(_round(path_urls, streams, max_tokens)))
+    return rounds
+
+
+def _deploy_stack(folder: Path, name: str, stand_in: str | None = None) -> tuple[Any, dict[str, list[str]]]:
+    """The embedded default with its legacy ingress retained, on free ports; each path's base URLs."""
+    from base.runtime import DEFAULT_SERVE_PROXY_PORT, LOOPBACK, free_port
+    from builders.plan import build_plan
+    from services.serve_internals import list_replica_endpoints
+    from sluice.deploy.apply import apply_plan, ensure_models
+    from topologies.spec import parse_spec
+
+    data = yaml.safe_load(TEAM_FILE.read_text())
+    data["name"] = name
+    data["frontend"].update(port=free_port(LOOPBACK), metrics_port=free_port(LOOPBACK))
+    data["ingress"] = {"mode": "both", "canary_weight": 100}
+    for model in data["models"]:
+        model["max_ongoing_requests"] = 128
+    spec = parse_spec(data)
+    plan = build_plan(spec)
+    model = plan.models[0]
+    if stand_in is not None:
+        apps = [
+            app.model_copy(update={"args": {**app.args, "engine_stand_in": stand_in}})
+            if app.name == model.llm_app
+            else app
+            for app in plan.apps
+        ]
+        plan = plan.model_copy(update={"apps": apps})
+    ensure_models(spec)
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(data))
+    if not apply_plan(spec, plan):
+        raise RuntimeError(f"the bench stack {name} did not come up")
+    replicas = asyncio.run(list_replica_endpoints(model.llm_app))
+    legacy = asyncio.run(list_replica_endpoints(model.legacy_app))
+    urls = {
+        "replica_port": [f"{e.url}/{model.llm_app}" for e in replicas],
+        "direct": [plan.url],
+        "legacy": [f"{e.url}/{model.legacy_app}" for e in legacy],
+        "serve_proxy": [f"http://{LOOPBACK}:{DEFAULT_SERVE_PROXY_PORT}/{model.llm_app}"],
+    }
+    return plan, urls
+
+
+def _delete_stack(plan: Any) -> None:
+    from ray import serve
+
+    for app in reversed(plan.apps):
+        serve.delete(app.name)
+
+
+@contextlib.contextmanager
+def _peer(with_peer: bool) -> Iterator[tuple[Any, str]]:
+    """Ray's own direct streaming on the tiny model, or None and why not."""
+    from base.runtime import cache_dir, default_model_dir
+    from sluice.bench.ray_peer import in_private_netns, running_ray_peer
+
+    if not with_peer:
+        yield None, "not run (--no-peer)"
+    elif not in_private_netns():
+        yield None, "not run: not in a private network namespace (Ray's HAProxy binds all interfaces)"
+    else:
+        # A short workdir: Ray's socket paths under it must stay within the OS limit.
+        with running_ray_peer(default_model_dir(), cache_dir() / "ray-peer") as peer:
+            yield peer, "measured (in-process executor, like sluice's replicas)"
+
+
+def _measure(out: Path, name: str, stand_in: str | None, peer: Any) -> tuple[Rounds, Any]:
+    plan, urls = _deploy_stack(out, name, stand_in)
+    with passthrough_haproxy(out, urls["replica_port"]) as haproxy_url:
+        ordered = {"replica_port": urls.pop("replica_port"), "haproxy_only": [haproxy_url], **urls}
+        if peer is not None:
+            ordered["ray_replica_port"] = peer.replica_urls
+            ordered["ray_peer"] = [peer.url]
+        rounds = interleaved(ordered, CASES[TINY_MODEL if stand_in is None else ZERO_COMPUTE])
+    return rounds, plan
+
+
+def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
+    from ray import serve
+
+    from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
+
+    out.mkdir(parents=True, exist_ok=True)
+    start_local_cluster(log_to_driver=False)
+    try:
+        with _peer(with_peer) as (peer, peer_note):
+            tiny_rounds, plan = _measure(out, "bench-paths", None, peer)
+        model = plan.models[0]
+        rates = route_call_rates(plan.url, serve.get_app_handle(plan.frontend_app), model.router_app)
+        _delete_stack(plan)
+        zero_rounds, _ = _measure(out, "bench-zero", ZERO_COMPUTE_STAND_IN, None)
+    finally:
+        stop_local_cluster()
+    measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    workloads = {TINY_MODEL: summarize(tiny_rounds), ZERO_COMPUTE: summarize(zero_rounds)}
+    verdicts = judge(workloads[TINY_MODEL], workloads[ZERO_COMPUTE], rates)
+    payload = {
+        "measured_at": measured_at,
+        "repetitions": REPETITIONS,
+        "cases": {
+            w: [{"label": c[0], "streams": c[1], "max_tokens": c[2]} for c in cases] for w, cases in CASES.items()
+        },
+        "ray_peer": peer_note,
+        "workloads": workloads,
+        "route_call_rates": rates,
+        "breakdown": dict(breakdown(workloads[TINY_MODEL], rates)),
+        "goals": [{"goal": g, "measured": m, "met": met} for g, m, met in verdicts],
+    }
+    (out / "paths.json").write_text(json.dumps(payload, indent=2))
+    for workload, summary in workloads.items():
+        chart(summary, out / f"paths-{workload}.png", f"{workload.replace('_', ' ')}, {measured_at}")
+        print(f"\n{workload}: median of {REPETITIONS} interleaved rounds (x ratio to replica_port), {measured_at}:")
+        print(table(summary))
+    print(f"\nray_peer: {peer_note}; ray_replica_port: the peer's replicas' own ports")
+    print("\nroute call as HAProxy's Lua action times it, open-loop POSTs at fixed rates:")
+    print(rates_table(rates))
+    print("\nthe direct path's TTFT, part by part:")
+    print("\n".join(f"  {part:<52}{value}" for part, value in payload["breakdown"].items()))
+    print("\ngoals:")
+    print(verdict_lines(verdicts))
+    print(f"written: {out / 'paths.json'}, {out}/paths-*.png")
+    return payload

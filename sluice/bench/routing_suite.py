@@ -1,0 +1,248 @@
+"""`sluice load routing --spec FILE`: the routing-semantics suite. It deploys the stack of FILE (the embedded default
+unless given) in the variants it needs, drives the scale changes itself, and reports:
+
+- affinity: with consistent_hash and no scale change, the share of each session's requests on its usual replica
+  (the multi-turn campaign);
+- remap fraction: the share of sessions whose replica changes when the deployment scales out 2 -> 3 (ideal 1/3)
+  and back in 3 -> 2;
+- header-less uniformity: the coefficient of variation of per-replica counts over requests with no session header
+  (round_robin, 3 replicas);
+- bodies over the forwarding buffer (forward_body on, a 1 KiB buffer): still served, each session on one replica;
+- `num_fallback_replicas` 2 (the default) versus 0: rejections and p99 latency while a replica is killed;
+- prefix-cache reuse per policy: the multi-turn campaign on 3 replicas under round_robin and consistent_hash, with
+  vLLM's own prefix-cache counters read from every replica's /metrics before and after, and the ideal rate the
+  workload allows (every token a session resends was computed before).
+
+Writes `routing.json` and `report.html` (with the prefix-cache plot) into the output folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from base.contracts import REPLICA_HEADER
+from loadtests.campaign import Campaign, run
+from loadtests.metrics import summarize
+from loadtests.report import prefix_cache_rates, write_report
+from loadtests.sse_timing import StreamRow
+
+PROBES = 600
+REMAP_SESSIONS = 300
+PROBE_CONCURRENCY = 8
+FALLBACK_REQUESTS = 400
+OVER_BUFFER_BYTES = 1024
+_PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} (\S+)$", re.M)
+
+
+def _deploy(data: dict[str, Any], policy: str, replicas: int, **routing: Any) -> Any:
+    from builders.plan import build_plan
+    from sluice.deploy.apply import apply_plan
+    from topologies.spec import parse_spec
+
+    variant = json.loads(json.dumps(data))
+    variant["routing"] = {**variant.get("routing", {}), "policy": policy, "policy_kwargs": {}, **routing}
+    for model in variant["models"]:
+        model.pop("autoscaling", None)
+        model["replicas"] = replicas
+    spec = parse_spec(variant)
+    plan = build_plan(spec)
+    if not apply_plan(spec, plan):
+        raise RuntimeError(f"the {policy} stack with {replicas} replicas did not come up")
+    return plan
+
+
+async def _probe(url: str, model: str, sessions: list[str | None]) -> list[str]:
+    """The replica that served one 1-token completion per entry (a session id, or None for no header)."""
+    semaphore = asyncio.Semaphore(PROBE_CONCURRENCY)
+    body = {"model": model, "prompt": "ka lo", "max_tokens": 1}
+
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def one(session: str | None) -> str:
+            async with semaphore:
+                headers = {"x-session-id": session} if session else {}
+                response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+                response.raise_for_status()
+                return response.headers[REPLICA_HEADER]
+
+        return await asyncio.gather(*(one(s) for s in sessions))
+
+
+async def _outcomes(url: str, model: str, requests: list[tuple[str, str]]) -> list[tuple[int, float, str]]:
+    """(status, latency s, replica) of one 1-token completion per (session, prompt); status 0: no response."""
+    semaphore = asyncio.Semaphore(PROBE_CONCURRENCY)
+
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def one(session: str, prompt: str) -> tuple[int, float, str]:
+            async with semaphore:
+                started = time.perf_counter()
+                body = {"model": model, "prompt": prompt, "max_tokens": 1}
+                try:
+                    response = await client.post(f"{url}/v1/completions", json=body, headers={"x-session-id": session})
+                except httpx.HTTPError:  # the connection failed or was cut: a rejection as the client sees it
+                    return 0, time.perf_counter() - started, ""
+                return response.status_code, time.perf_counter() - started, response.headers.get(REPLICA_HEADER, "")
+
+        return await asyncio.gather(*(one(s, p) for s, p in requests))
+
+
+def _kill_one_replica(plan: Any) -> str:
+    """SIGKILL-like end of one LLM replica actor (Serve starts a new one)."""
+    import ray
+
+    from services.serve_internals import list_replica_endpoints
+
+    model = plan.models[0]
+    victim = asyncio.run(list_replica_endpoints(model.llm_app))[0]
+    name = f"SERVE_REPLICA::{model.llm_app}#{victim.deployment}#{victim.replica_id}"
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return victim.replica_id
+
+
+def fallback_run(plan: Any, model: str) -> dict[str, Any]:
+    """Requests of 16 sessions while one replica is killed 1 s in: rejections and p99 latency."""
+    requests = [(f"fallback-{i % 16}", "ka lo") for i in range(FALLBACK_REQUESTS)]
+    box: dict[str, list[tuple[int, float, str]]] = {}
+    runner = threading.Thread(target=lambda: box.setdefault("out", asyncio.run(_outcomes(plan.url, model, requests))))
+    runner.start()
+    time.sleep(1.0)
+    killed = _kill_one_replica(plan)
+    runner.join(timeout=300)
+    outcomes = box["out"]
+    latencies = sorted(latency for _, latency, _ in outcomes)
+    return {
+        "requests": len(outcomes),
+        "rejections": sum(status >= 500 or status == 0 for status, _, _ in outcomes),
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "killed": killed,
+    }
+
+
+def _prefix_counters(plan: Any) -> tuple[float, float]:
+    from services.serve_internals import list_replica_endpoints
+
+    hits = queries = 0.0
+    for model in plan.models:
+        for endpoint in asyncio.run(list_replica_endpoints(model.llm_app)):
+            text = httpx.get(f"{endpoint.url}/{model.llm_app}/metrics", timeout=30).text
+            for kind, value in _PREFIX.findall(text):
+                hits += float(value) if kind == "hits" else 0.0
+                queries += float(value) if kind == "queries" else 0.0
+    return hits, queries
+
+
+def affinity(rows: list[StreamRow]) -> float:
+    """Requests on their session's most used replica / requests, over sessions with at least two requests."""
+    by_session: dict[str, Counter[str]] = {}
+    for row in rows:
+        if row.ok:
+            by_session.setdefault(row.session, Counter())[row.replica] += 1
+    several = [counts for counts in by_session.values() if sum(counts.values()) >= 2]
+    total = sum(sum(c.values()) for c in several)
+    return sum(max(c.values()) for c in several) / total if total else 0.0
+
+
+def ideal_prefix_rate(rows: list[StreamRow]) -> float:
+    """The prefix-cache hit rate a perfect cache allows: each turn may reuse the previous turn's prompt and answer."""
+    by_session: dict[str, list[StreamRow]] = {}
+    for row in sorted(rows, key=lambda r: r.sent_at):
+        if row.ok:
+            by_session.setdefault(row.session, []).append(row)
+    reusable = sum(
+        min(prev.prompt_tokens + prev.output_tokens, turn.prompt_tokens)
+        for turns in by_session.values()
+        for prev, turn in zip(turns, turns[1:], strict=False)
+    )
+    total = sum(row.prompt_tokens for turns in by_session.values() for row in turns)
+    return reusable / total if total else 0.0
+
+
+def cv(counts: list[int]) -> float:
+    return statistics.pstdev(counts) / statistics.fmean(counts) if counts and sum(counts) else 0.0
+
+
+def _campaign(plan: Any, out: Path, tokenizer: Path, duration_s: float) -> list[StreamRow]:
+    campaign = Campaign(
+        workload="multi_turn", target=plan.url, out=out, tokenizer=tokenizer, duration_s=duration_s, users=6
+    )
+    run(campaign)
+    import csv
+
+    with (out / "rows.csv").open() as handle:
+        return [StreamRow.from_csv(row) for row in csv.DictReader(handle)]
+
+
+def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict[str, Any]:
+    """Run the suite on the connected Ray cluster; returns (and writes) its figures."""
+    data = yaml.safe_load(spec_path.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    model = data["models"][0]["name"]
+    figures: dict[str, Any] = {}
+    plan = _deploy(data, "consistent_hash", 2)
+    try:
+        rows = _campaign(plan, out / "affinity", tokenizer, duration_s)
+        figures["affinity"] = affinity(rows)
+        sessions = [f"remap-{i}" for i in range(REMAP_SESSIONS)]
+        on_two = asyncio.run(_probe(plan.url, model, sessions))
+        plan = _deploy(data, "consistent_hash", 3)
+        time.sleep(1)
+        on_three = asyncio.run(_probe(plan.url, model, sessions))
+        figures["remap_out_2_to_3"] = sum(a != b for a, b in zip(on_two, on_three, strict=True)) / len(sessions)
+        prefix: dict[str, float] = {}
+        ideal: dict[str, float] = {}
+        for policy in ("consistent_hash", "round_robin"):
+            if policy == "round_robin":
+                plan = _deploy(data, "round_robin", 3)
+                served = asyncio.run(_probe(plan.url, model, [None] * PROBES))
+                figures["headerless_cv"] = cv(list(Counter(served).values()))
+                figures["headerless_per_replica"] = dict(Counter(served))
+            before = _prefix_counters(plan)
+            rows = _campaign(plan, out / f"prefix-{policy}", tokenizer, duration_s)
+            after = _prefix_counters(plan)
+            queries = after[1] - before[1]
+            prefix[policy] = (after[0] - before[0]) / queries if queries else 0.0
+            ideal[policy] = ideal_prefix_rate(rows)
+            if policy == "consistent_hash":
+                plan = _deploy(data, "consistent_hash", 2)
+                time.sleep(1)
+                back = asyncio.run(_probe(plan.url, model, sessions))
+                figures["remap_in_3_to_2"] = sum(a != b for a, b in zip(on_three, back, strict=True)) / len(sessions)
+        figures["prefix_cache_hit_rate"] = prefix
+        figures["prefix_cache_ideal_rate"] = ideal
+        # Bodies over the forwarding buffer: routed by their session all the same (the router sees a cut body).
+        plan = _deploy(data, "consistent_hash", 2, forward_body=True, body_buffer_bytes=OVER_BUFFER_BYTES)
+        long_prompt = " ka lo mi" * (OVER_BUFFER_BYTES // 5)  # ~1.8 KB, within the model's context
+        outcomes = asyncio.run(_outcomes(plan.url, model, [(f"big-{i % 20}", long_prompt) for i in range(100)]))
+        by_session: dict[str, set[str]] = {}
+        for (status, _, replica), i in zip(outcomes, range(100), strict=True):
+            if status == 200:
+                by_session.setdefault(f"big-{i % 20}", set()).add(replica)
+        figures["over_buffer"] = {
+            "requests": len(outcomes),
+            "ok": sum(status == 200 for status, _, _ in outcomes),
+            "sessions_on_one_replica": sum(len(r) == 1 for r in by_session.values()) / max(len(by_session), 1),
+        }
+        # num_fallback_replicas 2 (the default) versus 0, each while a replica is killed.
+        figures["fallbacks"] = {"2": fallback_run(plan, model)}
+        plan = _deploy(data, "consistent_hash", 2, policy_kwargs={"num_fallback_replicas": 0})
+        figures["fallbacks"]["0"] = fallback_run(plan, model)
+    finally:
+        from sluice.deploy.apply import delete_plan
+
+        delete_plan(plan)
+    (out / "routing.json").write_text(json.dumps(figures, indent=2))
+    plot = prefix_cache_rates(figures["prefix_cache_hit_rate"], max(figures["prefix_cache_ideal_rate"].values()), out)
+    write_report("sluice load routing", summarize(rows), rows, out, extra_plots=[plot])
+    return figures

@@ -1,0 +1,121 @@
+"""The commands on a stack in a running Ray cluster: `deploy`, `status`, `down`, `canary`, `rollback`, `check`
+(and `sluice stack ...` for stacks in containers)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from base.runtime import COMPATIBLE_RAY_START
+from sluice.cli.stack import add_stack_commands
+from topologies import EMBEDDED_SPEC
+
+
+def _on_cluster(args: argparse.Namespace) -> int:
+    """`sluice deploy | status | down | canary | rollback | check`: a stack on a running Ray cluster, after the
+    preflight (exit `PREFLIGHT_EXIT_CODE` with the fix when the cluster cannot run a sluice stack)."""
+    from services.frontend.ingress_control import NoLegacyPath
+    from sluice.cli import ingress as ingress_cli
+    from sluice.deploy import apply as deploy
+    from sluice.deploy import status
+    from sluice.deploy.check import check
+    from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE, PreflightError, connect_to_serve
+    from topologies.problems import SpecError
+
+    deploy.quiet_ray_loggers(args.verbose)
+    try:
+        if args.command == "deploy":
+            return deploy.deploy(args.file, args.address, args.timeout)
+        if args.command == "down":
+            return deploy.down(args.target, args.address)
+        if args.command == "canary":
+            return ingress_cli.canary(args.file, args.address, args.weight, args.watch)
+        if args.command == "rollback":
+            return ingress_cli.rollback(args.file, args.address)
+        connect_to_serve(args.address)
+        if args.command == "status":
+            return status.status(args.target, args.address, as_json=args.json)
+        try:
+            return check(args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip)
+        except ValueError as error:  # an unknown --allow-skip item
+            print(error, file=sys.stderr)
+            return 2
+    except PreflightError as error:
+        print(error, file=sys.stderr)
+        return PREFLIGHT_EXIT_CODE
+    except (SpecError, NoLegacyPath) as error:
+        print(error, file=sys.stderr)
+        return 1
+
+
+def _check(args: argparse.Namespace) -> int:
+    """`sluice check --target URL` needs no cluster; with a spec file it is a command on the cluster."""
+    from sluice.deploy.check import check
+
+    if args.target is None:
+        return _on_cluster(args)
+    try:
+        return check(None, args.target, args.address, args.json, args.allow_skip)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+
+
+def add_cluster_commands(commands: Any) -> None:
+    from sluice.deploy.check import ITEMS as CHECK_ITEMS
+
+    deploy = commands.add_parser(
+        "deploy",
+        help="deploy a spec to a running Ray cluster and return once it serves",
+        description="Preflight (exit 3 with the fix when the cluster cannot run a sluice stack), deploy the spec's "
+        "apps, show each deployment's replicas as they start, return once the frontend serves every replica. "
+        f"A compatible Ray on this machine: `{COMPATIBLE_RAY_START}`.",
+    )
+    deploy.add_argument("file")
+    deploy.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds to wait for the stack (default 600, or 1800 when a model asks for GPUs); on the deadline, "
+        "exit 1 naming the stuck deployment and its replica log's last lines",
+    )
+    status = commands.add_parser(
+        "status",
+        help="what runs on the cluster: every sluice stack, or one stack's policy, replicas, routers, ingress, canary",
+    )
+    status.add_argument("target", nargs="?", help="a stack's spec file or its name team-name (none: list stacks)")
+    status.add_argument("--json", action="store_true")
+    down = commands.add_parser("down", help="delete a deployed stack's apps (HAProxy goes with the frontend app)")
+    down.add_argument("target", help="the stack's spec file or its name team-name")
+    for command in (deploy, status, down):
+        command.set_defaults(func=_on_cluster)
+
+    canary = commands.add_parser("canary", help="set a deployed stack's share of sessions on the direct path")
+    canary.add_argument("file")
+    canary.add_argument("--weight", type=int, required=True, choices=range(0, 101), metavar="0..100")
+    canary.add_argument("--watch", type=float, default=0.0, help="follow both paths' measures for this many seconds")
+    rollback = commands.add_parser("rollback", help="every new request to the legacy path; drain the direct one")
+    rollback.add_argument("file")
+    for command in (canary, rollback):
+        command.set_defaults(func=_on_cluster)
+    check = commands.add_parser(
+        "check",
+        help="the adoption checklist of a deployed stack (or of a URL)",
+        description="Observes and never changes the stack. Exit 0: every item ran and passed; 4: incomplete (items "
+        "skipped, each with the setting that enables it); 1: an item failed.",
+    )
+    check.add_argument("file", nargs="?", help="the stack's spec (default: the embedded one)")
+    check.add_argument("--target", help="check only what this frontend URL shows")
+    check.add_argument("--json", action="store_true")
+    check.add_argument(
+        "--allow-skip",
+        action="append",
+        default=[],
+        metavar="ITEM",
+        help="an item you accept skipped (repeatable): " + ", ".join(repr(item) for item in CHECK_ITEMS),
+    )
+    check.set_defaults(func=_check)
+    add_stack_commands(commands)
+    for command in (deploy, status, down, canary, rollback, check):
+        command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS, else local)")
+        command.add_argument("--verbose", action="store_true", help="Ray's and Serve's own log lines too")

@@ -1,0 +1,232 @@
+"""`sluice deploy | down | render`: a team's stack on a running Ray cluster, from its spec file.
+
+`deploy` runs the preflight (`sluice.deploy.preflight`: exit 3 with the fix, nothing deployed), applies the spec's plan
+(`builders.plan`) app by app, shows each deployment's replicas as they start (`sluice.deploy.progress`) until the
+frontend has every replica UP, prints the URL and returns: the stack (its frontend included) lives in the cluster,
+not in this process, and is recorded there (`sluice.deploy.registry`). A deployment Serve gives up on, or the deadline
+(`--timeout`), ends it with exit 1, naming the deployment, Serve's reason and the last lines of its replica log.
+Ray's and Serve's own logs stay in the cluster's log folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from builders.plan import StackPlan, build_plan, model_path, serve_config
+from sluice.deploy import registry
+from sluice.deploy.preflight import cluster_spans_nodes, connect, preflight, replica_demands
+from sluice.deploy.progress import DeployProgress
+from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, load_spec
+
+# Sized for a model load: the tiny model on CPU starts in ~30 s, a real model on GPUs in minutes.
+CPU_DEPLOY_TIMEOUT_S = 600.0
+GPU_DEPLOY_TIMEOUT_S = 1800.0
+_POLL_S = 0.5
+
+
+def plan_of(path: str) -> tuple[Any, StackPlan]:
+    spec = load_spec(path)
+    return spec, build_plan(spec)
+
+
+def render(path: str) -> str:
+    _, plan = plan_of(path)
+    header = f"# Rendered by `sluice render {path}`: deploy with `serve deploy`, or as KubeRay's serveConfigV2.\n"
+    return header + yaml.safe_dump(serve_config(plan), sort_keys=False)
+
+
+def default_timeout_s(plan: StackPlan) -> float:
+    """How long `deploy` waits by default: a GPU model load when any replica asks for a GPU."""
+    gpus = any(one.get("GPU", 0.0) > 0 for _, one, _ in replica_demands(plan))
+    return GPU_DEPLOY_TIMEOUT_S if gpus else CPU_DEPLOY_TIMEOUT_S
+
+
+def quiet_ray_loggers(verbose: bool) -> None:
+    """Ray's and Serve's own lines stay out of a command's output unless `--verbose` (after Ray's import, which
+    configures its loggers)."""
+    import ray  # noqa: F401
+
+    level = logging.INFO if verbose else logging.ERROR
+    for name in ("ray", "ray.serve"):
+        logging.getLogger(name).setLevel(level)
+
+
+def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
+    from ray import serve
+
+    try:
+        return serve.get_app_handle(plan.frontend_app).status.remote().result(timeout_s=10)
+    except Exception:  # not deployed, or not running yet
+        return None
+
+
+def frontend_url(plan: StackPlan) -> str:
+    """Where the deployed frontend listens, as it reports it: the head node's address on a stack across nodes."""
+    status = _frontend_status(plan)
+    return status["url"] if status and status.get("url") else plan.url
+
+
+def ensure_models(spec: Any) -> None:
+    """Build the tiny model if a model of the spec is `tiny` and it is not built yet."""
+    from base.tiny_model import ensure_built
+
+    sources = {model.source for model in spec.models}
+    for source, moe in ((TINY_SOURCE, False), (TINY_MOE_SOURCE, True)):
+        if source in sources:
+            ensure_built(Path(model_path(source)), moe)
+
+
+def _published(plan: StackPlan) -> bool:
+    """Whether every app runs its new version (a redeploy reports DEPLOYING until it does) and the frontend has every
+    model's replicas UP and published to its routers."""
+    from ray import serve
+
+    applications = serve.status().applications
+    if any(app.name not in applications or applications[app.name].status.value != "RUNNING" for app in plan.apps):
+        return False
+    status = _frontend_status(plan)
+    wanted = [model.min_replicas for model in plan.models]
+    if not status or len(status["published"]) != len(wanted):
+        return False
+    return all(published >= n for published, n in zip(status["published"], wanted, strict=True))
+
+
+def apply_plan(spec: Any, plan: StackPlan, timeout_s: float | None = None, source: str = "sluice serve") -> bool:
+    """Deploy the plan's apps in order and record the stack; show each deployment's replicas as they start, until
+    the frontend has every replica UP (True), a deployment failed or the deadline passed (False, said why)."""
+    from ray import serve
+
+    started = time.monotonic()
+    deadline = started + (default_timeout_s(plan) if timeout_s is None else timeout_s)
+
+    def say(line: str) -> None:
+        print(f"[{time.monotonic() - started:5.1f} s] {line}", flush=True)
+
+    targets = []
+    for app in plan.apps:
+        module, name = app.import_path.split(":")
+        builder = getattr(importlib.import_module(module), name)
+        targets.append(serve.RunTarget(builder(app.args), name=app.name, route_prefix=app.route_prefix))
+    # Serve's own wait for an app to run has no deadline: submit every app, then follow them here.
+    serve.run_many(targets, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    say(f"deploying {', '.join(app.name for app in plan.apps)}")
+    registry.record(spec, plan, source)
+    progress = DeployProgress([app.name for app in plan.apps], say)
+    while time.monotonic() < deadline:
+        failed = progress.poll()
+        if failed is not None:
+            print(f"\ndeploy failed: Serve gave up on a deployment:\n{failed}", file=sys.stderr)
+            return False
+        if _published(plan):
+            for model in plan.models:
+                say(f"frontend: {model.name}: {model.min_replicas} replica(s) UP and published to its routers")
+            settle_ingress(spec, plan, say)
+            return True
+        time.sleep(_POLL_S)
+    stuck = progress.stuck() or [f"{plan.frontend_app}: the frontend has not every replica UP in HAProxy yet"]
+    waited = time.monotonic() - started
+    print(f"\ndeploy timed out after {waited:.0f} s; still not ready:\n" + "\n".join(stuck), file=sys.stderr)
+    return False
+
+
+def settle_ingress(spec: Any, plan: StackPlan, say: Callable[[str], None]) -> None:
+    """Wait for the declared ingress: the frontend reconfigured to its weight, a path that lost its traffic drained;
+    then remove a legacy ingress the spec no longer retains."""
+    from ray import serve
+
+    frontend = serve.get_app_handle(plan.frontend_app)
+    deadline = time.monotonic() + spec.ingress.drain_deadline_s + 30
+    while True:
+        ingress = frontend.ingress.remote().result(timeout_s=30)
+        drain = ingress["drain"]
+        drained = drain is None or drain["done"] or bool(drain["still_running"])
+        if ingress["direct_weight"] == spec.ingress.direct_weight and drained or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    say(f"frontend: direct weight {ingress['direct_weight']}% (ingress mode {spec.ingress.mode})")
+    if drain is not None:
+        state = "drained" if drain["done"] else f"still streaming at the deadline: {drain['still_running']}"
+        say(f"frontend: the {drain['path']} path {state}")
+    for model in plan.models:
+        if model.legacy_app and not model.legacy_deployed and model.legacy_app in serve.status().applications:
+            serve.delete(model.legacy_app)
+            say(f"{model.legacy_app}: deleted (the spec retains no legacy path)")
+
+
+def serving_lines(spec: Any, plan: StackPlan) -> list[str]:
+    lines = [f"\nsluice is serving at {plan.url}:"]
+    for model, planned in zip(spec.models, plan.models, strict=True):
+        what = " (the tiny model)" if model.source == TINY_SOURCE else ""
+        lines.append(
+            f"  {planned.name}{what}: HAProxy -> {planned.routers} router(s), policy {planned.policy} -> "
+            f"{planned.min_replicas} vLLM replica(s)"
+        )
+    served = plan.models[0].name
+    return [
+        *lines,
+        f"  curl -N {plan.url}/v1/chat/completions -H 'content-type: application/json' \\",
+        f'    -d \'{{"model": "{served}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 32, '
+        '"stream": true}\'',
+        f"  HAProxy metrics: http://{urlsplit(plan.url).hostname}:{spec.frontend.metrics_port}/metrics",
+    ]
+
+
+def delete_apps(apps: list[str]) -> None:
+    from ray import serve
+
+    existing = serve.status().applications
+    for app in reversed(apps):  # the frontend first: nothing is routed to an app that is going away
+        if app in existing:
+            serve.delete(app)
+            print(f"deleted {app}", flush=True)
+
+
+def delete_plan(plan: StackPlan) -> None:
+    delete_apps([app.name for app in plan.apps])
+
+
+def deploy(path: str, address: str, timeout_s: float | None = None) -> int:
+    from ray import serve
+
+    spec = load_spec(path)
+    connect(address)
+    spans_nodes = cluster_spans_nodes()
+    plan = build_plan(spec, spans_nodes=spans_nodes)
+    start_serve = preflight(plan, spans_nodes)
+    ensure_models(spec)
+    if start_serve is not None:
+        serve.start(**start_serve)
+    if spans_nodes:
+        print("a cluster of sluice nodes: LLM replicas on the worker nodes, the frontend on the head", flush=True)
+    if not apply_plan(spec, plan, timeout_s, source=str(Path(path).resolve())):
+        return 1
+    plan = plan.model_copy(update={"url": frontend_url(plan)})
+    print("\n".join(serving_lines(spec, plan)))
+    return 0
+
+
+def down(target: str, address: str) -> int:
+    """Delete a stack, named by its spec file or its name (`team-name`), and forget it."""
+    connect(address)
+    stack = load_spec(target).stack if Path(target).is_file() else target
+    entry = registry.deployed(stack)
+    if entry is not None:
+        apps = entry.apps
+    elif Path(target).is_file():
+        apps = [app.name for app in plan_of(target)[1].apps]
+    else:
+        known = ", ".join(e.stack for e in registry.deployed_stacks()) or "none"
+        print(f"no sluice stack {stack!r} on this cluster (deployed: {known})", file=sys.stderr)
+        return 1
+    delete_apps(apps)
+    registry.forget(stack)
+    return 0

@@ -1,0 +1,238 @@
+"""Preflight: whether the Ray cluster at hand can run a sluice stack, answered in seconds, before anything is deployed.
+
+Every command that works on a cluster connects through `connect` (`down` needs no more); `status`, `check`, `canary`
+and `rollback` also check Serve's controller (`connect_to_serve`); `deploy` runs `preflight` in full. Each problem is
+a `PreflightError` naming the exact fix, and the CLI exits with `PREFLIGHT_EXIT_CODE`:
+
+- **reachable**: a TCP connect to the GCS first (Ray itself retries an unreachable address for a minute);
+- **Serve's controller**: when it runs, it must have been started with direct ingress on and Ray's own HAProxy off
+  (`base.runtime.SERVE_CONTROLLER_ENV_KEYS`), its HTTP bound where HAProxy reaches the replicas; when it does not run,
+  `serve_start_options` gives what `deploy` starts it with (the environment through Serve's `controller_options`,
+  everything the replicas read through the apps' runtime_env: a plain `ray start --head` just works);
+- **resources**: each deployment's replica fits on some alive node, and the plan's replicas fit in the cluster;
+- **sluice on the cluster's workers**: a task imports sluice's replica module (a Ray started from another Python
+  would fail every replica); a cluster too busy to run it within its share of the time is let through.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+from base.contracts import NODE_BIND_ALL, WORKER_NODE_RESOURCE
+from base.runtime import (
+    COMPATIBLE_RAY_START,
+    DEFAULT_SERVE_PROXY_PORT,
+    LOOPBACK,
+    SERVE_CONTROLLER_ENV_KEYS,
+    apply_process_env,
+    carried_env,
+    process_env,
+    serve_controller_env,
+)
+from builders.plan import StackPlan
+
+PREFLIGHT_EXIT_CODE = 3
+# The whole preflight answers within 10 s: each probe gets a share of it.
+GCS_PROBE_TIMEOUT_S = 3.0
+CONTROLLER_PROBE_TIMEOUT_S = 3.0
+WORKER_PROBE_TIMEOUT_S = 3.0
+# Replica fits are compared with this much slack (Ray's fractional resources are fixed-point).
+_RESOURCE_SLACK = 1e-4
+
+
+class PreflightError(RuntimeError):
+    """The cluster cannot run a sluice stack: what is wrong and the exact fix."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"preflight: {problem}\n  fix: {fix}")
+        self.problem = problem
+        self.fix = fix
+
+
+def ray_start_line() -> str:
+    """The `ray start` line of a cluster whose own environment has every setting Serve's controller needs."""
+    env = process_env()
+    return " ".join(f"{key}={env[key]}" for key in SERVE_CONTROLLER_ENV_KEYS) + " " + COMPATIBLE_RAY_START
+
+
+def _gcs_address(address: str) -> str | None:
+    """The GCS address `address` names (`auto`: RAY_ADDRESS, else Ray's own lookup of the local cluster)."""
+    if address == "auto":
+        return os.environ.get("RAY_ADDRESS") or None
+    return address.removeprefix("ray://")
+
+
+def connect(address: str) -> None:
+    """Connect this process to the cluster as a driver whose apps carry sluice's environment (`carried_env`)."""
+    apply_process_env()
+    import ray
+
+    from services.serve_internals import send_ray_token_if_present
+
+    if ray.is_initialized():
+        return
+    send_ray_token_if_present()
+    fix = f"start one: `{COMPATIBLE_RAY_START}` (or `sluice node head`), then give its address with --address"
+    gcs = _gcs_address(address)
+    if gcs is not None:
+        host, _, port = gcs.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=GCS_PROBE_TIMEOUT_S).close()
+        except (OSError, ValueError) as error:
+            raise PreflightError(f"no Ray cluster at {gcs!r} ({error})", fix) from None
+    try:
+        ray.init(
+            address=address,
+            runtime_env={"env_vars": carried_env()},
+            log_to_driver=False,
+            logging_level=logging.getLogger("ray").getEffectiveLevel(),
+        )
+    except (ConnectionError, OSError, ValueError, RuntimeError) as error:
+        raise PreflightError(f"no Ray cluster at {address!r} ({error})", fix) from None
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    import ray
+
+    return [node for node in ray.nodes() if node.get("Alive")]
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def nodes_on_loopback() -> bool:
+    return all(_is_loopback(node["NodeManagerAddress"]) for node in _alive_nodes())
+
+
+def cluster_spans_nodes() -> bool:
+    """Whether the cluster is made of sluice nodes with roles (`sluice node`, KubeRay): its worker nodes advertise
+    WORKER_NODE_RESOURCE."""
+    import ray
+
+    return WORKER_NODE_RESOURCE in ray.cluster_resources()
+
+
+def _sluice_module_file() -> str:
+    import services.replica.llm_replica
+
+    return str(services.replica.llm_replica.__file__)
+
+
+def check_workers_import_sluice() -> None:
+    """A worker of the cluster imports sluice's replica module; a cluster too busy to start a worker within the
+    probe's time is let through (its replicas would say the same, later)."""
+    import ray
+
+    probe = ray.remote(num_cpus=0)(_sluice_module_file)
+    try:
+        ray.get(probe.remote(), timeout=WORKER_PROBE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        return
+    except (ray.exceptions.RayTaskError, ray.exceptions.RaySystemError, ModuleNotFoundError) as error:
+        raise PreflightError(
+            f"the cluster's workers cannot import sluice ({type(error).__name__})",
+            f"start Ray from sluice's environment (`.venv/bin/ray`, after `make venv`): `{COMPATIBLE_RAY_START}`",
+        ) from None
+
+
+def check_serve_controller(must_reach_nodes: bool) -> bool:
+    """Whether a Serve controller runs; PreflightError when it runs without what sluice needs."""
+    from services.serve_internals import serve_controller_settings
+
+    settings = serve_controller_settings(list(SERVE_CONTROLLER_ENV_KEYS), CONTROLLER_PROBE_TIMEOUT_S)
+    if settings is None:
+        return False
+    others = ", ".join(settings.applications) or "none"
+    restart = (
+        f"`serve shutdown -y` (deletes every Serve app of the cluster; running now: {others}) and deploy again: "
+        f"sluice starts Serve with its settings; or restart Ray with them: `ray stop`, then `{ray_start_line()}`"
+    )
+    if not settings.direct_ingress:
+        raise PreflightError(
+            "Serve's controller runs without direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1): no replica "
+            "would get its own HTTP port, and the routers would wait for endpoints forever",
+            restart,
+        )
+    if settings.env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        raise PreflightError("Serve's controller runs Ray's own HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1)", restart)
+    if must_reach_nodes and _is_loopback(settings.http_host):
+        raise PreflightError(
+            f"Serve's HTTP binds {settings.http_host}, but the cluster's nodes are not on loopback: HAProxy could "
+            "not reach the replicas' own ports",
+            f"`serve shutdown -y` (running now: {others}) and deploy again: sluice starts Serve on {NODE_BIND_ALL}",
+        )
+    return True
+
+
+def connect_to_serve(address: str) -> None:
+    """`connect`, then the Serve controller's check: what `status`, `check`, `canary` and `rollback` need."""
+    connect(address)
+    check_serve_controller(must_reach_nodes=False)
+
+
+def replica_demands(plan: StackPlan) -> Iterable[tuple[str, dict[str, float], int]]:
+    """(deployment, resources of one replica, replicas) of each planned deployment that asks for resources."""
+    for app in plan.apps:
+        deployment = app.args.get("deployment")
+        if not isinstance(deployment, dict):
+            continue
+        one: dict[str, float] = {"CPU": float(deployment.get("num_cpus", 0.0))}
+        if deployment.get("num_gpus"):
+            one["GPU"] = float(deployment["num_gpus"])
+        if deployment.get("accelerator_type"):
+            one[f"accelerator_type:{deployment['accelerator_type']}"] = 0.001
+        autoscaling = deployment.get("autoscaling") or {}
+        replicas = int(autoscaling.get("min_replicas", deployment.get("num_replicas", 1)))
+        replicas *= int(deployment.get("gang_size") or 1)
+        yield app.name, one, replicas
+
+
+def check_resources(plan: StackPlan) -> None:
+    import ray
+
+    nodes = [node["Resources"] for node in _alive_nodes()]
+    total = ray.cluster_resources()
+    wanted: dict[str, float] = {}
+    for app, one, replicas in replica_demands(plan):
+        if not any(all(node.get(k, 0.0) + _RESOURCE_SLACK >= v for k, v in one.items()) for node in nodes):
+            raise PreflightError(
+                f"no node of the cluster can hold one replica of {app} ({one})",
+                "add a node with these resources (`ray start --address ... --num-cpus/--num-gpus`), or lower the "
+                "model's `resources` in the spec",
+            )
+        for key, value in one.items():
+            wanted[key] = wanted.get(key, 0.0) + value * replicas
+    short = {k: (v, total.get(k, 0.0)) for k, v in wanted.items() if total.get(k, 0.0) + _RESOURCE_SLACK < v}
+    if short:
+        said = ", ".join(f"{k}: the plan asks for {v:g}, the cluster has {have:g}" for k, (v, have) in short.items())
+        raise PreflightError(
+            f"the cluster cannot hold every replica the spec asks for ({said})",
+            "add nodes, or lower the models' replicas or resources in the spec",
+        )
+
+
+def serve_start_options(spans_nodes: bool) -> dict[str, Any]:
+    """What `deploy` starts Serve with when no controller runs: its HTTP where HAProxy reaches the replicas, the
+    controller's environment through `controller_options`."""
+    host = NODE_BIND_ALL if spans_nodes or not nodes_on_loopback() else LOOPBACK
+    return {
+        "http_options": {"host": host, "port": DEFAULT_SERVE_PROXY_PORT},
+        "controller_options": {"runtime_env": {"env_vars": serve_controller_env()}},
+    }
+
+
+def preflight(plan: StackPlan, spans_nodes: bool) -> dict[str, Any] | None:
+    """The full check before a deploy: None when Serve runs already (compatible), else how to start it."""
+    running = check_serve_controller(must_reach_nodes=spans_nodes or not nodes_on_loopback())
+    check_resources(plan)
+    check_workers_import_sluice()
+    return None if running else serve_start_options(spans_nodes)
