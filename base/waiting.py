@@ -1,9 +1,5 @@
-"""The one deadline-polling helper: wait for something with a deadline, saying what is awaited every few seconds.
-
-A replica's start that waits on another part of the stack (a router for the LLM replicas' endpoints, a DP rank for
-its gang's rendezvous) must never wait forever: on the deadline it raises `StartDeadline`, which fails the replica's
-constructor, and Serve shows the message as the deployment's reason.
-"""
+"""The one deadline-polling helper: `wait_until` (blocking) and `async_wait_until` (a replica's start, which says in
+its log what it waits for). Neither waits forever; see `docs/design.md` (Nothing waits forever)."""
 
 from __future__ import annotations
 
@@ -21,23 +17,45 @@ WAIT_LOG_INTERVAL_S = 5.0
 START_DEADLINE_S = 1800.0
 
 
-class StartDeadline(TimeoutError):
-    """A wait in a replica's start that passed its deadline."""
+class WaitTimeout(TimeoutError):
+    """A wait that passed its deadline; the message names what was awaited."""
 
 
-async def wait_for(
+class StartDeadline(WaitTimeout):
+    """A wait in a replica's start that passed its deadline: it fails the constructor, Serve shows the message."""
+
+
+def _done(value: object) -> bool:
+    return value is not None and value is not False
+
+
+def wait_until(timeout_s: float, probe: Callable[[], T | None], what: str = "a condition", poll_s: float = 0.1) -> T:
+    """The first value of `probe()` that is neither None nor False, polled every `poll_s`; past `timeout_s` it raises
+    `WaitTimeout` naming `what`. The probe runs at least once, and once more at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if _done(value):
+            return value  # type: ignore[return-value]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WaitTimeout(f"gave up after {timeout_s:g} s waiting for {what}")
+        time.sleep(min(poll_s, left))
+
+
+async def async_wait_until(
+    timeout_s: float,
     probe: Callable[[], Awaitable[T | None]],
     what: str,
-    timeout_s: float,
     poll_s: float,
     logger: logging.Logger,
     log_interval_s: float = WAIT_LOG_INTERVAL_S,
 ) -> T:
-    """The first value of `probe()` that is not None, polled every `poll_s`; every `log_interval_s` a line says how
-    long it has waited for `what`; past `timeout_s` it raises `StartDeadline` naming `what`."""
+    """`wait_until` for a replica's start: every `log_interval_s` a line in `logger` says how long it has waited for
+    `what`; past `timeout_s` it raises `StartDeadline`."""
     started = time.monotonic()
     next_log = started + log_interval_s
-    while (value := await probe()) is None:
+    while not _done(value := await probe()):
         now = time.monotonic()
         if now - started >= timeout_s:
             raise StartDeadline(f"gave up after {timeout_s:.0f} s waiting for {what}")
@@ -45,4 +63,4 @@ async def wait_for(
             logger.warning("waiting %.0f s so far (deadline %.0f s) for %s", now - started, timeout_s, what)
             next_log = now + log_interval_s
         await asyncio.sleep(poll_s)
-    return value
+    return value  # type: ignore[return-value]

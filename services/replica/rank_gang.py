@@ -21,7 +21,7 @@ from ray import serve
 from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
 from base.runtime import free_port
-from base.waiting import wait_for
+from base.waiting import async_wait_until
 from services.replica.llm_config import EngineArgValue
 from services.serve_internals import REPLICA_LOGGER
 
@@ -65,7 +65,7 @@ class RankGang:
             return _internal_kv_get(_key(self.gang_id))
 
         what = f"rank 0 of gang {self.gang_id} to publish its DP rendezvous address"
-        return json.loads(await wait_for(published, what, timeout_s, _POLL_S, logger))
+        return json.loads(await async_wait_until(timeout_s, published, what, _POLL_S, logger))
 
     def leave(self) -> None:
         """Rank 0 takes its gang's entry with it."""

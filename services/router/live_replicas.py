@@ -8,7 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from base.route_wire import endpoint_id
-from base.waiting import START_DEADLINE_S, wait_for
+from base.waiting import START_DEADLINE_S, async_wait_until
 from routers.core import ReplicaView
 from services.serve_internals import REPLICA_LOGGER, ReplicaEndpoint
 
@@ -47,7 +47,7 @@ class LiveReplicas:
             await self._refresh()
             return self._views or None
 
-        await wait_for(known, self._what, timeout_s, self.refresh_interval_s, logger)
+        await async_wait_until(timeout_s, known, self._what, self.refresh_interval_s, logger)
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
     def stop(self) -> None:
