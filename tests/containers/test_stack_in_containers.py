@@ -20,7 +20,7 @@ import yaml
 
 from base.contracts import REPLICA_HEADER, SERVE_REASON_HEADER
 from sluice.deploy.container_stack import RunningStack, stack_down, stack_status, stack_up
-from tests.integration.sse import DONE, data_lines
+from tests.support.sse import DONE, data_lines
 
 docker = pytest.importorskip("docker")
 

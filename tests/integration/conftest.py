@@ -18,7 +18,7 @@ from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeplo
 from services.serve_internals import ReplicaEndpoint, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamSpec, DirectStreamStack
 from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
-from tests.integration.frontend_contract import checking_frontend_responses, register_frontend
+from tests.support.frontend_contract import checking_frontend_responses, register_frontend
 
 LLM_APP = "llm"
 

@@ -36,10 +36,10 @@ from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.ingress_control import GUARD_INTERVAL_S
 from services.serve_internals import list_replica_endpoints
 from sluice.deploy.check import CHECK_EXIT_PASS, FAULT_INJECTION, LEGACY_SAME_TEXTS, report, run_checks, verdict
-from tests.integration.frontend_metrics import frontend_counts
-from tests.integration.sse import DONE, data_payloads
-from tests.integration.team_stack import TeamStack, team_stack
-from tests.integration.vllm_metrics import engine_requests
+from tests.support.frontend_metrics import frontend_counts
+from tests.support.sse import DONE, data_payloads
+from tests.support.team_stack import TeamStack, team_stack
+from tests.support.vllm_metrics import engine_requests
 
 pytestmark = pytest.mark.integration
 

@@ -18,8 +18,8 @@ import pytest
 
 from sluice.cli.main import EMBEDDED_SPEC
 from tests.integration.conftest import free_port
-from tests.integration.frontend_contract import register_frontend
-from tests.integration.sse import chunks, data_lines
+from tests.support.frontend_contract import register_frontend
+from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from base.contracts import DATA_PARALLEL_RANK_HEADER, REPLICA_HEADER, SERVED_RAN
 from builders.plan import StackPlan
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.integration.conftest import LLMCluster
-from tests.integration.team_stack import team_stack
+from tests.support.team_stack import team_stack
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from ray.serve.schema import ServeDeploySchema
 from base.contracts import REPLICA_HEADER
 from sluice.deploy.apply import render
 from tests.integration.conftest import free_port
-from tests.integration.frontend_contract import register_frontend
-from tests.integration.sse import chunks, data_lines
+from tests.support.frontend_contract import register_frontend
+from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 

@@ -25,8 +25,8 @@ from infra.haproxy.process import pid_alive
 from services.serve_internals import list_replica_endpoints
 from sluice.deploy.check import CHECK_EXIT_INCOMPLETE, CHECK_EXIT_PASS, ENABLED_BY, FAULT_INJECTION, LEGACY_SAME_TEXTS
 from tests.integration.conftest import free_port
-from tests.integration.frontend_contract import register_frontend
-from tests.integration.sse import chunks, data_lines
+from tests.support.frontend_contract import register_frontend
+from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 

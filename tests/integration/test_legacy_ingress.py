@@ -26,7 +26,7 @@ from services.legacy.ingress import LegacyIngressSettings, legacy_ingress_applic
 from services.replica.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
-from tests.integration.sse import chunks, data_lines
+from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 

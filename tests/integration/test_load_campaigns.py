@@ -14,7 +14,7 @@ from matplotlib.image import imread
 
 from loadtests.campaign import Campaign, run
 from loadtests.workloads import LONG_PROMPT, SHORT_PROMPT, WORKLOADS
-from tests.integration.team_stack import TeamStack, team_stack
+from tests.support.team_stack import TeamStack, team_stack
 
 pytestmark = pytest.mark.integration
 

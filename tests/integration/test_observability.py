@@ -29,10 +29,10 @@ from infra.observability.targets import (
 from infra.prometheus_config import metrics_address, prometheus_config
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.integration.conftest import LLMCluster, direct_stack
-from tests.integration.dataplane.plane import Env, running_env
-from tests.integration.dataplane.standins import wait_until
-from tests.integration.frontend_metrics import frontend_counts
-from tests.integration.sse import chunks, data_lines
+from tests.integration.standin_plane.plane import Env, running_env
+from tests.integration.standin_plane.standins import wait_until
+from tests.support.frontend_metrics import frontend_counts
+from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ from base.runtime import COMPATIBLE_RAY_START
 from sluice.deploy.check import CHECK_EXIT_FAIL
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
 from tests.integration.conftest import free_port
-from tests.integration.frontend_contract import register_frontend
+from tests.support.frontend_contract import register_frontend
 
 pytestmark = pytest.mark.integration
 

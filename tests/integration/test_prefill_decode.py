@@ -39,8 +39,8 @@ from builders.plan import StackPlan
 from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.integration.conftest import LLMCluster
-from tests.integration.sse import chunks, data_lines
-from tests.integration.team_stack import team_stack
+from tests.support.sse import chunks, data_lines
+from tests.support.team_stack import team_stack
 
 pytestmark = pytest.mark.integration
 

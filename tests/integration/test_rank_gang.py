@@ -24,7 +24,7 @@ import ray
 from base.contracts import SERVED_RANK_HEADER
 from builders.plan import StackPlan
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
-from tests.integration.team_stack import team_stack
+from tests.support.team_stack import team_stack
 
 pytestmark = pytest.mark.integration
 

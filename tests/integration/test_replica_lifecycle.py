@@ -14,7 +14,7 @@ from ray import serve
 from services.replica.llm_config import MIN_DRAIN_GRACE_S, ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.integration.conftest import LLMCluster, deploy_llm_app
-from tests.integration.sse import chunks
+from tests.support.sse import chunks
 
 pytestmark = pytest.mark.integration
 

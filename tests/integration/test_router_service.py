@@ -25,7 +25,7 @@ from base.contracts import (
 from base.route_wire import RouteReply
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import LLMCluster
-from tests.integration.sse import DONE
+from tests.support.sse import DONE
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import yaml
 
 from sluice.bench.routing_suite import routing_suite
 from tests.integration.conftest import free_port
-from tests.integration.frontend_contract import register_frontend
+from tests.support.frontend_contract import register_frontend
 
 pytestmark = pytest.mark.integration
 

@@ -22,8 +22,8 @@ from base.contracts import (
 )
 from builders.plan import StackPlan
 from services.serve_internals import list_replica_endpoints
-from tests.integration.sse import chunks, data_lines
-from tests.integration.team_stack import team_stack
+from tests.support.sse import chunks, data_lines
+from tests.support.team_stack import team_stack
 
 pytestmark = pytest.mark.integration
 

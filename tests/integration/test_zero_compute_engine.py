@@ -28,7 +28,7 @@ from services.replica.llm_config import EngineConfig
 from services.replica.middleware.replica_headers import ASGIApp, ReplicaHeadersMiddleware
 from services.replica.vllm_app import build_openai_app, parse_engine_args, start_engine
 from services.replica.zero_compute_engine import ZeroComputeEngineStandIn
-from tests.integration.sse import chunks, data_payloads
+from tests.support.sse import chunks, data_payloads
 
 pytestmark = pytest.mark.integration
 

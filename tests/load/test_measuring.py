@@ -25,7 +25,7 @@ TTFT_MS, GAP_MS = 50.0, 20.0
 def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port("127.0.0.1")
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.load.known_timing_server", "--port", str(port), *flags], cwd=ROOT
+        [sys.executable, "-m", "tests.support.known_timing_server", "--port", str(port), *flags], cwd=ROOT
     )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -2,7 +2,8 @@
 
 Every POST streams `tokens` completion tokens: the first event `ttft_ms` after the request arrived, then one every
 `gap_ms`; with `merge` > 1 each event carries that many tokens (what a proxy merging chunks would show). A final
-event carries `usage`, then `[DONE]`. `GET /v1/models` names one model. Run: `python -m tests.load.known_timing_server
+event carries `usage`, then `[DONE]`. `GET /v1/models` names one model. Run: `python -m
+tests.support.known_timing_server
 --port P [--ttft-ms 50] [--gap-ms 20] [--tokens 16] [--merge 1]`; it binds 127.0.0.1 only.
 """
 

@@ -43,7 +43,7 @@ from routers.capacity_queue import CapacityQueue, LocalLedgerClient
 from routers.metrics import LEDGER_METRICS, LedgerMetrics
 from services.router.service import METRICS_PATH, RouterSettings
 from services.serve_internals import ReplicaEndpoint
-from tests.unit.router_service_client import REPLICA_IDS, route, router, unique_app, views
+from tests.support.router_service_client import REPLICA_IDS, route, router, unique_app, views
 from tests.unit.test_haproxy_config import FakeRuntime, endpoint, make_syncer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,16 @@ from services.router.membership import FrontendMembership
 from services.router.service import (
     RouterSettings,
 )
-from tests.unit.router_service_client import REPLICA_IDS, named_ids, publish, route, router, sample, unique_app, views
+from tests.support.router_service_client import (
+    REPLICA_IDS,
+    named_ids,
+    publish,
+    route,
+    router,
+    sample,
+    unique_app,
+    views,
+)
 
 
 def ring_over(replica_ids: Iterable[str]) -> ConsistentHash:

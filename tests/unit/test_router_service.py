@@ -30,7 +30,7 @@ from services.router.service import (
     build_router_app,
 )
 from services.serve_internals import ReplicaEndpoint
-from tests.unit.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
+from tests.support.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
 
 
 def test_settings_are_validated_with_clear_errors() -> None:

@@ -13,7 +13,7 @@ from base.contracts import CAPACITY_TOKEN_HEADER, REPLICA_HEADER
 from routers.ledger_actor import ledger_actor_name
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.integration.conftest import LLMCluster, direct_stack
-from tests.integration.sse import chunks, data_lines
+from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 

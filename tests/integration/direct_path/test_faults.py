@@ -29,8 +29,8 @@ from base.contracts import (
 from infra.haproxy.apps import AppRoute
 from services.serve_internals import list_replica_endpoints
 from tests.integration.conftest import LLMCluster
-from tests.integration.dataplane.plane import Plane, start_plane, stop_plane
-from tests.integration.dataplane.standins import (
+from tests.integration.standin_plane.plane import Plane, start_plane, stop_plane
+from tests.integration.standin_plane.standins import (
     OPEN_ROUTER_PREFIX,
     ROUTE_TIMEOUT_S,
     LoopThread,
@@ -39,8 +39,8 @@ from tests.integration.dataplane.standins import (
     assert_fail_closed,
     rearm_stall,
 )
-from tests.integration.sse import chunks, data_lines
-from tests.integration.vllm_metrics import engine_requests
+from tests.support.sse import chunks, data_lines
+from tests.support.vllm_metrics import engine_requests
 
 pytestmark = pytest.mark.integration
 

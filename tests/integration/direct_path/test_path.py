@@ -24,8 +24,8 @@ from infra.haproxy.config import router_backend
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.integration.conftest import LLMCluster, direct_stack
-from tests.integration.sse import chunks, data_lines
-from tests.integration.vllm_metrics import engine_requests
+from tests.support.sse import chunks, data_lines
+from tests.support.vllm_metrics import engine_requests
 
 pytestmark = pytest.mark.integration
 

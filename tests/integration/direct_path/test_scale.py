@@ -17,7 +17,7 @@ from infra.haproxy.config import REPLICA_BACKEND
 from services.serve_internals import wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
-from tests.integration.sse import chunks, data_lines
+from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
 

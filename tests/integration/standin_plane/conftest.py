@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.integration.dataplane.plane import Env, running_env
-from tests.integration.dataplane.standins import (
+from tests.integration.standin_plane.plane import Env, running_env
+from tests.integration.standin_plane.standins import (
     rearm_stall,
 )
 

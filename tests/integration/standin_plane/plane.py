@@ -19,7 +19,7 @@ from services.frontend.api_key_watcher import ApiKeyWatcher
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer, ServerPool
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
-from tests.integration.dataplane.standins import (
+from tests.integration.standin_plane.standins import (
     APP,
     BODY_BUFFER_BYTES,
     LOOPBACK,
@@ -32,8 +32,8 @@ from tests.integration.dataplane.standins import (
     rearm_stall,
     wait_until,
 )
-from tests.integration.frontend_contract import register_frontend
-from tests.integration.frontend_metrics import frontend_counts
+from tests.support.frontend_contract import register_frontend
+from tests.support.frontend_metrics import frontend_counts
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Stand-in replicas and fault-injecting routers for the HAProxy data-plane tests (the plane around them: plane.py).
 
 These stand-ins exist only for data-plane fault injection (a real router never answers garbage); the
-end-to-end tests with real vLLM replicas and the real router service are in ../test_direct_path*.py.
+end-to-end tests with real vLLM replicas and the real router service are in ../direct_path/.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from base.contracts import (
 from base.route_wire import Membership, RouteRefusal, RouteReply
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
-from tests.integration.sse import data_payloads
+from tests.support.sse import data_payloads
 
 APP = "llm"
 LOOPBACK = "127.0.0.1"

@@ -28,15 +28,15 @@ from base.contracts import (
 )
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import REPLICA_BACKEND
-from tests.integration.dataplane.plane import Env, Plane, fallback_counts, start_plane, stop_plane
-from tests.integration.dataplane.standins import (
+from tests.integration.standin_plane.plane import Env, Plane, fallback_counts, start_plane, stop_plane
+from tests.integration.standin_plane.standins import (
     CHAT_PATH,
     TinyReplica,
     assert_fail_closed,
     first_event,
     wait_until,
 )
-from tests.integration.frontend_contract import check_frontend_response, checked
+from tests.support.frontend_contract import check_frontend_response, checked
 
 pytestmark = pytest.mark.integration
 

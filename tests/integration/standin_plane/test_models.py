@@ -29,7 +29,7 @@ from infra.haproxy.process import HAProxyProcess
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.conftest import free_port
-from tests.integration.dataplane.standins import (
+from tests.integration.standin_plane.standins import (
     CHAT_PATH,
     LOOPBACK,
     OPEN_ROUTER_PREFIX,
@@ -41,8 +41,8 @@ from tests.integration.dataplane.standins import (
     first_event,
     wait_until,
 )
-from tests.integration.frontend_contract import register_frontend
-from tests.integration.frontend_metrics import refusal_counts
+from tests.support.frontend_contract import register_frontend
+from tests.support.frontend_metrics import refusal_counts
 
 CHAT, CODE = "team/chat-model", "code:v2"
 LOOKUP_BYTES = 2048

@@ -21,8 +21,8 @@ from base.contracts import (
     SERVE_REASON_HEADER,
 )
 from infra.haproxy.config import REPLICA_BACKEND, ROUTER_BACKEND
-from tests.integration.dataplane.plane import Env
-from tests.integration.dataplane.standins import (
+from tests.integration.standin_plane.plane import Env
+from tests.integration.standin_plane.standins import (
     CHAT_PATH,
     LOOPBACK,
     ReplicaStandIn,

@@ -24,11 +24,11 @@ from base.contracts import (
 from infra.api_keys import ApiKeySource, key_hash_line
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.protection import ClientLimits, FrontendProtection
-from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
-from tests.integration.dataplane.standins import APP, CHAT_PATH, first_event, wait_until
-from tests.integration.frontend_contract import assert_frontend_error, assert_refused
-from tests.integration.frontend_metrics import refusal_counts, request_errors
-from tests.integration.raw_http import partial_request, request_head
+from tests.integration.standin_plane.plane import Env, Plane, start_plane, stop_plane
+from tests.integration.standin_plane.standins import APP, CHAT_PATH, first_event, wait_until
+from tests.support.frontend_contract import assert_frontend_error, assert_refused
+from tests.support.frontend_metrics import refusal_counts, request_errors
+from tests.support.raw_http import partial_request, request_head
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@ fault-injecting stand-in routers served by uvicorn in this process (all on 127.0
 fail-open, request ids, internal headers, body forwarding, and the route call's overhead.
 
 The stand-ins exist only for the data-plane fault tests; the end-to-end path with vLLM replicas and the real
-router service is tested in ../test_direct_path*.py. The plane is started once for the module (conftest.py).
+router service is tested in ../direct_path/. The plane is started once for the module (conftest.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from infra.haproxy.apps import AppRoute
-from tests.integration.dataplane.plane import Env, Plane, start_plane, stop_plane
-from tests.integration.dataplane.standins import (
+from tests.integration.standin_plane.plane import Env, Plane, start_plane, stop_plane
+from tests.integration.standin_plane.standins import (
     APP,
     BODY_BUFFER_BYTES,
     CHAT_PATH,
@@ -54,7 +54,7 @@ from tests.integration.dataplane.standins import (
     first_event,
     percentile,
 )
-from tests.integration.sse import data_payloads
+from tests.support.sse import data_payloads
 
 pytestmark = pytest.mark.integration
 
