@@ -1,18 +1,9 @@
-"""sluice's layers, lowest first: a module may import its own package and the packages below it, never above.
+"""sluice's layers: a module imports its own package and the packages below it, never above (docs/design.md §2).
 
-| layer | package | holds |
-|---|---|---|
-| 0 | `base/` | the wire contract (headers, reasons, defaults), wire formats, runtime environment, tiny model |
-| 1 | `routers/` | routing policies (pure core) and their Ray adapters, the capacity ledger actor |
-| 2 | `infra/` | HAProxy config, Lua, process control, runtime API client, API key lists |
-| 3 | `services/` | processes: LLM replica, router service, HAProxy syncer, key watcher, Serve endpoint discovery |
-| 4 | `topologies/` | team topology specs |
-| 5 | `builders/` | stacks composed from specs |
-| 6 | `loadtests/` | load tools |
-| 7 | `sluice/` | the CLI, benchmarks, the local cluster |
-
-`python -m sluice.layers [ROOT]` lists every upward import (absolute imports, at any depth of a module) and exits
-1 if there is one; `make lint` and `make test` run it.
+Packages, lowest first: `LAYERS`. Inside `services/` and `sluice/` the sub-folders are layers too (`SUB_LAYERS`):
+a process folder imports the package's own top-level modules (`services/serve_internals.py`), its own folder and
+lower folders only. `python -m sluice.layers [ROOT]` lists every upward import, lazy ones included, and exits 1 if
+there is one; `make lint` and `make test` run it.
 """
 
 from __future__ import annotations
@@ -22,31 +13,64 @@ import sys
 from pathlib import Path
 
 LAYERS = ("base", "routers", "infra", "services", "topologies", "builders", "loadtests", "sluice")
+# The replica serves alone; the router ranks replicas (their config); the legacy ingress calls replicas; the frontend
+# asks the routers. Equal ranks do not import each other.
+SUB_LAYERS = {
+    "services": {"replica": 0, "router": 1, "legacy": 1, "frontend": 2},
+    "sluice": {"deploy": 0, "bench": 1, "cli": 2},
+}
 _RANK = {package: rank for rank, package in enumerate(LAYERS)}
 
 
-def _imported_packages(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, top-level package) of every absolute import in a module."""
+def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, dotted module) of every absolute import in a module."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+            found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module.split(".")[0]))
+            found.append((node.lineno, node.module))
     return found
 
 
+def _sub_layer(package: str, parts: list[str]) -> str | None:
+    """The sub-folder of `package` a module path (parts after the package) lies in; None for a top-level module."""
+    if package not in SUB_LAYERS or not parts or parts[0] not in SUB_LAYERS[package]:
+        return None
+    return parts[0]
+
+
+def _problem(package: str, own_sub: str | None, imported: str) -> str | None:
+    top, *rest = imported.split(".")
+    if top not in _RANK:
+        return None
+    if _RANK[top] > _RANK[package]:
+        return f"{package} (layer {_RANK[package]}) imports {top} (layer {_RANK[top]})"
+    imported_sub = _sub_layer(top, rest)
+    if top != package or imported_sub is None or imported_sub == own_sub:
+        return None
+    if own_sub is None:
+        return f"{package}'s top-level modules (below its folders) import {package}/{imported_sub}"
+    ranks = SUB_LAYERS[package]
+    if ranks[imported_sub] >= ranks[own_sub]:
+        return (
+            f"{package}/{own_sub} (sub-layer {ranks[own_sub]}) imports {package}/{imported_sub} "
+            f"(sub-layer {ranks[imported_sub]})"
+        )
+    return None
+
+
 def upward_imports(root: Path) -> list[str]:
-    """Every import of a higher layer, as `path:line: <package> (layer i) imports <package> (layer j)`."""
+    """Every import of a higher layer, as `path:line: <who> (layer i) imports <what> (layer j): ...`."""
     problems = []
     for package in LAYERS:
         for path in sorted((root / package).rglob("*.py")):
+            own_sub = _sub_layer(package, list(path.relative_to(root / package).parts[:-1]))
             tree = ast.parse(path.read_text(), filename=str(path))
-            for line, imported in _imported_packages(tree):
-                if imported in _RANK and _RANK[imported] > _RANK[package]:
+            for line, imported in _imported_modules(tree):
+                if (problem := _problem(package, own_sub, imported)) is not None:
                     problems.append(
-                        f"{path.relative_to(root)}:{line}: {package} (layer {_RANK[package]}) imports "
-                        f"{imported} (layer {_RANK[imported]}): a layer may only import its own and lower ones"
+                        f"{path.relative_to(root)}:{line}: {problem}: a layer may only import its own and lower ones"
                     )
     return problems
 
@@ -58,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:
-        print(f"layers: no upward import ({' < '.join(LAYERS)})")
+        print(f"layers: no upward import ({' < '.join(LAYERS)}; inside services and sluice: {SUB_LAYERS})")
     return 1 if problems else 0
 
 
