@@ -32,7 +32,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
@@ -45,6 +45,9 @@ from sluice.bench.goals import breakdown, judge, verdict_lines
 from sluice.bench.overhead import passthrough_haproxy, rates_table, route_call_rates
 from sluice.bench.summary import Rounds, chart, summarize, table
 from topologies import EMBEDDED_SPEC
+
+if TYPE_CHECKING:
+    from builders.plan import StackPlan
 
 REPETITIONS = 3
 # A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
@@ -139,7 +142,7 @@ def _deploy_stack(folder: Path, name: str, stand_in: str | None = None) -> tuple
     return plan, urls
 
 
-def _delete_stack(plan: Any) -> None:
+def _delete_stack(plan: StackPlan) -> None:
     from ray import serve
 
     for app in reversed(plan.apps):

@@ -1,5 +1,4 @@
-"""The commands on a stack in a running Ray cluster: `deploy`, `status`, `down`, `canary`, `rollback`, `check`
-(and `sluice stack ...` for stacks in containers)."""
+"""The commands on a stack in a running Ray cluster: `deploy`, `status`, `down`, `canary`, `rollback`, `check`."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import sys
 from typing import Any
 
 from base.runtime import COMPATIBLE_RAY_START
-from sluice.cli.stack import add_stack_commands
 from topologies import EMBEDDED_SPEC
 
 
@@ -62,7 +60,7 @@ def _check(args: argparse.Namespace) -> int:
         return 2
 
 
-def add_cluster_commands(commands: Any) -> None:
+def register(commands: Any) -> None:
     from sluice.deploy.check import ITEMS as CHECK_ITEMS
 
     deploy = commands.add_parser(
@@ -115,7 +113,6 @@ def add_cluster_commands(commands: Any) -> None:
         help="an item you accept skipped (repeatable): " + ", ".join(repr(item) for item in CHECK_ITEMS),
     )
     check.set_defaults(func=_check)
-    add_stack_commands(commands)
     for command in (deploy, status, down, canary, rollback, check):
         command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS, else local)")
         command.add_argument("--verbose", action="store_true", help="Ray's and Serve's own log lines too")

@@ -9,12 +9,15 @@ paths' measures for S seconds and exits 2 if the guard rolled the canary back, n
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from base.contracts import DIRECT_WEIGHT_MAX
 from services.frontend.ingress_control import LEGACY_WAIT_S, NoLegacyPath
 from sluice.deploy.apply import plan_of
 from sluice.deploy.preflight import connect_to_serve
+
+if TYPE_CHECKING:
+    from builders.plan import StackPlan
 
 WATCH_POLL_S = 2.0
 EXIT_ABORTED = 2
@@ -54,7 +57,7 @@ def abort_line(abort: dict[str, Any]) -> str:
     )
 
 
-def _frontend(plan: Any) -> Any:
+def _frontend(plan: StackPlan) -> Any:
     from ray import serve
 
     return serve.get_app_handle(plan.frontend_app)

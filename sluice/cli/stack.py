@@ -77,7 +77,7 @@ def _stack_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_stack_commands(commands: Any) -> None:
+def register(commands: Any) -> None:
     from base.runtime import LOOPBACK
     from infra.container_images import ENGINES, image_tag
 

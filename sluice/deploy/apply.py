@@ -25,7 +25,7 @@ from builders.plan import StackPlan, build_plan, model_path, serve_config
 from sluice.deploy import registry
 from sluice.deploy.preflight import cluster_spans_nodes, connect, preflight, replica_demands
 from sluice.deploy.progress import DeployProgress
-from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, load_spec
+from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, StackBase, load_spec
 
 # Sized for a model load: the tiny model on CPU starts in ~30 s, a real model on GPUs in minutes.
 CPU_DEPLOY_TIMEOUT_S = 600.0
@@ -75,7 +75,7 @@ def frontend_url(plan: StackPlan) -> str:
     return status["url"] if status and status.get("url") else plan.url
 
 
-def ensure_models(spec: Any) -> None:
+def ensure_models(spec: StackBase) -> None:
     """Build the tiny model if a model of the spec is `tiny` and it is not built yet."""
     from base.tiny_model import ensure_built
 
@@ -100,7 +100,7 @@ def _published(plan: StackPlan) -> bool:
     return all(published >= n for published, n in zip(status["published"], wanted, strict=True))
 
 
-def apply_plan(spec: Any, plan: StackPlan, timeout_s: float | None = None, source: str = "sluice serve") -> bool:
+def apply_plan(spec: StackBase, plan: StackPlan, timeout_s: float | None = None, source: str = "sluice serve") -> bool:
     """Deploy the plan's apps in order and record the stack; show each deployment's replicas as they start, until
     the frontend has every replica UP (True), a deployment failed or the deadline passed (False, said why)."""
     from ray import serve
@@ -138,7 +138,7 @@ def apply_plan(spec: Any, plan: StackPlan, timeout_s: float | None = None, sourc
     return False
 
 
-def settle_ingress(spec: Any, plan: StackPlan, say: Callable[[str], None]) -> None:
+def settle_ingress(spec: StackBase, plan: StackPlan, say: Callable[[str], None]) -> None:
     """Wait for the declared ingress: the frontend reconfigured to its weight, a path that lost its traffic drained;
     then remove a legacy ingress the spec no longer retains."""
     from ray import serve
@@ -162,7 +162,7 @@ def settle_ingress(spec: Any, plan: StackPlan, say: Callable[[str], None]) -> No
             say(f"{model.legacy_app}: deleted (the spec retains no legacy path)")
 
 
-def serving_lines(spec: Any, plan: StackPlan) -> list[str]:
+def serving_lines(spec: StackBase, plan: StackPlan) -> list[str]:
     lines = [f"\nsluice is serving at {plan.url}:"]
     for model, planned in zip(spec.models, plan.models, strict=True):
         what = " (the tiny model)" if model.source == TINY_SOURCE else ""

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -35,6 +35,10 @@ from base.contracts import (
 from loadtests.metrics import quantile
 from sluice.deploy import check_items
 from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers
+
+if TYPE_CHECKING:
+    from builders.plan import StackPlan
+    from topologies.spec import StackBase
 
 FAULT_SECONDS = 5.0
 SAMPLES = 8
@@ -114,7 +118,7 @@ def versions(client: httpx.Client, base: str) -> Result:
     return True, f"ray {local['ray']}, vllm {local['vllm']} (the replicas too)"
 
 
-def server_map(frontend: dict[str, Any], plan: Any) -> Result:
+def server_map(frontend: dict[str, Any], plan: StackPlan) -> Result:
     from services.serve_internals import list_replica_endpoints
 
     problems = []
@@ -159,7 +163,7 @@ def served_is_chosen(client: httpx.Client, base: str, model: str, frontend_handl
     )
 
 
-def fault_injection(client: httpx.Client, base: str, spec: Any, plan: Any) -> Result:
+def fault_injection(client: httpx.Client, base: str, spec: StackBase, plan: StackPlan) -> Result:
     if not spec.staging:
         return None, "not a staging stack (only a staging stack's routers can be made to fail)"
     from services.serve_internals import list_replica_endpoints
@@ -203,7 +207,7 @@ def legacy_same_texts(client: httpx.Client, base: str, model: Any) -> Result:
     return True, f"{len(prompts)} greedy requests, the same texts on both paths"
 
 
-def run_checks(spec: Any | None, plan: Any | None, base: str, allow_skip: Iterable[str] = ()) -> list[Item]:
+def run_checks(spec: StackBase | None, plan: StackPlan | None, base: str, allow_skip: Iterable[str] = ()) -> list[Item]:
     items: list[Item] = []
     allowed = allowed_skips(allow_skip)
 

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from builders.plan import StackPlan
+from topologies.spec import StackBase
 
 KEY_PREFIX = "sluice/stack/"
 
@@ -28,7 +29,7 @@ class DeployedStack(BaseModel):
     deployed_at: float
 
 
-def record(spec: Any, plan: StackPlan, source: str) -> None:
+def record(spec: StackBase, plan: StackPlan, source: str) -> None:
     from ray.experimental.internal_kv import _internal_kv_put
 
     entry = DeployedStack(

@@ -27,7 +27,7 @@ from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
 from sluice.deploy import registry
 from sluice.deploy.apply import _frontend_status
 from sluice.deploy.preflight import cluster_spans_nodes
-from topologies.spec import load_spec, parse_spec
+from topologies.spec import StackBase, load_spec, parse_spec
 
 # A decode replica's count of the requests it served by prefill replica and outcome
 # (services.replica.middleware.remote_prefill).
@@ -35,7 +35,7 @@ _PREFILL_SAMPLE = re.compile(rf"^{PREFILL_REQUESTS_METRIC}_total\{{([^}}]*)\}} (
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def degraded_reasons(spec: Any, plan: StackPlan, report: dict[str, Any]) -> list[str]:
+def degraded_reasons(spec: StackBase, plan: StackPlan, report: dict[str, Any]) -> list[str]:
     """Why a deployed stack is not ready (none: it is)."""
     reasons = []
     for app in plan.apps:
@@ -158,7 +158,9 @@ def _routers_policy(model: PlannedModel) -> dict[str, Any] | None:
         return None
 
 
-def differences(file_spec: Any, file_plan: StackPlan, running_spec: Any, running_plan: StackPlan) -> list[str]:
+def differences(
+    file_spec: StackBase, file_plan: StackPlan, running_spec: StackBase, running_plan: StackPlan
+) -> list[str]:
     """Where a spec file and the running stack differ, in the file's terms."""
     pairs: list[tuple[str, Any, Any]] = [
         ("models", [m.name for m in file_plan.models], [m.name for m in running_plan.models]),

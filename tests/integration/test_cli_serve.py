@@ -16,10 +16,10 @@ import httpx
 import psutil
 import pytest
 
-from sluice.cli.main import EMBEDDED_SPEC
 from tests.integration.conftest import free_port
 from tests.support.frontend_contract import register_frontend
 from tests.support.sse import chunks, data_lines
+from topologies import EMBEDDED_SPEC
 
 pytestmark = pytest.mark.integration
 

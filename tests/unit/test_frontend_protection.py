@@ -27,7 +27,8 @@ from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import HAProxySettings
 from infra.haproxy.protection import ClientLimits, FrontendProtection, protection_lines
 from services.frontend.api_key_watcher import ApiKeyWatcher
-from sluice.cli.main import build_parser, main, serve_spec
+from sluice.cli.local import serve_spec
+from sluice.cli.main import build_parser, main
 
 KEYS_ACL = "/w/api_keys.acl"
 

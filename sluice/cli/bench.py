@@ -1,0 +1,78 @@
+"""`sluice bench replica | direct | pd | paths | routers`: the benchmarks (`make bench`), never tests."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from base.runtime import default_model_dir
+
+
+def _bench_replica(args: argparse.Namespace) -> int:
+    from base.tiny_model import ensure_built
+    from sluice.bench.replica import run_replica_bench
+
+    run_replica_bench(ensure_built(Path(args.model)), replicas=args.replicas)
+    return 0
+
+
+def _bench_direct(args: argparse.Namespace) -> int:
+    from base.tiny_model import ensure_built
+    from sluice.bench.replica import run_direct_bench
+
+    run_direct_bench(ensure_built(Path(args.model)))
+    return 0
+
+
+def _bench_pd(args: argparse.Namespace) -> int:
+    from sluice.bench.pd import run_pd_bench
+
+    run_pd_bench(samples=args.samples)
+    return 0
+
+
+def _bench_paths(args: argparse.Namespace) -> int:
+    """Re-executed in a private network namespace when this machine allows it (root, `unshare`): Ray's own HAProxy,
+    the peer, binds ports on every interface, and there loopback is the only one."""
+    from sluice.bench.paths import run_paths_bench
+    from sluice.bench.ray_peer import in_private_netns, private_netns_argv
+
+    if not args.no_peer and not in_private_netns() and os.geteuid() == 0 and shutil.which("unshare"):
+        argv = [sys.executable, "-m", "sluice.cli.main", "bench", "paths", "--out", str(Path(args.out).resolve())]
+        return subprocess.run(private_netns_argv(argv), check=False).returncode
+    run_paths_bench(Path(args.out), with_peer=not args.no_peer)
+    return 0
+
+
+def _bench_routers(args: argparse.Namespace) -> int:
+    from sluice.bench.routers import run_router_bench
+
+    run_router_bench(with_actor=not args.no_actor)
+    return 0
+
+
+def register(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (not tests)")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    replica = bench_commands.add_parser("replica", help="startup, memory, TTFT and tokens/s of the replicas")
+    replica.add_argument("--model", default=str(default_model_dir()))
+    replica.add_argument("--replicas", type=int, default=2)
+    replica.set_defaults(func=_bench_replica)
+    direct = bench_commands.add_parser("direct", help="TTFT through HAProxy + router vs direct; route call alone")
+    direct.add_argument("--model", default=str(default_model_dir()))
+    direct.set_defaults(func=_bench_direct)
+    pd = bench_commands.add_parser("pd", help="TTFT and ITL of prefill/decode versus the plain topology")
+    pd.add_argument("--samples", type=int, default=30, help="streams per stack and prompt length")
+    pd.set_defaults(func=_bench_pd)
+    paths = bench_commands.add_parser("paths", help="replica port, direct, legacy, Serve proxy: side by side")
+    paths.add_argument("--out", default=".cache/bench", help="where paths.json and the charts go")
+    paths.add_argument("--no-peer", action="store_true", help="skip Ray's own direct streaming (the peer)")
+    paths.set_defaults(func=_bench_paths)
+    routers = bench_commands.add_parser("routers", help="policy decision time, ring rebuild, ledger round trip")
+    routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
+    routers.set_defaults(func=_bench_routers)

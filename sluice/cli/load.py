@@ -1,0 +1,110 @@
+"""`sluice load` (a Locust campaign, or the routing suite) and `sluice replay` (recorded requests against a path)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from base.runtime import default_model_dir
+from topologies import EMBEDDED_SPEC
+
+
+def _load(args: argparse.Namespace) -> int:
+    """`sluice load WORKLOAD --target URL`: a Locust campaign; exit 1 when a gate is breached."""
+    from loadtests.campaign import Campaign, gates_from_spec, run
+    from loadtests.metrics import SLO
+
+    if args.workload == "routing":
+        return _routing_suite(args)
+    if not args.target:
+        print("--target is required for a workload campaign", file=sys.stderr)
+        return 1
+    gates = gates_from_spec(Path(args.spec)) if args.spec else {}
+    for gate in args.gate:
+        name, _, value = gate.partition("=")
+        gates[name] = float(value)
+    campaign = Campaign(
+        workload=args.workload,
+        target=args.target.rstrip("/"),
+        out=Path(args.out or f"load-{args.workload}"),
+        tokenizer=Path(args.tokenizer or default_model_dir() / "tokenizer.json"),
+        duration_s=args.duration,
+        users=args.users,
+        rate=args.rate,
+        burstiness=args.burstiness,
+        workers=args.workers,
+        model=args.model,
+        slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms),
+        gates=gates,
+    )
+    try:
+        summary, breached = run(campaign)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"{summary.ok}/{summary.requests} requests ok; rows, summary.json and report.html in {campaign.out}")
+    for breach in breached:
+        print(f"gate breached: {breach}", file=sys.stderr)
+    return 1 if breached else 0
+
+
+def _routing_suite(args: argparse.Namespace) -> int:
+    from sluice.bench.routing_suite import routing_suite
+    from sluice.deploy.apply import connect
+
+    connect(args.address)
+    tokenizer = Path(args.tokenizer or default_model_dir() / "tokenizer.json")
+    figures = routing_suite(
+        Path(args.spec or EMBEDDED_SPEC), Path(args.out or "load-routing"), tokenizer, args.duration
+    )
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from loadtests.replay import RecordingError, load_recording, replay, report
+
+    try:
+        recording = load_recording(Path(args.recording))
+    except (OSError, RecordingError) as error:
+        print(error, file=sys.stderr)
+        return 1
+    targets = [args.target.rstrip("/"), *([args.compare.rstrip("/")] if args.compare else [])]
+    answers = asyncio.run(replay(recording, targets, speed=args.speed))
+    summary, clean = report(answers, recording)
+    print(json.dumps(summary, indent=2))
+    return 0 if clean else 1
+
+
+def register(commands: Any) -> None:
+    load = commands.add_parser("load", help="a Locust load campaign against a frontend (rows, summary, report)")
+    load.add_argument("workload", help="short_long, long_short, mixed, bursts, step, multi_turn, or the suite routing")
+    load.add_argument("--target", help="the frontend's base URL, e.g. http://127.0.0.1:8000 (not for routing)")
+    load.add_argument("--address", default="auto", help="routing: the Ray cluster to deploy the suite's stacks on")
+    load.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    load.add_argument("--users", type=int, default=8, help="concurrent users (closed loop; open loop: senders)")
+    load.add_argument("--rate", type=float, default=4.0, help="open loop (bursts, step): requests per second")
+    load.add_argument("--burstiness", type=float, default=1.0, help="bursts: the gamma shape (1 = Poisson)")
+    load.add_argument("--workers", type=int, default=0, help="Locust workers under a master (0: one process)")
+    load.add_argument("--out", help="the output folder (default: load-<workload>)")
+    load.add_argument("--model", help="the served model (default: the target's first)")
+    load.add_argument("--tokenizer", help="the served model's tokenizer.json (default: the tiny model's)")
+    load.add_argument("--spec", help="a stack's spec: its ingress.abort criteria become gates; routing: the stack")
+    load.add_argument("--gate", action="append", default=[], metavar="NAME=LIMIT", help="e.g. ttft_p99_ms=500")
+    load.add_argument("--slo-ttft-ms", type=float, help="goodput SLO: TTFT")
+    load.add_argument("--slo-tpot-ms", type=float, help="goodput SLO: TPOT")
+    load.add_argument("--slo-e2el-ms", type=float, help="goodput SLO: end-to-end latency")
+    load.set_defaults(func=_load)
+
+    replay_command = commands.add_parser(
+        "replay", help="send recorded requests (JSONL) to a path, or to two and compare"
+    )
+    replay_command.add_argument("recording")
+    replay_command.add_argument("--target", required=True, help="base URL of the path, e.g. http://127.0.0.1:8000")
+    replay_command.add_argument("--compare", help="a second base URL: send every request to both and compare")
+    replay_command.add_argument("--speed", type=float, default=1.0, help="replay faster (>1) or slower than recorded")
+    replay_command.set_defaults(func=_replay)
