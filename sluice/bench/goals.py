@@ -1,12 +1,5 @@
-"""The paths bench's goals (issue 13), judged on one run's figures, and the direct path's overhead part by part.
-
-Goals (aims for the benchmark, never asserted as timings in tests):
-- direct / replica port output tokens/s ≥ 0.95 at 64 streams (tiny model);
-- TTFT p50 and ITL p99 added by the direct path ≤ 1 ms (every tiny-model case);
-- direct at least equal to Ray's own HAProxy path (the peer) on every figure, tiny model;
-- direct ≥ 3× the legacy ingress and Serve's proxy in output tokens/s at 64 streams, zero-compute stand-in;
-- the route call, as HAProxy's Lua action times it, p50 ≤ 0.5 ms and p99 ≤ 2 ms at 1,000 req/s.
-"""
+"""The paths bench's goals, judged on one run's figures, and the direct path's overhead part by part. The goals are
+aims for the benchmark, never asserted as timings in tests; they are listed in `sluice/bench/README.md`."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The direct path's overhead, part by part (`sluice bench paths` runs it on the stack it measures).
-
-- **HAProxy alone** (`haproxy_only`): a plain HAProxy with no Lua and no route call, round-robin over the same replica
-  ports (`passthrough_haproxy`), measured as one more path beside the others: what the data plane costs by itself.
-- **The route call as HAProxy sees it**: the Lua action times each call (connect, send, the router's reply) and the
-  frontend's request log carries it (`RequestRecord.route_s`). Requests go out open-loop at fixed rates (100, 500,
-  1,000 req/s) as `POST /v1/models`: routed like a completion (route call, pin, replica) but answered by the
-  replica's app at once (405), so the rate measures the route call and not the engine.
-- **The router's CPU per decision**: the router replica process's CPU time over each rate step, less its idle CPU
-  (the membership refresh) over as long, divided by the route calls made.
-"""
+"""The direct path's overhead, part by part (`sluice bench paths` runs it on the stack it measures): HAProxy alone
+(`passthrough_haproxy`), the route call as HAProxy's Lua action times it at fixed open-loop rates, and the router's
+CPU per decision. Details: `sluice/bench/README.md`."""
 
 from __future__ import annotations
 
@@ -26,6 +18,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from base.runtime import LOOPBACK, free_port
+from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import find_haproxy_binary
 from loadtests.metrics import quantile
 
@@ -73,11 +66,12 @@ def passthrough_haproxy(folder: Path, replica_urls: list[str]) -> Iterator[str]:
     config.write_text(passthrough_config(port, replica_urls))
     process = subprocess.Popen([str(find_haproxy_binary()), "-db", "-f", str(config)])
     try:
-        deadline = time.monotonic() + 10
-        while not _listening(port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the pass-through HAProxy did not start (exit {process.poll()})")
-            time.sleep(0.05)
+        try:
+            wait_until(10, lambda: process.poll() is not None or _listening(port), "HAProxy to listen", poll_s=0.05)
+        except WaitTimeout:
+            pass
+        if process.poll() is not None or not _listening(port):
+            raise RuntimeError(f"the pass-through HAProxy did not start (exit {process.poll()})")
         yield f"http://{LOOPBACK}:{port}"
     finally:
         process.terminate()

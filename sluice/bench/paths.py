@@ -1,27 +1,8 @@
 """`sluice bench paths`: the same streams over every path to the same replicas, side by side, in one run.
 
-Paths (each to the same two replicas of one stack, the embedded default with its legacy ingress retained and every
-session on the direct path):
-- `replica_port`: the replicas' own HTTP ports, spread round-robin — the limit every other path is compared to;
-- `haproxy_only`: a plain HAProxy round-robin over the same ports, no Lua, no route call (sluice.bench.overhead):
-  what the data plane costs by itself;
-- `direct`: sluice's direct path (HAProxy -> Lua route call -> router -> replica port);
-- `legacy`: sluice's retained legacy ingress (its replica's port: a Python relay and a handle call per chunk);
-- `serve_proxy`: Serve's default Python proxy in front of the LLM app;
-- `ray_peer`: Ray 2.60's own HAProxy direct streaming (`RAY_SERVE_ENABLE_HA_PROXY=1`, Ray Serve LLM's builder and
-  its LLMRouter) on its own replicas of the same model with the same engine settings (sluice.bench.ray_peer), and
-  `ray_replica_port`, those replicas' own ports (the peer's limit). Ray's HAProxy binds ports on all interfaces, so
-  the peer runs only when the bench runs in a private network namespace with loopback alone (`sluice bench paths`
-  re-executes itself in one when it can).
-
-Workloads: the tiny vLLM model at 1, 16 and 64 concurrent streams; then the same paths in front of a zero-compute
-engine stand-in (services.replica.zero_compute_engine, behind the same replica app: the engine is not the bottleneck,
-the
-paths are), many short and many long streams. Then the route call at fixed rates (sluice.bench.overhead).
-
-Every figure is the median of `REPETITIONS` interleaved rounds (path A, B, C, ... then A again), with its min and
-max, because these machines are shared and noisy: ratios to `replica_port` matter, not absolute times. Writes the
-terminal tables, `paths.json` and a chart per workload into the output folder.
+Paths: the replicas' own ports (the limit), HAProxy alone, sluice's direct path, the legacy ingress, Serve's proxy and
+Ray's own HAProxy direct streaming (the peer); the tiny model at 1/16/64 streams, then a zero-compute stand-in. Each
+figure is the median of `REPETITIONS` interleaved rounds. Details: `sluice/bench/README.md`.
 """
 
 from __future__ import annotations
@@ -153,7 +134,8 @@ def _delete_stack(plan: StackPlan) -> None:
 def _peer(with_peer: bool) -> Iterator[tuple[Any, str]]:
     """Ray's own direct streaming on the tiny model, or None and why not."""
     from base.runtime import cache_dir, default_model_dir
-    from sluice.bench.ray_peer import in_private_netns, running_ray_peer
+    from sluice.bench.netns import in_private_netns
+    from sluice.bench.ray_peer import running_ray_peer
 
     if not with_peer:
         yield None, "not run (--no-peer)"

@@ -1,25 +1,9 @@
 """Ray 2.60's own HAProxy direct streaming on the tiny model: the peer `sluice bench paths` measures sluice against.
 
-The peer is Ray Serve LLM as Ray ships it (`RAY_SERVE_ENABLE_HA_PROXY=1`, `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1`,
-`ray.serve.llm.build_openai_app` with its `LLMRouter` behind Ray's HAProxy) on the same model, served name and vLLM
-settings as sluice's replicas (`EngineConfig` defaults, the same process environment), 0.25 CPU per replica and
-`max_ongoing_requests` 128 like sluice's bench. One change, on by default: Ray's CPU path forces vLLM's
-multi-process executor, whose shared-memory queue busy-spins on these 2 cores (TTFT 2x worse, DESIGN.md §5), so
-Ray's own engine-class hook (`RAYLLM_VLLM_ENGINE_CLS`) swaps in the in-process executor sluice's replicas use.
-
-It runs as its own process (`python -m sluice.bench.ray_peer`) with its own Ray cluster, because Ray reads its HAProxy
-switch once per cluster: sluice's stack runs with it off. Both clusters share one network namespace, so every port
-the peer would take by default is moved: Ray's core ports are the kernel's pick (`ray.init(address="local")`),
-Serve's HAProxy frontend, its stats and Prometheus ports and Serve's fallback proxy (8500 and 9500 by default) are
-free ports, its replicas take 31100-31999 (sluice's 30000-31000), and HAProxy's files live in a folder of their own
-instead of the shared /tmp/haproxy-serve.
-
-Why a private network namespace: Ray's HAProxy mode binds every replica's port on all interfaces (it forces Serve's
-HTTP host so remote HAProxies can reach them), and its HAProxy binds stats on `*` and Prometheus on all interfaces.
-sluice serves on loopback only, so the peer refuses to start unless its network namespace has nothing but `lo`
-(`in_private_netns`); `private_netns_argv` runs a command in a fresh one (needs root for `unshare -n`).
-
-The peer stops, taking Serve and Ray down with it, on SIGTERM, SIGINT or EOF on its stdin (its parent went away).
+Ray Serve LLM as Ray ships it, on the same model and vLLM settings as sluice's replicas, with one change: the
+in-process executor (docs/design.md §5). It runs as its own process with its own Ray cluster, on ports moved off
+sluice's, in a private network namespace (`sluice.bench.netns`); it stops on SIGTERM, SIGINT or EOF on its stdin.
+Why each setting: `sluice/bench/README.md` (The Ray peer).
 """
 
 from __future__ import annotations
@@ -32,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +32,8 @@ import psutil
 
 from base.runtime import LOOPBACK, free_port, process_env
 from base.tiny_model import SERVED_MODEL_NAME
+from base.waiting import WaitTimeout, wait_until
+from sluice.bench.netns import in_private_netns
 
 PEER_APP = "ray-peer"
 MAX_ONGOING_REQUESTS = 128
@@ -69,36 +54,6 @@ ENGINE_CLS_NAME = "InProcessVLLMEngine"
 PORT_NAMES = ("http", "grpc", "stats", "metrics", "fallback_http", "fallback_grpc")
 # By its import name: run with `-m`, this module is `__main__`, which Ray's replicas cannot import.
 MODULE = "sluice.bench.ray_peer"
-
-# Brings `lo` up (SIOCGIFFLAGS, then SIOCSIFFLAGS with IFF_UP) and execs the command: no `ip` binary needed.
-_LOOPBACK_UP_EXEC = (
-    "import fcntl, os, socket, struct, sys\n"
-    "with socket.socket() as s:\n"
-    "    flags = struct.unpack('16sh22x', fcntl.ioctl(s, 0x8913, struct.pack('16sh22x', b'lo', 0)))[1]\n"
-    "    fcntl.ioctl(s, 0x8914, struct.pack('16sh22x', b'lo', flags | 1))\n"
-    "os.execvp(sys.argv[1], sys.argv[1:])\n"
-)
-
-
-def private_netns_argv(argv: list[str]) -> list[str]:
-    """`argv` run in a new network namespace whose only interface, `lo`, is up (needs root)."""
-    return ["unshare", "--net", sys.executable, "-c", _LOOPBACK_UP_EXEC, *argv]
-
-
-def in_private_netns() -> bool:
-    """Whether this process's network namespace has no interface but loopback (and it is up)."""
-    names = [name for _, name in socket.if_nameindex()]
-    if names != ["lo"]:
-        return False
-    # A fresh namespace's `lo` is down, yet binding 127.0.0.1 works there: only a connection shows it is up.
-    with socket.socket() as listener, socket.socket() as client:
-        listener.bind((LOOPBACK, 0))
-        listener.listen()
-        try:
-            client.connect(listener.getsockname())
-        except OSError:
-            return False
-    return True
 
 
 def peer_processes(workdir: Path) -> list[psutil.Process]:
@@ -276,17 +231,21 @@ async def stream_chat(url: str, timeout_s: float = 30) -> tuple[str, list[str]]:
 
 def _wait_streaming(url: str, timeout_s: float) -> None:
     """Until a chat completion streams through Ray's HAProxy to `[DONE]` (it reloads as replicas register)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    problems = ["nothing tried"]
+
+    def streamed() -> bool:
         try:
             if asyncio.run(stream_chat(url))[1][-1:] == ["[DONE]"]:
-                return
-            problem = "no [DONE]"
+                return True
+            problems.append("no [DONE]")
         except httpx.HTTPError as error:
-            problem = repr(error)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no chat completion streamed through {url} in {timeout_s:.0f}s: {problem}")
-        time.sleep(1)
+            problems.append(repr(error))
+        return False
+
+    try:
+        wait_until(timeout_s, streamed, f"a chat completion streamed through {url}", poll_s=1)
+    except WaitTimeout as error:
+        raise WaitTimeout(f"{error}: {problems[-1]}") from None
 
 
 def _replica_urls() -> list[str]:
@@ -318,10 +277,9 @@ def _signal_at_stdin_eof() -> None:
 
 def _reap(workdir: Path, timeout_s: float = 30) -> None:
     """Wait for the peer's processes to end after Ray's shutdown; kill (and name) any that do not."""
-    deadline = time.monotonic() + timeout_s
-    while (left := peer_processes(workdir)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for process in left:
+    with contextlib.suppress(WaitTimeout):
+        wait_until(timeout_s, lambda: not peer_processes(workdir), "the peer's processes to end", poll_s=0.5)
+    for process in peer_processes(workdir):
         with contextlib.suppress(psutil.NoSuchProcess):
             print(f"ray peer: killing leftover process {process.pid} {process.cmdline()[:3]}", flush=True)
             process.kill()
@@ -385,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if not in_private_netns():
         print(
             "ray peer: refusing to start outside a private network namespace (Ray's HAProxy mode binds all "
-            "interfaces); run it under sluice.bench.ray_peer.private_netns_argv",
+            "interfaces); run it under sluice.bench.netns.private_netns_argv",
             file=sys.stderr,
         )
         return 2

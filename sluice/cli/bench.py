@@ -39,8 +39,8 @@ def _bench_pd(args: argparse.Namespace) -> int:
 def _bench_paths(args: argparse.Namespace) -> int:
     """Re-executed in a private network namespace when this machine allows it (root, `unshare`): Ray's own HAProxy,
     the peer, binds ports on every interface, and there loopback is the only one."""
+    from sluice.bench.netns import in_private_netns, private_netns_argv
     from sluice.bench.paths import run_paths_bench
-    from sluice.bench.ray_peer import in_private_netns, private_netns_argv
 
     if not args.no_peer and not in_private_netns() and os.geteuid() == 0 and shutil.which("unshare"):
         argv = [sys.executable, "-m", "sluice.cli.main", "bench", "paths", "--out", str(Path(args.out).resolve())]

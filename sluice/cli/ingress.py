@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from base.contracts import DIRECT_WEIGHT_MAX
+from base.waiting import WaitTimeout, wait_until
 from services.frontend.ingress_control import LEGACY_WAIT_S, NoLegacyPath
 from sluice.deploy.apply import plan_of
 from sluice.deploy.preflight import connect_to_serve
@@ -84,15 +85,19 @@ def canary(path: str, address: str, weight: int, watch_s: float) -> int:
     )
     print("\n".join(drain_lines(ingress["drain"])))
     _, plan = plan_of(path)
-    deadline = time.monotonic() + watch_s
-    while time.monotonic() < deadline:
+
+    def aborted() -> dict[str, Any] | None:
         time.sleep(WATCH_POLL_S)
         ingress = _frontend(plan).ingress.remote().result(timeout_s=30)
         print("\n".join(measures_lines(ingress)), flush=True)
-        if ingress["abort"] is not None:
-            print(abort_line(ingress["abort"]))
-            return EXIT_ABORTED
-    return 0
+        return ingress["abort"]
+
+    try:
+        abort = wait_until(watch_s, aborted, "the canary to roll back", poll_s=0)
+    except WaitTimeout:
+        return 0
+    print(abort_line(abort))
+    return EXIT_ABORTED
 
 
 def rollback(path: str, address: str) -> int:

@@ -1,15 +1,13 @@
 """`sluice deploy | down | render`: a team's stack on a running Ray cluster, from its spec file.
 
-`deploy` runs the preflight (`sluice.deploy.preflight`: exit 3 with the fix, nothing deployed), applies the spec's plan
-(`builders.plan`) app by app, shows each deployment's replicas as they start (`sluice.deploy.progress`) until the
-frontend has every replica UP, prints the URL and returns: the stack (its frontend included) lives in the cluster,
-not in this process, and is recorded there (`sluice.deploy.registry`). A deployment Serve gives up on, or the deadline
-(`--timeout`), ends it with exit 1, naming the deployment, Serve's reason and the last lines of its replica log.
-Ray's and Serve's own logs stay in the cluster's log folder.
+`deploy` runs the preflight, submits the plan's apps and follows them (`sluice.deploy.progress`) until the frontend
+has every replica UP, then returns: the stack lives in the cluster, recorded there (`sluice.deploy.registry`). A
+failed deployment or the deadline (`--timeout`) ends it with exit 1 and the reason. Details: `sluice/deploy/README.md`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -21,6 +19,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from base.waiting import WaitTimeout, wait_until
 from builders.plan import StackPlan, build_plan, model_path, serve_config
 from sluice.deploy import registry
 from sluice.deploy.preflight import cluster_spans_nodes, connect, preflight, replica_demands
@@ -121,21 +120,26 @@ def apply_plan(spec: StackBase, plan: StackPlan, timeout_s: float | None = None,
     say(f"deploying {', '.join(app.name for app in plan.apps)}")
     registry.record(spec, plan, source)
     progress = DeployProgress([app.name for app in plan.apps], say)
-    while time.monotonic() < deadline:
+
+    def settled() -> tuple[str | None] | None:
+        """(Serve's failure,) once a deployment failed, (None,) once the frontend published every replica."""
         failed = progress.poll()
-        if failed is not None:
-            print(f"\ndeploy failed: Serve gave up on a deployment:\n{failed}", file=sys.stderr)
-            return False
-        if _published(plan):
-            for model in plan.models:
-                say(f"frontend: {model.name}: {model.min_replicas} replica(s) UP and published to its routers")
-            settle_ingress(spec, plan, say)
-            return True
-        time.sleep(_POLL_S)
-    stuck = progress.stuck() or [f"{plan.frontend_app}: the frontend has not every replica UP in HAProxy yet"]
-    waited = time.monotonic() - started
-    print(f"\ndeploy timed out after {waited:.0f} s; still not ready:\n" + "\n".join(stuck), file=sys.stderr)
-    return False
+        return (failed,) if failed is not None or _published(plan) else None
+
+    try:
+        (failed,) = wait_until(deadline - time.monotonic(), settled, "the stack", poll_s=_POLL_S)
+    except WaitTimeout:
+        stuck = progress.stuck() or [f"{plan.frontend_app}: the frontend has not every replica UP in HAProxy yet"]
+        waited = time.monotonic() - started
+        print(f"\ndeploy timed out after {waited:.0f} s; still not ready:\n" + "\n".join(stuck), file=sys.stderr)
+        return False
+    if failed is not None:
+        print(f"\ndeploy failed: Serve gave up on a deployment:\n{failed}", file=sys.stderr)
+        return False
+    for model in plan.models:
+        say(f"frontend: {model.name}: {model.min_replicas} replica(s) UP and published to its routers")
+    settle_ingress(spec, plan, say)
+    return True
 
 
 def settle_ingress(spec: StackBase, plan: StackPlan, say: Callable[[str], None]) -> None:
@@ -144,14 +148,17 @@ def settle_ingress(spec: StackBase, plan: StackPlan, say: Callable[[str], None])
     from ray import serve
 
     frontend = serve.get_app_handle(plan.frontend_app)
-    deadline = time.monotonic() + spec.ingress.drain_deadline_s + 30
-    while True:
-        ingress = frontend.ingress.remote().result(timeout_s=30)
-        drain = ingress["drain"]
+    latest: dict[str, Any] = {}
+
+    def settled() -> bool:
+        latest.update(frontend.ingress.remote().result(timeout_s=30))
+        drain = latest["drain"]
         drained = drain is None or drain["done"] or bool(drain["still_running"])
-        if ingress["direct_weight"] == spec.ingress.direct_weight and drained or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return latest["direct_weight"] == spec.ingress.direct_weight and drained
+
+    with contextlib.suppress(WaitTimeout):
+        wait_until(spec.ingress.drain_deadline_s + 30, settled, "the declared ingress", poll_s=0.2)
+    ingress, drain = latest, latest["drain"]
     say(f"frontend: direct weight {ingress['direct_weight']}% (ingress mode {spec.ingress.mode})")
     if drain is not None:
         state = "drained" if drain["done"] else f"still streaming at the deadline: {drain['still_running']}"

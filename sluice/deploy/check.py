@@ -1,16 +1,7 @@
 """`sluice check [FILE | --target URL]`: the adoption checklist, one verdict. It observes and never changes a stack.
 
-With a spec file (the embedded default when none is given) the stack is checked on its Ray cluster: ray and vLLM
-versions, direct streaming on per app, HAProxy's server map against the live replicas, served replica == chosen
-replica on sampled requests, fault injection on a staging stack (a router made to fail gives 503 with its reason;
-the canary guard counts such requests nowhere, so a live canary is not rolled back by the check), the API contract,
-client disconnect freeing the engine request within 1 s, and the legacy path answering the same requests with the
-same texts. With `--target` only what the URL shows is checked; the rest is skipped.
-
-The verdict: `pass` (exit 0) only when every item ran and passed, `incomplete` (exit 4) when none failed but some
-were skipped (each names why and the flag or spec setting that runs it), `fail` (exit 1) when any failed. A skip the
-user accepts (`--allow-skip ITEM`, the item's name without its model) is still reported, marked allowed, and does not
-make the verdict incomplete. A human table, or `--json`.
+`pass` (exit 0) only when every item ran and passed, `incomplete` (exit 4) when none failed but some were skipped,
+`fail` (exit 1) when any failed; `--allow-skip ITEM` accepts a skip. The items: `sluice/deploy/README.md`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""`sluice stack up FILE --nodes N | down FILE`: a team's stack across containers, through the Docker SDK.
+"""`sluice stack up FILE --nodes N | status | down FILE`: a team's stack across containers, through the Docker SDK.
 
-`up` creates a private Docker network (internal: nothing on it reaches beyond it), a Ray head container (the
-frontend, the routers, Serve's controller) and N worker containers (the LLM replicas), each from the node image
-(`sluice image build`) running `sluice node`; it waits for every node to join, copies the spec into the head and
-runs `sluice deploy` there. The stack then serves at the head's address on that network. Everything it creates
-carries the label `sluice.deploy.container_stack=<team>-<name>`, and `down` removes exactly that (containers, then the
-network);
-`status` runs `sluice status` on the head. A spec's API key file is copied into the head at the same path, a key
-variable passed in the head's environment.
+A private (internal) Docker network, a Ray head container and N workers from the node image, each running
+`sluice node`; the spec is deployed from the head. Everything created carries `STACK_LABEL`, and `down` removes
+exactly that. Details: `sluice/deploy/README.md`.
 """
 
 from __future__ import annotations
@@ -15,7 +10,6 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,11 +18,12 @@ import docker
 from docker.models.containers import Container
 from pydantic import BaseModel
 
+from base.waiting import wait_until
 from infra.container_images import image_tag
 from sluice.deploy.node import RAY_GCS_PORT
 from topologies.spec import load_spec
 
-STACK_LABEL = "sluice.deploy.container_stack"
+STACK_LABEL = "sluice.stack"
 ROLE_LABEL = "sluice.role"
 SPEC_DIR = "/etc/sluice/stack"
 # Ray's object store lives in /dev/shm; Docker's default 64 MiB makes Ray fall back to a slower disk store.
@@ -112,15 +107,13 @@ def _start_node(
 
 
 def _wait_for_nodes(head: Container, gcs: str, wanted: int, say: Callable[[str], None]) -> None:
-    deadline = time.monotonic() + NODES_JOIN_TIMEOUT_S
-    while time.monotonic() < deadline:
+    def alive_nodes() -> int | None:
         code, output = run_in(head, ["python", "-c", _ALIVE_NODES, gcs])
         alive = int(output.strip().splitlines()[-1]) if code == 0 and output.strip() else 0
-        if alive >= wanted:
-            say(f"{alive} Ray nodes alive")
-            return
-        time.sleep(2)
-    raise RuntimeError(f"fewer than {wanted} Ray nodes joined within {NODES_JOIN_TIMEOUT_S:.0f} s")
+        return alive if alive >= wanted else None
+
+    alive = wait_until(NODES_JOIN_TIMEOUT_S, alive_nodes, f"{wanted} Ray nodes to join", poll_s=2)
+    say(f"{alive} Ray nodes alive")
 
 
 def stack_up(

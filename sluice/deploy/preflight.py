@@ -1,17 +1,8 @@
 """Preflight: whether the Ray cluster at hand can run a sluice stack, answered in seconds, before anything is deployed.
 
-Every command that works on a cluster connects through `connect` (`down` needs no more); `status`, `check`, `canary`
-and `rollback` also check Serve's controller (`connect_to_serve`); `deploy` runs `preflight` in full. Each problem is
-a `PreflightError` naming the exact fix, and the CLI exits with `PREFLIGHT_EXIT_CODE`:
-
-- **reachable**: a TCP connect to the GCS first (Ray itself retries an unreachable address for a minute);
-- **Serve's controller**: when it runs, it must have been started with direct ingress on and Ray's own HAProxy off
-  (`base.runtime.SERVE_CONTROLLER_ENV_KEYS`), its HTTP bound where HAProxy reaches the replicas; when it does not run,
-  `serve_start_options` gives what `deploy` starts it with (the environment through Serve's `controller_options`,
-  everything the replicas read through the apps' runtime_env: a plain `ray start --head` just works);
-- **resources**: each deployment's replica fits on some alive node, and the plan's replicas fit in the cluster;
-- **sluice on the cluster's workers**: a task imports sluice's replica module (a Ray started from another Python
-  would fail every replica); a cluster too busy to run it within its share of the time is let through.
+`connect` (every cluster command), `connect_to_serve` (also Serve's controller), `preflight` (`deploy`: reachable,
+Serve's controller settings, resources, sluice importable on the workers). Each problem is a `PreflightError` naming
+the exact fix; the CLI exits with `PREFLIGHT_EXIT_CODE`. The checks one by one: `sluice/deploy/README.md`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`sluice status [FILE | STACK]`: what runs on the cluster, not what a file says.
 
-With no argument, every sluice stack on the cluster (`sluice.deploy.registry`). With a stack's name or its spec file,
-the
-stack as deployed: per model the policy and its kwargs as the running routers report them, the replicas and routers
-Serve runs, HAProxy's server map, the ingress mode, the direct weight in force and the canary's state (a canary that
-rolled back by itself: when, which criterion, measured against its limit). Given a file, it also says where the
-file and the running stack differ. `ready` or `degraded` with the reasons; `--json` for tools.
+No argument: every sluice stack (`sluice.deploy.registry`). A stack: per model the policy the running routers report,
+replicas, routers, HAProxy's server map, ingress, canary; given a file, where it differs. `ready` or `degraded` with
+the reasons; `--json` for tools. Details: `sluice/deploy/README.md`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from base.tiny_model import SERVED_MODEL_NAME
-from sluice.bench.ray_peer import peer_processes, private_netns_argv
+from sluice.bench.netns import private_netns_argv
+from sluice.bench.ray_peer import peer_processes
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.integration
 _CLIENT = """
 import asyncio, json, sys
 from pathlib import Path
-from sluice.bench.ray_peer import in_private_netns, running_ray_peer, stream_chat
+from sluice.bench.netns import in_private_netns
+from sluice.bench.ray_peer import running_ray_peer, stream_chat
 
 assert in_private_netns()
 with running_ray_peer(Path(sys.argv[1]), Path(sys.argv[2]), replicas=1) as peer:
@@ -47,7 +49,7 @@ def workdir() -> Iterator[Path]:
 def _require_private_netns() -> None:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.fail(f"the Ray peer needs root and unshare for its private network namespace (euid {os.geteuid()})")
-    probe = "from sluice.bench.ray_peer import in_private_netns; raise SystemExit(0 if in_private_netns() else 1)"
+    probe = "from sluice.bench.netns import in_private_netns; raise SystemExit(0 if in_private_netns() else 1)"
     trial = subprocess.run(private_netns_argv([sys.executable, "-c", probe]), capture_output=True, text=True)
     if trial.returncode != 0:
         pytest.fail(f"no private network namespace with loopback up (rc {trial.returncode}): {trial.stderr[-2000:]}")
