@@ -83,11 +83,8 @@ def running_ray_peer(
     model: Path, workdir: Path, replicas: int = 2, timeout_s: float = 300, in_process_executor: bool = True
 ) -> Iterator[RayPeer]:
     """Run the peer as a subprocess (in this process's network namespace, which must be private) until exit.
-    `workdir` gets the peer's log (`ray-peer.log`) and Ray's temp dir, so it must be short (`MAX_RAY_TEMP_DIR_LEN`).
-
-    Fails with the peer's last log lines if it dies or is not ready in `timeout_s`. On exit it is sent SIGTERM and
-    waited for (it stops Serve and Ray); SIGKILL after `SHUTDOWN_GRACE_S` (Ray's reaper then takes its daemons).
-    """
+    `workdir` gets the peer's log and Ray's temp dir, so it must be short (`MAX_RAY_TEMP_DIR_LEN`). Fails with the
+    peer's last log lines if it dies or is not ready in time. On exit: SIGTERM, SIGKILL after `SHUTDOWN_GRACE_S`."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready_file = workdir / "ready.json"
     ready_file.unlink(missing_ok=True)
@@ -99,15 +96,12 @@ def running_ray_peer(
     with log_path.open("wb") as log:
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
     try:
-        started = time.monotonic()
-        while not ready_file.exists():
-            # The peer keeps its own deadline for the app; this one also covers its imports and Ray's start.
-            if process.poll() is not None or time.monotonic() - started > timeout_s + 30:
-                state = f"exited with {process.returncode}" if process.returncode is not None else "was not ready"
-                raise RuntimeError(
-                    f"Ray peer {state} after {time.monotonic() - started:.0f}s; last log lines:\n{_tail(log_path)}"
-                )
-            time.sleep(0.5)
+        # The peer keeps its own deadline for the app; this one also covers its imports and Ray's start.
+        with contextlib.suppress(WaitTimeout):
+            wait_until(timeout_s + 30, lambda: ready_file.exists() or process.poll() is not None, "the peer", 0.5)
+        if not ready_file.exists():
+            state = f"exited with {process.returncode}" if process.poll() is not None else "was not ready"
+            raise RuntimeError(f"Ray peer {state} after {timeout_s + 30:.0f}s at most; last log:\n{_tail(log_path)}")
         ready = json.loads(ready_file.read_text())
         yield RayPeer(url=ready["url"], replica_urls=ready["replica_urls"], pid=process.pid)
     finally:
