@@ -1,5 +1,5 @@
-"""The one deadline-polling helper: `wait_until` (blocking) and `async_wait_until` (a replica's start, which says in
-its log what it waits for). Neither waits forever; see `docs/design.md` (Nothing waits forever)."""
+"""The one deadline-polling helper: `wait_until` (blocking) and `async_wait_until` (on an event loop: a replica's
+start, a frontend's move; it says in its log what it waits for). Neither waits forever: docs/design.md §3."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class WaitTimeout(TimeoutError):
 
 
 class StartDeadline(WaitTimeout):
-    """A wait in a replica's start that passed its deadline: it fails the constructor, Serve shows the message."""
+    """An `async_wait_until` that passed its deadline; in a replica's start it fails the constructor, and Serve shows
+    the message."""
 
 
 def _done(value: object) -> bool:
@@ -51,8 +52,8 @@ async def async_wait_until(
     logger: logging.Logger,
     log_interval_s: float = WAIT_LOG_INTERVAL_S,
 ) -> T:
-    """`wait_until` for a replica's start: every `log_interval_s` a line in `logger` says how long it has waited for
-    `what`; past `timeout_s` it raises `StartDeadline`."""
+    """`wait_until` on an event loop (a replica's start, a frontend's move): every `log_interval_s` a line in
+    `logger` says how long it has waited for `what`; past `timeout_s` it raises `StartDeadline`."""
     started = time.monotonic()
     next_log = started + log_interval_s
     while not _done(value := await probe()):

@@ -1,10 +1,8 @@
 """Keeps the frontend's accepted API keys equal to the stack's key file, through HAProxy's runtime API.
 
-Every `interval_s` the watcher re-reads the key file; when its digests changed, it swaps HAProxy's pattern list
-atomically (`prepare acl` / `add acl` / `commit acl`: no reload, no request sees a half-written list) and
-rewrites the pattern file in the workdir, so a restarted HAProxy starts from the same list. A file that cannot
-be read or parsed keeps the last good list and is reported once per distinct error; an empty file is a valid
-list that accepts no key. Keys are never logged, only how many digests the list holds.
+Every `interval_s` a changed key file is swapped in atomically (`prepare acl` / `add acl` / `commit acl`, no reload)
+and written to the workdir for a restarted HAProxy; a file that cannot be read keeps the last good list. Keys are
+never logged. Details: services/frontend/README.md (API keys).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The frontend as a Serve application, so a stack outlives the CLI that deployed it.
+"""The frontend as a Serve application (one replica per stack), so a stack outlives the CLI that deployed it.
 
-One replica supervises HAProxy and runs its syncer (and the API key watcher when the stack uses a key file) on a
-background loop of its own, with the ingress controller (the canary weight, draining moves between the direct
-path and the legacy ingress, the guard: `services.frontend.ingress_control`) and the request log it measures both paths
-from (`services.frontend.path_log`). The declared ingress is the deployment's `user_config`: changing it reconfigures
-the
-running replica, HAProxy and every stream included (no restart). HAProxy is started from that loop's thread with
-PR_SET_PDEATHSIG, so it dies with the replica; if HAProxy dies alone, the supervisor starts a new one at once and a
-fresh syncer adds every server again (no LLM replica is touched). `check_health` fails while HAProxy is down, and
-`status()` tells the CLI what the frontend sees: HAProxy's PIDs, its restarts, and its server map. On a stack across
-nodes (`node_role`) the frontend runs on the head node and HAProxy listens on that node's address, the stack's URL.
+The replica supervises HAProxy (restarted at once if it dies alone), runs the syncer, the API key watcher and the
+ingress controller on a background loop of its own, and answers the CLI (`status`, `shift`, `ingress`, `requests`).
+Its declared ingress is the deployment's `user_config`. How and why: services/frontend/README.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The canary's abort criteria, measured on both paths side by side from the frontend's request log.
 
-Each finished request the frontend logs becomes a `RequestRecord` (`services.frontend.path_log`). Over a sliding window
-the
-guard measures, per path (`direct`, `legacy`):
-
-- 503 ratio: 503 responses / requests (the frontend's own fail-closed 503s included: a broken router shows here);
-- TTFT p99: the 99th percentile of the time to the response headers of 2xx responses, which is the time to the
-  first token (a replica sends its headers with its first chunk: `services.replica.middleware.replica_headers`);
-- stream-error ratio: 2xx streams that ended neither normally nor by the client leaving / 2xx responses;
-- replica imbalance: the busiest live replica's requests / the mean over the live replicas.
-
-Only the direct path (the canary) can breach, and only once it has `min_requests` in the window, so a handful of
-requests cannot roll a canary back; the legacy path's values go in the report beside it. A request failed on purpose
-(a staging router's injected fault: `sluice check` proving the frontend fails closed) is no measure of the canary
-and counts nowhere.
+Per path over a sliding window: 503 ratio, TTFT p99, stream-error ratio, replica imbalance. Only the direct path can
+breach, and only with `min_requests` in the window; injected faults count nowhere. Each criterion's definition:
+services/frontend/README.md (the canary).
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Keeps HAProxy's replica and router servers equal to the live endpoint sets, through the runtime API only, and
 tells the routers which replicas this frontend can route to.
 
-No reload, no restart, no slot limit: each replica is a server named by its replica id, added when it appears
-(`add server`, health checks on, `state ready`) and, when it leaves, put in maintenance at once (the Lua action
-pins nothing new to it; its in-flight streams go on) and deleted once it holds no stream or after the drain
-grace (`shutdown sessions`, then `del server`). A replica on a new address under the same id is moved in
-place (`set server addr`); a live one whose server went missing (deleted by hand) is added again. Routers and
-the legacy ingress replicas (`infra.haproxy.canary`) get the same treatment.
-
-A frontend with several apps (one per model) has a replica backend and a router pool per app; each is kept the
-same way, from its own sources.
-
-Metrics targets: a router's server points at its route listener, so each router's Serve address (where its metrics
-are) is kept, the same way, in a backend of its own without health checks (`router_targets_backend`), which the
-frontend's Prometheus service discovery reads (`infra.observability.targets`).
-
-One membership truth: after each pass the syncer publishes, to every router replica of each app, the ids of that
-app's replicas this frontend can route to now — in its server set, UP, not leaving (`Membership`,
-`POST <prefix>/internal/membership`), when that set changes and every `PUBLISH_HEARTBEAT_S`. A replica joins it
-only once HAProxy's health checks have it UP (a new server starts DOWN instead of being assumed UP; the stats of a
-pass are read before its additions), and leaves it in the same pass that puts it in maintenance, so a router names
-it for at most one publication round trip after; the Lua action walks the router's ranked list past any replica it
-cannot route to, so that moment costs no request either.
+Each pass adds a server per new replica (DOWN until its checks pass), puts a leaving one in maintenance at once and
+deletes it once idle or after the drain grace, then publishes each app's routable replicas (in HAProxy, UP, not
+leaving) to that app's routers: one membership truth. How and why: services/frontend/README.md (the syncer).
 """
 
 from __future__ import annotations
@@ -29,137 +11,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import httpx
 
 from base.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
 from base.route_wire import Membership
-from infra.haproxy.apps import AppRoute
-from infra.haproxy.canary import legacy_backend
-from infra.haproxy.config import (
-    SERVER_NAME_PATTERN,
-    HAProxySettings,
-    is_internal_server,
-    replica_backend,
-    router_backend,
-)
+from infra.haproxy.config import SERVER_NAME_PATTERN, HAProxySettings, is_internal_server
 from infra.haproxy.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
-from infra.haproxy.servers import legacy_server_options, replica_server_options, router_server_options
-from infra.observability.targets import router_targets_backend
+from services.frontend.server_pools import (
+    AppPools,
+    AppSources,
+    Endpoints,
+    Member,
+    ServerPool,
+    SyncReport,
+    check_port_option,
+    same_address,
+)
 from services.serve_internals import ReplicaEndpoint
 
 logger = logging.getLogger(__name__)
 # How often HAProxy's servers are compared with the endpoint sources (and memberships published).
 SYNC_INTERVAL_S = 0.25
 
-EndpointSource = Callable[[], Awaitable[list[ReplicaEndpoint]]]
 # A router that missed a publication (or restarted and lost it) has the set again within this.
 PUBLISH_HEARTBEAT_S = 2.0
 PUBLISH_TIMEOUT_S = 1.0
-
-
-@dataclass
-class Member:
-    endpoint: ReplicaEndpoint
-    leaving_since: float | None = None
-
-
-@dataclass
-class SyncReport:
-    added: list[str] = field(default_factory=list)  # replica (or router) ids
-    moved: list[str] = field(default_factory=list)
-    left: list[str] = field(default_factory=list)
-    deleted: list[str] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)  # ids that cannot name an HAProxy server
-    # Per app (in the settings' order): the replica ids published to its routers.
-    routable_by_app: list[list[str]] = field(default_factory=list)
-
-    @property
-    def routable(self) -> list[str]:
-        """The first app's routable replicas (a single-model frontend's only app)."""
-        return self.routable_by_app[0]
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.added or self.moved or self.left or self.deleted)
-
-
-class ServerPool:
-    """The servers of one backend, keyed by replica (or router) id, which is also the server's name. `checked`:
-    its servers are health-checked (and start DOWN until their checks pass)."""
-
-    def __init__(self, backend: str, options: list[str], checked: bool = True) -> None:
-        self.backend = backend
-        self.options = options
-        self.checked = checked
-        self.members: dict[str, Member] = {}
-
-    @property
-    def live(self) -> dict[str, ReplicaEndpoint]:
-        """Id -> endpoint of every member not leaving (a fresh dict on every read)."""
-        return {name: m.endpoint for name, m in self.members.items() if m.leaving_since is None}
-
-    def leaving(self) -> list[str]:
-        return [name for name, m in self.members.items() if m.leaving_since is not None]
-
-
-@dataclass
-class AppSources:
-    """Where one app's replica and router endpoints come from (e.g. `list_replica_endpoints` of its Serve apps)."""
-
-    replicas: EndpointSource
-    routers: EndpointSource
-    # The app's legacy ingress replicas (an app without a legacy path has none).
-    legacy: EndpointSource | None = None
-
-
-class AppPools:
-    """One app's servers in HAProxy (its replica backend and router pool) and what its routers were last told."""
-
-    def __init__(self, index: int, app: AppRoute, sources: AppSources, settings: HAProxySettings) -> None:
-        self.app = app
-        self.sources = sources
-        self.replicas = ServerPool(replica_backend(index), replica_server_options(settings))
-        self.routers = ServerPool(router_backend(index), router_server_options(settings))
-        self.legacy = ServerPool(legacy_backend(index), legacy_server_options(settings))
-        # The routers' Serve addresses, for the metrics discovery only.
-        self.router_targets = ServerPool(router_targets_backend(index), [], checked=False)
-        # Router id -> (the set last published to it, when).
-        self.published: dict[str, tuple[tuple[str, ...], float]] = {}
-
-    def pools(
-        self, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint], legacy: list[ReplicaEndpoint]
-    ) -> list[tuple[ServerPool, list[ReplicaEndpoint]]]:
-        """Each of the app's pools with the endpoints it should hold (a router's target: its Serve address)."""
-        targets = [router.model_copy(update={"route_port": None}) for router in routers]
-        return [
-            (self.replicas, replicas),
-            (self.routers, routers),
-            (self.legacy, legacy),
-            (self.router_targets, targets),
-        ]
-
-    def published_replicas(self) -> int:
-        """How many replicas every live router has last been told about (0 while one has been told nothing)."""
-        live = self.routers.live
-        if not live or any(name not in self.published for name in live):
-            return 0
-        return min(len(self.published[name][0]) for name in live)
-
-
-def _same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:
-    return (a.host, a.port, a.route_port) == (b.host, b.port, b.route_port)
-
-
-def _check_port_option(endpoint: ReplicaEndpoint) -> list[str]:
-    """A server at a router's route listener is health-checked on Serve's port (where `/-/healthz` is)."""
-    return ["port", str(endpoint.port)] if endpoint.route_port is not None else []
-
-
-# Per app: its replicas, routers and legacy ingress replicas.
-Endpoints = list[tuple[list[ReplicaEndpoint], list[ReplicaEndpoint], list[ReplicaEndpoint]]]
 
 
 class HAProxySyncer:
@@ -188,8 +66,8 @@ class HAProxySyncer:
         self._refused_logged: set[str] = set()
 
     async def sync_once(self) -> SyncReport:
-        """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is (the error
-        propagates)."""
+        """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is (the
+        error propagates)."""
         endpoints = [
             (
                 await app.sources.replicas(),
@@ -268,7 +146,7 @@ class HAProxySyncer:
                     member.leaving_since = now
                     report.left.append(name)
                 continue
-            if not _same_address(live, member.endpoint):
+            if not same_address(live, member.endpoint):
                 self.runtime.set_server_addr(pool.backend, name, live.host, live.haproxy_port)
                 self.runtime.set_server_check_port(pool.backend, name, live.port)
                 member.endpoint = live
@@ -300,7 +178,7 @@ class HAProxySyncer:
         for name, endpoint in sorted(wanted.items()):
             if name in pool.members:
                 continue
-            options = pool.options + _check_port_option(endpoint)
+            options = pool.options + check_port_option(endpoint)
             self.runtime.add_server(pool.backend, name, endpoint.host, endpoint.haproxy_port, options)
             if pool.checked:
                 self.runtime.enable_health(pool.backend, name)
@@ -361,8 +239,7 @@ class HAProxySyncer:
             app.published[name] = (routable, now)
 
     def published_replicas(self) -> int:
-        """The fewest replicas any app's live routers have all been told about (0 while one has been told
-        nothing)."""
+        """The fewest replicas any app's live routers have all been told about (0 while one has been told nothing)."""
         return min(app.published_replicas() for app in self.apps)
 
     @staticmethod

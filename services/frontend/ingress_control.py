@@ -1,21 +1,8 @@
 """The frontend's ingress: the direct weight (the canary), connection-draining moves between the paths, and the
 guard that rolls a canary back by itself.
 
-- `shift(weight)`: the new weight goes to HAProxy at once (`set map`, no reload) and to its map file (so a
-  restarted HAProxy starts with it); new requests follow it from the next one. When a path loses all its traffic
-  (weight 0: direct; 100: legacy) its streams in flight finish: the drain waits until that path's servers hold no
-  stream, or until the deadline, and reports the servers still streaming then (nothing is cut by the move itself).
-- The guard: while a canary runs (0 < weight < 100), every `GUARD_INTERVAL_S` the abort criteria are evaluated on
-  both paths (`services.frontend.canary_guard`) over the window, from the last weight change on; a breach shifts the
-  weight
-  to 0 and is kept as the abort, naming the criterion, the measured value and the threshold. Each such rollback is
-  a warning in the frontend's log and counts in `sluice_canary_rollbacks_total{reason}` (the criterion), which
-  HAProxy's metrics service reads from a table this controller sets (`publish_rollbacks`: again after HAProxy
-  restarts, so the count holds for the replica's life).
-- The declared ingress (the Frontend deployment's `user_config`, from the spec) is applied by `declare`; a weight
-  set at run time (`sluice canary`, `sluice rollback`, an abort) is kept in Ray's KV store beside the declaration
-  it overrode, so a frontend replica that crashed comes back with it unless a new declaration came since. A replica
-  stopped on purpose (the stack deleted or redeployed) forgets it (`forget`).
+A move reaches HAProxy at once (`set map`, no reload); a path that lost all its traffic drains up to a deadline; a
+run-time weight survives a crash of the frontend replica (Ray's KV store). Details: services/frontend/README.md.
 """
 
 from __future__ import annotations
@@ -30,6 +17,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from base.contracts import DIRECT_PATH, DIRECT_WEIGHT_MAX, LEGACY_PATH
+from base.waiting import WaitTimeout, async_wait_until
 from infra.haproxy.canary import LEGACY_BACKEND, ROLLBACK_COUNTER, ROLLBACK_TABLE, weights_map
 from infra.haproxy.config import REPLICA_BACKEND, HAProxySettings, is_internal_server
 from infra.haproxy.runtime_api import RuntimeAPI
@@ -215,14 +203,17 @@ class IngressController:
 
     # Internals.
     async def _until_legacy_up(self) -> None:
-        deadline = time.monotonic() + LEGACY_WAIT_S
-        while not await asyncio.to_thread(self._legacy_up):
-            if time.monotonic() >= deadline:
-                raise NoLegacyPath(
-                    f"no legacy ingress replica came UP within {LEGACY_WAIT_S:.0f} s: deploy the stack with "
-                    "ingress.mode both (or legacy) first"
-                )
-            await asyncio.sleep(DRAIN_POLL_S)
+        async def legacy_up() -> bool:
+            return await asyncio.to_thread(self._legacy_up)
+
+        what = "every app's legacy ingress to be UP in HAProxy"
+        try:
+            await async_wait_until(LEGACY_WAIT_S, legacy_up, what, DRAIN_POLL_S, logger)
+        except WaitTimeout:
+            raise NoLegacyPath(
+                f"no legacy ingress replica came UP within {LEGACY_WAIT_S:.0f} s: deploy the stack with "
+                "ingress.mode both (or legacy) first"
+            ) from None
 
     async def _drain(self, report: DrainReport, deadline_s: float) -> DrainReport:
         started = time.monotonic()

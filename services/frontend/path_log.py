@@ -1,10 +1,6 @@
-"""The frontend's request log: HAProxy sends one datagram per finished request to a unix socket the frontend
-replica reads; each becomes a `RequestRecord`, kept for the canary guard's window and for `sluice check`.
-
-A datagram is `infra.haproxy.canary.log_format` rendered: tag, app, path, status, time to response headers (ms,
--1 when no server answered), total time, termination state, the server it was sent to, the replica that served it,
-µs the route call took, the reason it was not routed as ranked, request id. Anything else on the socket is
-ignored. HAProxy drops records rather than wait when nobody reads, so the log never slows a request down.
+"""The frontend's request log: HAProxy sends one datagram per finished request (`infra.haproxy.canary.log_format`)
+to a unix socket the frontend replica reads; each becomes a `RequestRecord`, kept for the canary guard's window and
+for `sluice check`. Anything else on the socket is ignored (services/frontend/README.md, the canary).
 """
 
 from __future__ import annotations
