@@ -32,6 +32,7 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.runtime import cache_dir
+from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.ingress_control import GUARD_INTERVAL_S
 from services.serve_internals import list_replica_endpoints
@@ -143,9 +144,8 @@ def test_a_router_fault_rolls_the_canary_back_naming_the_criterion_and_counting_
             paths.append((response.headers.get(SERVE_PATH_HEADER), response.status_code))
             if response.status_code == 503:
                 assert response.headers[SERVE_REASON_HEADER] == REASON_ROUTER_UNREACHABLE
-        deadline = time.monotonic() + 15
-        while _ingress(stack)["abort"] is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        with contextlib.suppress(WaitTimeout):
+            wait_until(15, lambda: _ingress(stack)["abort"], "the guard to roll back", poll_s=0.2)
     assert (LEGACY_PATH, 200) in paths and any(status == 503 for _, status in paths)
     ingress = _ingress(stack)
     abort = ingress["abort"]
@@ -247,9 +247,8 @@ def _move_under_load(stack: TeamStack, weight: int) -> tuple[list[Stream], float
         return await users
 
     streams = asyncio.run(run())
-    deadline = time.monotonic() + 60
-    while not (_ingress(stack)["drain"] or {}).get("done") and time.monotonic() < deadline:
-        time.sleep(0.1)
+    with contextlib.suppress(WaitTimeout):
+        wait_until(60, lambda: (_ingress(stack)["drain"] or {}).get("done"), "the drain to end", poll_s=0.1)
     return streams, moments["began"], moments["returned"], _ingress(stack)["drain"]
 
 

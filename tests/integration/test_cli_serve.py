@@ -9,15 +9,15 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import free_port
+from base.waiting import WaitTimeout, wait_until
 from tests.support.frontend_contract import register_frontend
+from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
 from topologies import EMBEDDED_SPEC
 
@@ -29,14 +29,17 @@ STATUS = re.compile(r"sluice status (\S+) --address (\S+)")
 
 def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) -> tuple[str, tuple[str, str]]:
     """The frontend's URL and the `sluice status` command `sluice serve` printed (stack, address)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def ready() -> str | None:
         assert process.poll() is None, f"sluice serve exited early:\n{log.read_text()[-3000:]}"
         text = log.read_text()
-        if "Ctrl-C stops everything" in text:
-            return URL.findall(text)[0], STATUS.findall(text)[0]
-        time.sleep(1)
-    raise AssertionError(f"sluice serve never became ready:\n{log.read_text()[-3000:]}")
+        return text if "Ctrl-C stops everything" in text else None
+
+    try:
+        text = wait_until(timeout_s, ready, "sluice serve to be ready", poll_s=1)
+    except WaitTimeout:
+        raise AssertionError(f"sluice serve never became ready:\n{log.read_text()[-3000:]}") from None
+    return URL.findall(text)[0], STATUS.findall(text)[0]
 
 
 def _status(target: str, address: str) -> dict:

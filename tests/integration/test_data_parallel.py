@@ -19,7 +19,7 @@ import pytest
 from base.contracts import DATA_PARALLEL_RANK_HEADER, REPLICA_HEADER, SERVED_RANK_HEADER, SESSION_HEADER_DEFAULT
 from builders.plan import StackPlan
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
-from tests.integration.conftest import LLMCluster
+from tests.support.llm_cluster import LLMCluster
 from tests.support.team_stack import team_stack
 
 pytestmark = pytest.mark.integration

@@ -3,7 +3,6 @@ KubeRay's serveConfigV2 use), brings up a stack that streams through HAProxy."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -14,9 +13,10 @@ from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
 from base.contracts import REPLICA_HEADER
+from base.waiting import wait_until
 from sluice.deploy.apply import render
-from tests.integration.conftest import free_port
 from tests.support.frontend_contract import register_frontend
+from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -40,20 +40,20 @@ def test_the_rendered_config_deploys_through_serves_declarative_api(
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
     try:
         body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-        deadline = time.monotonic() + 300
         with httpx.Client(timeout=30) as client:
-            while True:
+
+            def streamed() -> tuple[httpx.Response, list] | None:
                 try:
                     with client.stream(
                         "POST", f"http://127.0.0.1:{port}/v1/chat/completions", json={**body, "stream": True}
                     ) as response:
                         if response.status_code == 200:
-                            events = chunks(data_lines(response))
-                            break
+                            return response, chunks(data_lines(response))
                 except httpx.TransportError:
                     pass
-                assert time.monotonic() < deadline, "the declaratively deployed stack never served"
-                time.sleep(1)
+                return None
+
+            response, events = wait_until(300, streamed, "the declaratively deployed stack to serve", poll_s=1)
         assert response.headers[REPLICA_HEADER]
         assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
         assert serve.status().applications[apps[-1]].status == "RUNNING"

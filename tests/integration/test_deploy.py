@@ -5,6 +5,7 @@ HAProxy is replaced without touching an LLM replica, and `sluice down` removes i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,11 +22,12 @@ import yaml
 from ray import serve
 
 from base.contracts import REPLICA_HEADER
+from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import pid_alive
 from services.serve_internals import list_replica_endpoints
 from sluice.deploy.check import CHECK_EXIT_INCOMPLETE, CHECK_EXIT_PASS, ENABLED_BY, FAULT_INJECTION, LEGACY_SAME_TEXTS
-from tests.integration.conftest import free_port
 from tests.support.frontend_contract import register_frontend
+from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -146,9 +148,8 @@ def test_haproxy_dies_with_its_replica_and_comes_back_with_the_next(stack: Deplo
     before = _status(stack)
     os.kill(before["frontend"]["replica_pid"], signal.SIGKILL)
     killed = time.monotonic()
-    deadline = killed + 5
-    while pid_alive(before["frontend"]["master_pid"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    with contextlib.suppress(WaitTimeout):
+        wait_until(5, lambda: not pid_alive(before["frontend"]["master_pid"]), "HAProxy to end", poll_s=0.1)
     assert not pid_alive(before["frontend"]["master_pid"]), "HAProxy outlived its frontend replica"
     print(f"Serve's new frontend replica serving after {_serving_again(stack.url, killed, 90):.1f} s")
     assert _status(stack)["apps"][stack.llm_app]["replicas"] == before["apps"][stack.llm_app]["replicas"]
@@ -159,9 +160,8 @@ def test_down_removes_every_app_and_haproxy(stack: Deployed) -> None:
     result = _sluice("down", str(stack.spec), "--address", stack.address)
     assert result.returncode == 0, result.stdout + result.stderr
     assert not set(stack.apps) & set(serve.status().applications)
-    deadline = time.monotonic() + 10
-    while pid_alive(haproxy["master_pid"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    with contextlib.suppress(WaitTimeout):
+        wait_until(10, lambda: not pid_alive(haproxy["master_pid"]), "HAProxy to end", poll_s=0.2)
     assert not pid_alive(haproxy["master_pid"]) and not pid_alive(haproxy["worker_pid"])
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{stack.url}/v1/models", timeout=2)

@@ -35,9 +35,9 @@ from infra.haproxy.protection import ClientLimits, FrontendProtection
 from services.replica.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
-from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
 from tests.support.frontend_contract import assert_frontend_error, assert_refused
 from tests.support.frontend_metrics import refusal_counts, request_errors
+from tests.support.llm_cluster import LLMCluster, deploy_llm_app, direct_stack
 from tests.support.raw_http import partial_request, request_head
 from tests.support.sse import chunks, data_payloads
 from tests.support.vllm_metrics import engine_requests

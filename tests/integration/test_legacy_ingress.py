@@ -7,6 +7,7 @@ with capacity_queue, every token the handle's adapter takes is released once, wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import subprocess
@@ -21,11 +22,12 @@ import ray
 from ray import serve
 
 from base.contracts import LEGACY_PATH, REPLICA_HEADER, SERVE_PATH_HEADER
+from base.waiting import WaitTimeout, wait_until
 from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
 from services.legacy.ingress import LegacyIngressSettings, legacy_ingress_application
 from services.replica.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
-from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
+from tests.support.llm_cluster import LLMCluster, deploy_llm_app, direct_stack
 from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -177,9 +179,9 @@ def test_capacity_tokens_of_the_legacy_path_are_released_once_even_when_clients_
             await asyncio.gather(*(bounded(i) for i in range(200)))
 
     asyncio.run(run())
-    deadline = time.monotonic() + 10
-    while (snapshot := ray.get(ledger.snapshot.remote(), timeout=10))["outstanding"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    with contextlib.suppress(WaitTimeout):
+        wait_until(10, lambda: not ray.get(ledger.snapshot.remote(), timeout=10)["outstanding"], "release", poll_s=0.1)
+    snapshot = ray.get(ledger.snapshot.remote(), timeout=10)
     assert snapshot["outstanding"] == 0 and all(r["in_flight"] == 0 for r in snapshot["replicas"].values())
     assert snapshot["granted"] == snapshot["released"] >= 200, snapshot
     assert snapshot["double_releases"] == snapshot["unknown_releases"] == snapshot["reaped"] == 0, snapshot

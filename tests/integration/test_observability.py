@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from base.contracts import REASON_NO_REPLICA, REASON_UNKNOWN_REPLICA_ID, SERVE_REASON_HEADER
+from base.waiting import wait_until
 from infra.haproxy.config import PROMETHEUS_PATH, ROUTER_BACKEND, SLUICE_METRICS_PATH
 from infra.observability.dashboard import load_dashboard, metric_names
 from infra.observability.targets import (
@@ -28,10 +29,9 @@ from infra.observability.targets import (
 )
 from infra.prometheus_config import metrics_address, prometheus_config
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
-from tests.integration.conftest import LLMCluster, direct_stack
 from tests.integration.standin_plane.plane import Env, running_env
-from tests.integration.standin_plane.standins import wait_until
 from tests.support.frontend_metrics import frontend_counts
+from tests.support.llm_cluster import LLMCluster, direct_stack
 from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -98,9 +98,10 @@ def test_the_frontend_lists_every_live_replica_and_router_where_its_metrics_are(
     replicas = asyncio.run(list_replica_endpoints(llm_cluster.app))
     routers = asyncio.run(list_replica_endpoints(ROUTER_APP))
     wait_until(
-        lambda: set(by_replica(discovered(metrics_port_address, ROLE_ROUTER))) == {r.replica_id for r in routers},
         10,
+        lambda: set(by_replica(discovered(metrics_port_address, ROLE_ROUTER))) == {r.replica_id for r in routers},
         "the router targets to be synced",
+        poll_s=0.05,
     )
     assert by_replica(discovered(metrics_port_address, ROLE_REPLICA)) == {
         r.replica_id: (_address(r), "/metrics") for r in replicas
@@ -179,12 +180,15 @@ def test_a_moved_replica_is_discovered_at_its_new_address_and_a_leaving_one_no_m
     try:
         plane.replicas[:] = [env.r1.endpoint, moved]
         wait_until(
-            lambda: by_replica(discovered(address, ROLE_REPLICA)).get("r2", ("",))[0] == _address(moved),
             5,
+            lambda: by_replica(discovered(address, ROLE_REPLICA)).get("r2", ("",))[0] == _address(moved),
             "r2 to be listed at its new address",
+            poll_s=0.05,
         )
         plane.replicas[:] = [env.r1.endpoint]
-        wait_until(lambda: set(by_replica(discovered(address, ROLE_REPLICA))) == {"r1"}, 5, "r2 to be unlisted")
+        wait_until(
+            5, lambda: set(by_replica(discovered(address, ROLE_REPLICA))) == {"r1"}, "r2 to be unlisted", poll_s=0.05
+        )
     finally:
         plane.replicas[:] = original
         plane.wait_synced()

@@ -23,10 +23,11 @@ import yaml
 
 from base.contracts import REPLICA_HEADER
 from base.runtime import COMPATIBLE_RAY_START
+from base.waiting import wait_until
 from sluice.deploy.check import CHECK_EXIT_FAIL
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
-from tests.integration.conftest import free_port
 from tests.support.frontend_contract import register_frontend
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -70,10 +71,12 @@ def cluster() -> Iterator[str]:
     ray_start = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while _sluice("status", "--address", address, timeout_s=60).returncode != 0:
-            assert ray_start.poll() is None and time.monotonic() < deadline, "ray start did not come up"
-            time.sleep(1)
+
+        def up() -> bool:
+            assert ray_start.poll() is None, "ray start exited"
+            return _sluice("status", "--address", address, timeout_s=60).returncode == 0
+
+        wait_until(60, up, "ray start to come up", poll_s=1)
         yield address
     finally:
         ray_start.send_signal(signal.SIGTERM)

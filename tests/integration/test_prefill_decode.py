@@ -35,10 +35,11 @@ from base.contracts import (
     REPLICA_HEADER,
     SERVED_PREFILL_HEADER,
 )
+from base.waiting import wait_until
 from builders.plan import StackPlan
 from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
-from tests.integration.conftest import LLMCluster
+from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import chunks, data_lines
 from tests.support.team_stack import team_stack
 
@@ -257,13 +258,12 @@ def test_with_the_prefill_replica_killed_decode_prefills_locally_then_pairs_agai
             reasons.add(headers[PREFILL_FALLBACK_HEADER])
             time.sleep(0.5)
         assert reasons <= {REASON_PREFILL_FAILED, REASON_PREFILL_UNROUTED} and reasons
-        deadline = time.monotonic() + 240
-        while True:
+
+        def replaced() -> list | None:
             endpoints = asyncio.run(list_replica_endpoints(stack.prefill_app))
-            if endpoints and endpoints[0].replica_id != killed.replica_id:
-                break
-            assert time.monotonic() < deadline, "the prefill replica was not replaced"
-            time.sleep(1)
+            return endpoints if endpoints and endpoints[0].replica_id != killed.replica_id else None
+
+        endpoints = wait_until(240, replaced, "the prefill replica to be replaced", poll_s=1)
         time.sleep(1)  # the router's next poll
         headers, _, _ = stream_chat(client, stack.url, chat(stack.model, max_tokens=4))
     assert headers[SERVED_PREFILL_HEADER] == endpoints[0].replica_id and PREFILL_FALLBACK_HEADER not in headers

@@ -12,7 +12,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import ray
 
 from base.contracts import SERVED_RANK_HEADER
+from base.waiting import wait_until
 from builders.plan import StackPlan
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.team_stack import team_stack
@@ -86,14 +86,12 @@ def test_a_killed_rank_brings_its_gang_back_with_every_rank_filled(stack: GangSt
     killed = before[1]
     actor = f"SERVE_REPLICA::{stack.app}#{killed.deployment}#{killed.replica_id}"
     ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
-    deadline = time.monotonic() + 300
-    while True:
+
+    def whole_again() -> bool:
         endpoints = asyncio.run(list_replica_endpoints(stack.app))
-        ids = {e.replica_id for e in endpoints}
-        if len(endpoints) == GANG_SIZE and killed.replica_id not in ids:
-            break
-        assert time.monotonic() < deadline, f"the gang did not come back: {ids}"
-        time.sleep(1)
+        return len(endpoints) == GANG_SIZE and killed.replica_id not in {e.replica_id for e in endpoints}
+
+    wait_until(300, whole_again, "the gang to come back without the killed replica", poll_s=1)
     after = ranks(stack)
     assert sorted(after) == list(range(GANG_SIZE))
     assert killed.replica_id not in {e.replica_id for e in after.values()}

@@ -10,7 +10,7 @@ from ray import serve
 
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
 from services.replica.asgi_call import ResponseStart
-from tests.integration.conftest import LLMCluster
+from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import chunks
 
 pytestmark = pytest.mark.integration

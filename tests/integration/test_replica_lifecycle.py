@@ -11,9 +11,10 @@ import pytest
 import ray
 from ray import serve
 
+from base.waiting import wait_until
 from services.replica.llm_config import MIN_DRAIN_GRACE_S, ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
-from tests.integration.conftest import LLMCluster, deploy_llm_app
+from tests.support.llm_cluster import LLMCluster, deploy_llm_app
 from tests.support.sse import chunks
 
 pytestmark = pytest.mark.integration
@@ -40,13 +41,12 @@ def test_a_replaced_replica_is_discovered_on_its_new_port(lifecycle_app) -> None
     old = lifecycle_app
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#LifecycleReplica#{old.replica_id}", namespace="serve")
     ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + 300
-    while True:
+
+    def replaced() -> list | None:
         endpoints = asyncio.run(list_replica_endpoints(APP))
-        if endpoints and endpoints[0].replica_id != old.replica_id:
-            break
-        assert time.monotonic() < deadline, "no replacement replica discovered"
-        time.sleep(0.5)
+        return endpoints if endpoints and endpoints[0].replica_id != old.replica_id else None
+
+    endpoints = wait_until(300, replaced, "a replacement replica", poll_s=0.5)
     assert [e.replica_id for e in endpoints] != [old.replica_id]
     new = endpoints[0]
     response = httpx.get(f"{new.url}{PREFIX}/v1/models")
@@ -94,10 +94,7 @@ def test_stopping_a_replica_lets_its_stream_finish(lifecycle_app) -> None:
     assert text, "the stream must carry tokens to its end"
     assert draining_seen < result["finished"], "the replica must drain while the stream runs"
     assert result["finished"] - result["started"] < DRAIN_GRACE_S
-    deadline = time.monotonic() + 60
-    while asyncio.run(list_replica_endpoints(APP)):
-        assert time.monotonic() < deadline, "the stopped replica's endpoint is still listed"
-        time.sleep(0.5)
+    wait_until(60, lambda: not asyncio.run(list_replica_endpoints(APP)), "the stopped replica unlisted", poll_s=0.5)
 
 
 async def _stream_until_cut(client: httpx.AsyncClient, url: str, body: dict, first: asyncio.Event) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
 from sluice.deploy.check_items import WEATHER_SCHEMA, forced_tool_call
-from tests.integration.conftest import LLMCluster
+from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration

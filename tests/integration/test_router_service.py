@@ -7,7 +7,7 @@ ledger token that the chosen replica gives back exactly once, at stream end or a
 
 from __future__ import annotations
 
-import time
+import contextlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,8 +23,9 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.route_wire import RouteReply
+from base.waiting import WaitTimeout, wait_until
 from services.serve_internals import ReplicaEndpoint
-from tests.integration.conftest import LLMCluster
+from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import DONE
 
 pytestmark = pytest.mark.integration
@@ -137,12 +138,9 @@ def _ledger_snapshot(llm_cluster: LLMCluster) -> dict:
 
 
 def _wait_until_released(llm_cluster: LLMCluster, released_before: int) -> dict:
-    deadline = time.monotonic() + RELEASE_WITHIN_S
-    while True:
-        snapshot = _ledger_snapshot(llm_cluster)
-        if snapshot["outstanding"] == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    with contextlib.suppress(WaitTimeout):
+        wait_until(RELEASE_WITHIN_S, lambda: _ledger_snapshot(llm_cluster)["outstanding"] == 0, "release", poll_s=0.05)
+    snapshot = _ledger_snapshot(llm_cluster)
     assert snapshot["outstanding"] == 0, snapshot
     assert snapshot["released"] == released_before + 1, snapshot
     assert snapshot["double_releases"] == snapshot["unknown_releases"] == snapshot["late_releases"] == 0, snapshot

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from sluice.bench.routing_suite import routing_suite
-from tests.integration.conftest import free_port
 from tests.support.frontend_contract import register_frontend
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 
 import pytest
 import ray
 from ray import serve
 
+from base.waiting import WaitTimeout, wait_until
 from routers.ledger_actor import ledger_actor_name
 from routers.serve_adapters import request_router_config
 
@@ -100,9 +101,9 @@ def test_capacity_queue_never_exceeds_capacity(ray_cluster) -> None:
         assert max(active for r in results for _, active in r) <= capacity
         assert len({r[0][0] for r in results}) == REPLICAS
 
-        deadline = time.monotonic() + 10
-        while (after := ray.get(ledger.snapshot.remote()))["outstanding"] and time.monotonic() < deadline:
-            time.sleep(0.1)
+        with contextlib.suppress(WaitTimeout):
+            wait_until(10, lambda: not ray.get(ledger.snapshot.remote())["outstanding"], "release", poll_s=0.1)
+        after = ray.get(ledger.snapshot.remote())
         assert after["granted"] - before["granted"] >= calls, "every call must have held a ledger token"
         assert after["released"] == after["granted"]
         assert after["outstanding"] == 0 and after["double_releases"] == 0

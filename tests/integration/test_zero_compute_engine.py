@@ -9,7 +9,6 @@ import asyncio
 import json
 import multiprocessing.resource_tracker
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from base.contracts import ENGINE_STAND_IN_HEADER, ZERO_COMPUTE_STAND_IN
 from base.tiny_model import SERVED_MODEL_NAME
+from base.waiting import wait_until
 from services.replica.asgi_call import ResponseStart, stream_asgi
 from services.replica.llm_config import EngineConfig
 from services.replica.middleware.replica_headers import ASGIApp, ReplicaHeadersMiddleware
@@ -196,7 +196,9 @@ def test_the_real_engine_generates_nothing_for_the_stand_ins_answers(served: Ser
 
     # The control: the same counters do move when the real engine generates.
     served.runner.run(generate_for_real())
-    deadline = time.monotonic() + 5
-    while served.engine_counters()["generation_tokens_total"] < before["generation_tokens_total"] + 2:
-        assert time.monotonic() < deadline, "the real engine's counters never moved: the check above proves nothing"
-        time.sleep(0.05)
+    wait_until(
+        5,
+        lambda: served.engine_counters()["generation_tokens_total"] >= before["generation_tokens_total"] + 2,
+        "the real engine's counters to move (else the check above proves nothing)",
+        poll_s=0.05,
+    )

@@ -9,13 +9,13 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from base.runtime import free_port
+from base.waiting import WaitTimeout, wait_until
 from loadtests.campaign import Campaign, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,15 +27,20 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.support.known_timing_server", "--port", str(port), *flags], cwd=ROOT
     )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def listening() -> bool:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process, f"http://127.0.0.1:{port}"
         except OSError:
-            time.sleep(0.05)
-    process.kill()
-    raise RuntimeError("the known-timing server did not start")
+            return False
+        return True
+
+    try:
+        wait_until(20, listening, "the known-timing server to listen", poll_s=0.05)
+    except WaitTimeout:
+        process.kill()
+        raise
+    return process, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

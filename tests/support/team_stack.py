@@ -14,8 +14,8 @@ from ray import serve
 
 from builders.plan import StackPlan, build_plan
 from sluice.deploy.apply import apply_plan, ensure_models
-from tests.integration.conftest import free_port
 from tests.support.frontend_contract import register_frontend
+from tests.support.ports import free_port
 from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"

@@ -12,7 +12,7 @@ import pytest
 from base.contracts import REPLICA_HEADER, SERVE_FALLBACK_HEADER, SERVE_REASON_HEADER
 from services.serve_internals import list_replica_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
-from tests.integration.conftest import LLMCluster, direct_stack
+from tests.support.llm_cluster import LLMCluster, direct_stack
 
 pytestmark = pytest.mark.integration
 

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-import time
 
 import httpx
 import pytest
 import ray
 
 from base.contracts import CAPACITY_TOKEN_HEADER, REPLICA_HEADER
+from base.waiting import WaitTimeout, wait_until
 from routers.ledger_actor import ledger_actor_name
 from sluice.bench.stack_harness import DirectStreamStack
-from tests.integration.conftest import LLMCluster, direct_stack
+from tests.support.llm_cluster import LLMCluster, direct_stack
 from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -40,10 +41,9 @@ def ledger(stack, llm_cluster: LLMCluster):
 
 def _settled(ledger, timeout_s: float = 1.0) -> dict:
     """The ledger once nothing is outstanding (or after timeout_s)."""
-    deadline = time.monotonic() + timeout_s
-    while (snapshot := ray.get(ledger.snapshot.remote()))["outstanding"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return snapshot
+    with contextlib.suppress(WaitTimeout):
+        wait_until(timeout_s, lambda: not ray.get(ledger.snapshot.remote())["outstanding"], "release", poll_s=0.05)
+    return ray.get(ledger.snapshot.remote())
 
 
 def _stream(stack: DirectStreamStack, headers: dict | None = None) -> list[dict]:

@@ -13,9 +13,10 @@ import psutil
 import pytest
 
 from base.contracts import FALLBACK_RANK_HEADER, REPLICA_HEADER, ROUTE_PATH, SESSION_HEADER_DEFAULT
+from base.waiting import wait_until
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
-from tests.integration.conftest import LLMCluster, direct_stack
+from tests.support.llm_cluster import LLMCluster, direct_stack
 
 pytestmark = pytest.mark.integration
 
@@ -102,10 +103,12 @@ def test_a_killed_replica_costs_the_session_nothing(
         else:  # passed over the dead primary the router still named: the ring's next replica
             assert primary in (choice, previous) and served == survivor, results[i]
     # Serve replaces the killed replica; the session cluster is whole again for the modules after this one.
-    deadline = time.monotonic() + 180
-    while primary in {e.replica_id for e in wait_for_endpoints(llm_cluster.app, 2, timeout_s=180)}:
-        assert time.monotonic() < deadline, "Serve never replaced the killed replica"
-        time.sleep(0.5)
+    wait_until(
+        180,
+        lambda: primary not in {e.replica_id for e in wait_for_endpoints(llm_cluster.app, 2, timeout_s=180)},
+        "Serve to replace the killed replica",
+        poll_s=0.5,
+    )
     llm_cluster.endpoints[:] = wait_for_endpoints(llm_cluster.app, 2, timeout_s=180)
     stack.wait_until_serving(replicas=2, routers=2, timeout_s=120)
     with capsys.disabled():

@@ -28,7 +28,6 @@ from base.contracts import (
 )
 from infra.haproxy.apps import AppRoute
 from services.serve_internals import list_replica_endpoints
-from tests.integration.conftest import LLMCluster
 from tests.integration.standin_plane.plane import Plane, start_plane, stop_plane
 from tests.integration.standin_plane.standins import (
     OPEN_ROUTER_PREFIX,
@@ -39,6 +38,7 @@ from tests.integration.standin_plane.standins import (
     assert_fail_closed,
     rearm_stall,
 )
+from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import chunks, data_lines
 from tests.support.vllm_metrics import engine_requests
 

@@ -13,10 +13,11 @@ import psutil
 import pytest
 
 from base.contracts import REPLICA_HEADER, SERVE_REASON_HEADER
+from base.waiting import wait_until
 from infra.haproxy.config import REPLICA_BACKEND
 from services.serve_internals import wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
-from tests.integration.conftest import LLMCluster, deploy_llm_app, direct_stack
+from tests.support.llm_cluster import LLMCluster, deploy_llm_app, direct_stack
 from tests.support.sse import chunks, data_lines
 
 pytestmark = pytest.mark.integration
@@ -79,10 +80,7 @@ class Streamers:
 
 
 def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
+    wait_until(timeout_s, predicate, what, poll_s=0.2)
 
 
 def test_scale_2_3_2_while_streams_run_without_a_reload(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from base.waiting import wait_until
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import HAProxySettings
 from infra.haproxy.process import HAProxyProcess, pid_alive
@@ -18,7 +19,6 @@ from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.api_key_watcher import ApiKeyWatcher
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer, ServerPool
 from services.serve_internals import ReplicaEndpoint
-from tests.integration.conftest import free_port
 from tests.integration.standin_plane.standins import (
     APP,
     BODY_BUFFER_BYTES,
@@ -30,10 +30,10 @@ from tests.integration.standin_plane.standins import (
     RouterStandIn,
     StandIn,
     rearm_stall,
-    wait_until,
 )
 from tests.support.frontend_contract import register_frontend
 from tests.support.frontend_metrics import frontend_counts
+from tests.support.ports import free_port
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Plane:
         return next((m.replica_ids for _, m in reversed(behavior.memberships) if m.frontend == frontend), None)
 
     def wait_synced(self, timeout_s: float = 5.0) -> None:
-        wait_until(self.synced, timeout_s, "HAProxy to match the endpoint sources")
+        wait_until(timeout_s, self.synced, "HAProxy to match the endpoint sources", poll_s=0.05)
 
 
 def start_plane(

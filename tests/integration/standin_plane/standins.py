@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures
 import json
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,7 @@ from base.contracts import (
 )
 from base.route_wire import Membership, RouteRefusal, RouteReply
 from services.serve_internals import ReplicaEndpoint
-from tests.integration.conftest import free_port
+from tests.support.ports import free_port
 from tests.support.sse import data_payloads
 
 APP = "llm"
@@ -41,14 +40,6 @@ BODY_BUFFER_BYTES = 16384
 CHAT_PATH = "/v1/chat/completions"
 # The fail-open plane's router deployment sits under a route prefix.
 OPEN_ROUTER_PREFIX = "/open"
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 class LoopThread:

@@ -26,16 +26,11 @@ from base.contracts import (
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
+from base.waiting import wait_until
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import REPLICA_BACKEND
 from tests.integration.standin_plane.plane import Env, Plane, fallback_counts, start_plane, stop_plane
-from tests.integration.standin_plane.standins import (
-    CHAT_PATH,
-    TinyReplica,
-    assert_fail_closed,
-    first_event,
-    wait_until,
-)
+from tests.integration.standin_plane.standins import CHAT_PATH, TinyReplica, assert_fail_closed, first_event
 from tests.support.frontend_contract import check_frontend_response, checked
 
 pytestmark = pytest.mark.integration
@@ -69,7 +64,12 @@ def test_no_usable_ranked_replica_fails_closed_with_the_primarys_reason(env: Env
     assert_fail_closed(client.post(CHAT_PATH, json={}), REASON_UNKNOWN_REPLICA_ID)
     env.r2.healthy = False
     try:
-        wait_until(lambda: env.plane.status(env.plane.syncer.apps[0].replicas, "r2").startswith("DOWN"), what="r2 DOWN")
+        wait_until(
+            5.0,
+            lambda: env.plane.status(env.plane.syncer.apps[0].replicas, "r2").startswith("DOWN"),
+            "r2 DOWN",
+            poll_s=0.05,
+        )
         env.behavior.ranked = ["r2", "ghost"]
         assert_fail_closed(client.post(CHAT_PATH, json={}), REASON_REPLICA_UNAVAILABLE)
         # A DOWN primary with a usable fallback: the fallback serves, counted as `down`.
@@ -139,7 +139,9 @@ def test_a_stopped_primary_still_in_the_frontend_is_served_by_the_fallback_at_on
         assert elapsed < 0.1, elapsed
         # The refused connection marked it DOWN at once, and the routers stop being told about it.
         assert plane.status(pool, first.name).startswith("DOWN")
-        wait_until(lambda: plane.published(env.behavior) == [second.name, third.name], 1.0, "DOWN one unpublished")
+        wait_until(
+            1.0, lambda: plane.published(env.behavior) == [second.name, third.name], "DOWN one unpublished", poll_s=0.05
+        )
         # The next request skips it without trying; a refused fallback passes to the next rank.
         assert served_by(client.post(CHAT_PATH, content=b"{}")) == (second.name, "1")
         env.loop.run(second.stop())

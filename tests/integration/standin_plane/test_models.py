@@ -23,12 +23,12 @@ from base.contracts import (
     ROUTE_PATH,
     SERVE_REASON_HEADER,
 )
+from base.waiting import wait_until
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import HAProxySettings, replica_backend
 from infra.haproxy.process import HAProxyProcess
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.serve_internals import ReplicaEndpoint
-from tests.integration.conftest import free_port
 from tests.integration.standin_plane.standins import (
     CHAT_PATH,
     LOOPBACK,
@@ -39,10 +39,10 @@ from tests.integration.standin_plane.standins import (
     RouterStandIn,
     assert_fail_closed,
     first_event,
-    wait_until,
 )
 from tests.support.frontend_contract import register_frontend
 from tests.support.frontend_metrics import refusal_counts
+from tests.support.ports import free_port
 
 CHAT, CODE = "team/chat-model", "code:v2"
 LOOKUP_BYTES = 2048
@@ -126,7 +126,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoModels]:
     syncer = HAProxySyncer(haproxy.runtime, settings, [sources(chat), sources(code)])
     future = loop.submit(syncer.run(interval_s=0.1))
     try:
-        wait_until(lambda: _routable(syncer), 10, "both apps' replicas published to their routers")
+        wait_until(10, lambda: _routable(syncer), "both apps' replicas published to their routers", poll_s=0.05)
         yield TwoModels(loop, chat, code, haproxy, syncer)
     finally:
         future.cancel()

@@ -20,6 +20,7 @@ from base.contracts import (
     REPLICA_HEADER,
     SERVE_REASON_HEADER,
 )
+from base.waiting import wait_until
 from infra.haproxy.config import REPLICA_BACKEND, ROUTER_BACKEND
 from tests.integration.standin_plane.plane import Env
 from tests.integration.standin_plane.standins import (
@@ -29,7 +30,6 @@ from tests.integration.standin_plane.standins import (
     assert_fail_closed,
     assert_pinned,
     stream_one,
-    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ def test_no_router_in_the_pool(env: Env, client: httpx.Client) -> None:
     saved = list(plane.routers)
     plane.routers.clear()
     try:
-        wait_until(lambda: not plane.syncer.apps[0].routers.members, what="no router")
+        wait_until(5.0, lambda: not plane.syncer.apps[0].routers.members, "no router", poll_s=0.05)
         start = time.monotonic()
         response = client.post(CHAT_PATH, json={"events": 1})
         assert_fail_closed(response, REASON_ROUTER_UNREACHABLE)
@@ -56,9 +56,11 @@ def test_replica_that_fails_its_health_check_is_not_pinned(env: Env, client: htt
     plane, r2 = env.plane, env.r2
     r2.healthy = False
     try:
-        wait_until(lambda: plane.status(plane.syncer.apps[0].replicas, "r2").startswith("DOWN"), what="r2 DOWN")
+        wait_until(
+            5.0, lambda: plane.status(plane.syncer.apps[0].replicas, "r2").startswith("DOWN"), "r2 DOWN", poll_s=0.05
+        )
         # The syncer stops publishing r2 to the routers.
-        wait_until(lambda: plane.published(env.behavior) == ["r1"], what="r2 unpublished")
+        wait_until(5.0, lambda: plane.published(env.behavior) == ["r1"], "r2 unpublished", poll_s=0.05)
         env.behavior.replica_ids = ["r2"]
         posts = r2.posts()
         assert_fail_closed(client.post(CHAT_PATH, json={}), REASON_REPLICA_UNAVAILABLE)
@@ -85,7 +87,10 @@ def test_killed_router_does_not_fail_requests(env: Env, client: httpx.Client) ->
         assert not failures
         # HAProxy's health check takes the dead router out; requests never waited on it.
         wait_until(
-            lambda: plane.status(plane.syncer.apps[0].routers, killed.name).startswith("DOWN"), what="router DOWN"
+            5.0,
+            lambda: plane.status(plane.syncer.apps[0].routers, killed.name).startswith("DOWN"),
+            "router DOWN",
+            poll_s=0.05,
         )
         calls = len(env.behavior.calls)
         for _ in range(10):
@@ -109,17 +114,17 @@ def test_syncer_adds_and_retires_replicas_under_streams_without_reload(env: Env)
         with concurrent.futures.ThreadPoolExecutor(6) as streams:
             posts = r1.posts() + env.r2.posts()
             futures = [streams.submit(stream_one, plane.url, {"events": events, "delay_s": 0.08}) for _ in range(6)]
-            wait_until(lambda: r1.posts() + env.r2.posts() == posts + 6, what="every stream started")
+            wait_until(5.0, lambda: r1.posts() + env.r2.posts() == posts + 6, "every stream started", poll_s=0.05)
             assert runtime.show_stat()[(REPLICA_BACKEND, "r1")].scur >= 2
             # r1 leaves and r3 arrives while the streams run.
             r1_posts = r1.posts()
             plane.replicas[:] = [env.r2.endpoint, r3.endpoint]
-            wait_until(lambda: "r3" in pool.live, what="r3 added")
-            wait_until(lambda: "r1" in pool.leaving(), what="r1 leaving")
+            wait_until(5.0, lambda: "r3" in pool.live, "r3 added", poll_s=0.05)
+            wait_until(5.0, lambda: "r1" in pool.leaving(), "r1 leaving", poll_s=0.05)
             # In maintenance: nothing new is pinned to it, its streams go on.
             stat = runtime.show_stat()[(REPLICA_BACKEND, "r1")]
             assert stat.status.startswith("MAINT") and stat.scur >= 2, stat
-            wait_until(lambda: plane.published(env.behavior) == ["r2", "r3"], what="r3 UP, r1 gone")
+            wait_until(5.0, lambda: plane.published(env.behavior) == ["r2", "r3"], "r3 UP, r1 gone", poll_s=0.05)
             env.behavior.replica_ids = ["r2", "r3"]
             results = [f.result(timeout=30) for f in futures]
         for _headers, payloads in results:
@@ -127,7 +132,7 @@ def test_syncer_adds_and_retires_replicas_under_streams_without_reload(env: Env)
             assert [json.loads(p)["i"] for p in payloads[1:-1]] == list(range(events))
         assert "r1" in {headers[REPLICA_HEADER] for headers, _ in results}
         # Streams done: r1's server is deleted.
-        wait_until(lambda: "r1" not in pool.members, what="r1 deleted")
+        wait_until(5.0, lambda: "r1" not in pool.members, "r1 deleted", poll_s=0.05)
         assert (REPLICA_BACKEND, "r1") not in runtime.show_stat()
         # The new replica takes traffic; the removed one gets nothing new, even when a router still names it.
         with httpx.Client(base_url=plane.url, timeout=10) as client:

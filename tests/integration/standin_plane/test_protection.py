@@ -21,11 +21,12 @@ from base.contracts import (
     REQUEST_ID_HEADER,
     RETRY_AFTER_HEADER,
 )
+from base.waiting import wait_until
 from infra.api_keys import ApiKeySource, key_hash_line
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.protection import ClientLimits, FrontendProtection
 from tests.integration.standin_plane.plane import Env, Plane, start_plane, stop_plane
-from tests.integration.standin_plane.standins import APP, CHAT_PATH, first_event, wait_until
+from tests.integration.standin_plane.standins import APP, CHAT_PATH, first_event
 from tests.support.frontend_contract import assert_frontend_error, assert_refused
 from tests.support.frontend_metrics import refusal_counts, request_errors
 from tests.support.raw_http import partial_request, request_head
@@ -154,10 +155,10 @@ def test_a_key_file_that_cannot_be_read_keeps_the_last_good_list(keyed: Plane, k
             assert keyed.key_watcher.applied == applied
             assert _chat(client, KEY_A).status_code == 200
             _write_keys(key_file, KEY_A, KEY_B, KEY_RATE, KEY_NEW)
-            wait_until(lambda: _chat(client, KEY_NEW).status_code == 200, 5, "the new key to be accepted")
+            wait_until(5, lambda: _chat(client, KEY_NEW).status_code == 200, "the new key to be accepted", poll_s=0.05)
         finally:
             key_file.write_text(good)
-        wait_until(lambda: _chat(client, KEY_NEW).status_code == 401, 5, "the new key to be revoked again")
+        wait_until(5, lambda: _chat(client, KEY_NEW).status_code == 401, "the new key to be revoked again", poll_s=0.05)
 
 
 def test_over_the_request_rate_the_client_is_told_when_to_retry(keyed: Plane) -> None:
