@@ -1,16 +1,8 @@
 """The retained legacy ingress: the old path, kept deployed beside direct streaming so traffic can move back.
 
-client -> Serve's proxy (or the frontend's legacy backend) -> `LegacyIngress`, a Python Serve replica -> a
-DeploymentHandle streaming call to the LLM deployment's `stream()` -> the very vLLM app (and middleware) that serves
-the LLM replica's own port, run in-process there. Same model artifact, same vLLM settings, same answers; the tokens
-cross one more process and an actor call per chunk, which is what direct streaming removes.
-
-The handle routes each call with the LLM deployment's routing policy through its Serve `RequestRouter` adapter
-(`routers.serve_adapters`, set on the LLM deployment); the session comes from the client's session header, passed
-along with every other client header. A capacity_queue adapter takes its token when it chooses and releases it
-when Serve reports the call complete: the response is consumed (or cancelled) inside the call, so each token is
-released once. A client that disconnects cancels the call: the replica's `stream()` closes, vLLM's app sees the
-disconnect and aborts the engine request. Every response carries `x-serve-path: legacy`.
+client -> Serve's proxy (or the frontend's legacy backend) -> `LegacyIngress`, a Python Serve replica -> a streaming
+DeploymentHandle call to the LLM deployment's `stream()`, which runs the replica's own app in-process. Routing,
+capacity tokens and disconnects on this path: services/legacy/README.md.
 """
 
 from __future__ import annotations

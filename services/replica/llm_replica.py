@@ -1,22 +1,8 @@
 """The LLM replica: a Ray Serve replica running a real vLLM engine behind vLLM's own OpenAI app.
 
-The app is served on the replica's own port by Serve's direct ingress (DESIGN.md §5), so Serve
-still counts every request against `max_ongoing_requests` and autoscaling. Serve's
-`/-/healthz` on that port answers 200 only once the constructor (engine start) has finished and
-`check_health` passes, and 503 while the replica drains. On shutdown Serve drains in-flight
-requests for up to `graceful_shutdown_timeout_s` (the configured `drain_grace_s`), then aborts.
-When the deployment's routers take capacity tokens (`capacity_ledger`), the replica releases each
-request's token to the ledger when the request ends (services.replica.middleware.capacity_release).
-
-A data-parallel replica runs `size` engine ranks, each bound to its own CPU (`in_engine`), or is one rank of a
-gang of replicas (`ranks`, services.replica.rank_gang). Prefill/decode replicas run vLLM with a KV connector
-(`--kv-transfer-config`): each gets its own NIXL side channel (host and a free port, set before the engine
-starts), and a decode replica runs every completion's prefill on the prefill replica the router chose
-(services.replica.middleware.remote_prefill).
-
-For benchmarks only, `engine_stand_in: zero_compute` puts services.replica.zero_compute_engine's stand-in in front of
-the
-started engine, so the app answers without running the model; every response then names it (`x-serve-engine-stand-in`).
+The app, wrapped in sluice's middleware, is served on the replica's own port by Serve's direct ingress
+(docs/design.md §5), so Serve still counts every request against `max_ongoing_requests` and autoscaling. Its
+lifecycle, variants (data parallel, prefill/decode, the benchmark stand-in) and settings: services/replica/README.md.
 """
 
 from __future__ import annotations
@@ -153,6 +139,6 @@ def llm_application(config: LLMAppConfig) -> Application:
 
 
 def build_llm_application(args: dict[str, Any]) -> Application:
-    """Serve's application builder (`import_path: services.replica.llm_replica:build_llm_application`): `args` is an
-    LLMAppConfig."""
+    """Serve's application builder (`import_path: services.replica.llm_replica:build_llm_application`): `args`
+    is an LLMAppConfig."""
     return llm_application(LLMAppConfig.model_validate(args))

@@ -1,14 +1,8 @@
 """Data parallel across replicas (`data_parallel` mode `ranks`): each Serve replica of a gang is one vLLM DP rank.
 
-Serve schedules the gang's replicas together (`gang_scheduling_config`) and gives each its rank in the gang
-context. Rank 0 takes an address and a free port on its node for vLLM's DP rendezvous and publishes them in
-Ray's GCS key-value store under the gang's id; the other ranks wait for that entry (up to `timeout_s`). Each
-rank then starts vLLM with the external-DP flags (`data_parallel_rank`, `_address`, `_rpc_port`): the engines
-form one DP group across the replicas. vLLM allows this only for MoE models (expert parallelism).
-
-A replica that dies takes its gang with it: Serve restarts the whole gang (its runtime failure policy), the new
-gang has a new id and rank 0 publishes afresh, so every rank 0..N-1 is filled again and a replica never joins a
-group that no longer exists.
+Rank 0 publishes an address and a free port for vLLM's DP rendezvous in Ray's GCS key-value store under the gang's
+id; the other ranks wait for it, then every rank starts vLLM with the external-DP flags. A dead rank restarts its
+whole gang (a new id). Details: services/replica/README.md (data parallel).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """A zero-compute engine stand-in, for benchmarks only: it isolates the proxies' overhead by taking the engine out of
-the way. Never used by the end-to-end tests or by any team topology; every report that uses it names it, and every
-response of a replica running it says so in `x-serve-engine-stand-in` (base.contracts).
+the way. Never used by the end-to-end tests or by any team topology; every response of a replica running it says
+so in `x-serve-engine-stand-in` (base.contracts).
 
-`ZeroComputeEngineStandIn` wraps a real, started vLLM `AsyncLLM`: vLLM's OpenAI app still renders and tokenizes
-each request with the real engine's renderer and model config (every attribute but `generate` and `abort` is the
-real engine's), but `generate` runs no model step. It answers `max_tokens` copies of one ordinary token (the first
-token of `STAND_IN_WORD`: " token", id 310, in the tiny model's tokenizer), as the real engine's output processor
-would emit them for the request's `output_kind`: one `RequestOutput` per token holding that token (DELTA, what
-streamed requests ask for) or every token so far (CUMULATIVE), or a single one at the end (FINAL_ONLY), the last
-with `finish_reason="length"`. An `asyncio.sleep(0)` between tokens lets each leave as its own SSE chunk.
-
-It only ever stops at `max_tokens` (no stop strings, no EOS, no structured output) and refuses what it cannot fake
-honestly: logprobs and `n > 1` (a 400, like any invalid request). The real engine's /metrics count none of its
-answers.
+`ZeroComputeEngineStandIn` wraps a real, started vLLM `AsyncLLM` whose `generate` answers `max_tokens` copies of one
+token without a model step. What it fakes and what it refuses: services/replica/README.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """ASGI middleware on the LLM replica: give a request's capacity token back to the ledger exactly once.
 
-On the direct path the router (capacity_queue policy) takes a token for the replica it chose and
-HAProxy passes it to that replica in `x-sluice-capacity-token`. Only the replica sees the request
-end, so the replica releases the token, at the first of: the final response body message, an
-exception, a client disconnect (an `http.disconnect` from receive, or the request task being
-cancelled), and never twice.
-
-The release is started as a background task at the moment the end is seen, synchronously: the
-response never waits on the ledger, and a cancelled request cannot interrupt its own release. A
-release that fails is logged and counted and never breaks the response; the ledger's TTL reaper
-takes back a token whose release was lost. Outcomes are counted in
-`sluice_capacity_releases_total{outcome}`: `released`, `not_held` (the ledger did not hold it:
-unknown after a ledger restart, already reaped; the ledger counts which) and `error`.
-
-Pure ASGI (not Starlette's BaseHTTPMiddleware), like ReplicaHeadersMiddleware, so SSE chunks pass
-through unbuffered and a client disconnect still reaches vLLM.
+The router took the token and HAProxy passed it in `x-sluice-capacity-token`; only the replica sees the request
+end (the last body message, an exception or a client disconnect). The release runs in the background and never
+breaks the response; outcomes count in `sluice_capacity_releases_total{outcome}`. Details: services/replica/README.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """The decode side of prefill/decode: ASGI middleware that runs a request's prefill on a prefill replica, then lets
 vLLM's app here decode from the transferred KV blocks and stream back through HAProxy.
 
-For `POST /v1/chat/completions` and `/v1/completions` on a decode replica:
-1. the frontend pinned the request here and named the router's prefill replica (`PREFILL_REPLICA_HEADER`,
-   `PREFILL_URL_HEADER`: its own port and app prefix);
-2. the prefill call goes straight to that port: the same body with `max_tokens` 1, not streamed, and
-   `kv_transfer_params` asking for remote decode (vLLM's P/D protocol: the prefill engine keeps the blocks for
-   the connector's lease and answers where they are);
-3. those `kv_transfer_params` go, unchanged, into the original body, which vLLM's app here serves: the connector
-   (NIXL) reads the blocks from the prefill engine instead of computing the prompt.
-The response names the prefill replica (`SERVED_PREFILL_HEADER`).
-
-Trust: `kv_transfer_params` point at another engine's memory, so a client's are dropped. An internal caller that
-ran the prefill itself marks its request with `PREFILL_BY_CALLER_HEADER` (stripped at the frontend like every
-internal header) and its parameters are used as sent.
-
-Failures. The prefill replica unreachable, failing (5xx), timing out or answering without `kv_transfer_params` is a
-502 `prefill_failed`; a request that reached this replica with no prefill replica chosen (no router, e.g. a
-fail-open rotation) is a 503 `prefill_unrouted`. With `local_fallback` both prefill here instead, marked
-`PREFILL_FALLBACK_HEADER: <reason>`. A 4xx from prefill is the request's own fault: it goes back to the client
-as it came. A client that disconnects during the prefill call cancels it (vLLM's app aborts a request whose
-client left, and the blocks it held are freed at once); during decode vLLM aborts the local request, and the
-prefill engine frees blocks nobody read at the end of the lease.
-
-`sluice_prefill_requests_total{prefill_replica, outcome}` on the replica's `/metrics` says which pairs served.
+The prefill call goes straight to the prefill replica the router chose (`max_tokens` 1, `kv_transfer_params` asking
+for a remote decode); its answer's `kv_transfer_params` go into the original body. A client's own are dropped. The
+steps, the failures (`prefill_failed`, `prefill_unrouted`) and the local fallback: services/replica/README.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """ASGI middleware: stamp every response with the serving replica and the request id, and send its headers with its
-first bytes of body: a streamed completion's headers then leave with its first token, so the time to the headers
-that the frontend logs on either path is the time to the first token.
-
-Pure ASGI (not Starlette's BaseHTTPMiddleware) so SSE chunks pass through unbuffered and a client
-disconnect still reaches vLLM, which then aborts the engine request.
+first bytes of body, so the time to the headers the frontend logs on either path is the time to the first token.
+Pure ASGI, like every middleware here (services/replica/README.md).
 """
 
 from __future__ import annotations
