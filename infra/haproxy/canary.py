@@ -1,18 +1,8 @@
 """The frontend's half of the canary between the direct path and the retained legacy ingress.
 
-- Path choice (in the Lua action): a request goes to the direct path when its bucket, crc32 of its session header
-  (else of its request id) mod 100, is below the direct weight, else to its app's legacy backend. The weight lives
-  in a map file HAProxy reads at start and the frontend changes at run time (`set map`, no reload); moving it from
-  w1 to w2 moves exactly the sessions whose bucket lies between the two, and a session stays on its path while
-  the weight holds.
-- Per app a legacy backend: the legacy ingress replicas (added and removed at run time by the syncer), load
-  balanced (least connections) and health-checked; its responses say `x-serve-path: legacy`.
-- The request log: one line per finished request (`log_format`) to the frontend replica's unix socket, which
-  measures both paths for the canary guard (`services.frontend.canary_guard`).
-- The canary's automatic rollbacks, by the criterion breached: a table the frontend replica sets through the runtime
-  API (`set table`), read into `sluice_canary_rollbacks_total{reason}` on the frontend's metrics.
-- Running request ids: a request whose `x-request-id` is already running (on either path) is refused with 409
-  and `x-serve-reason: duplicate_request`, so a client's retry never starts a second generation.
+Path choice by the run-time direct weight (a map, sticky per session), a legacy backend per app, the request log
+line (`log_format`), the automatic-rollback table and the running-request table that refuses a duplicate
+`x-request-id` with 409. Details: infra/haproxy/README.md (the canary's pieces).
 """
 
 from __future__ import annotations

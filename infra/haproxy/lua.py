@@ -1,11 +1,9 @@
 """The Lua route action of the HAProxy data plane, rendered from `base.contracts` and the settings.
 
-The action finds the request's app (on a frontend with several models, by the model it names), asks one of that
-app's routers for its ranked replicas (`core.tcp` to the UP router servers), then pins the request to the first one
-the frontend can route to, or fails closed with a reason; a second action pins the next ranked
-replica when the pinned one refused the connection. See `infra.haproxy.config` for the config around them. The same
-file carries the metrics frontend's services (`infra/observability/frontend_metrics.lua.tmpl`): sluice's frontend
-counters and the Prometheus discovery of the routers and replicas.
+The action finds the request's app, asks one of that app's routers for its ranked replicas (`core.tcp` to the UP
+router servers), then pins the request to the first one the frontend can route to, or fails closed with a reason;
+a second action pins the next ranked replica when the pinned one refused the connection. The same chunk carries the
+metrics frontend's services (`infra/observability/frontend_metrics.lua.tmpl`). Details: infra/haproxy/README.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Several models behind one frontend: how HAProxy tells a request's model and answers what it cannot route.
 
-A frontend with more than one app resolves each request's model before any route call (the Lua action,
-`infra/haproxy/sluice_route.lua.tmpl`):
-
-1. the `x-sluice-model` header, captured before the frontend strips client-sent internal headers;
-2. else the body's top-level `model` (HAProxy's own `json_query`, so a `model` nested in messages or tools never
-   counts), searched in the first `model_lookup_bytes` of the body only: OpenAI clients send `model` after
-   `messages`, and the lookup's cost stays bounded however large the body.
-
-The model picks the app: its router pool, its replica backend and its route prefix. A model no app serves gets 404
-`model_not_found` listing the served models; a request that names none gets 400 `model_missing`, or 400
-`model_beyond_buffer` naming the limit when the body is longer than what was searched (never a guessed model).
-GET/HEAD go to the header's model, else the first app; `GET /v1/models` is answered here with every model.
-Every refusal is counted in the frontend's refusal table (`sluice_frontend_refusals_total`).
+The `x-sluice-model` header, else the body's top-level `model` within the first `model_lookup_bytes`, picks the app
+(the Lua action, `infra/haproxy/sluice_route.lua.tmpl`); what it cannot tell gets 404 `model_not_found` or 400
+`model_missing` / `model_beyond_buffer`. Details: infra/haproxy/README.md (several models).
 """
 
 from __future__ import annotations

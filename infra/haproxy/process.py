@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import NoReturn
 
+from base.waiting import WaitTimeout, wait_until
 from infra.api_keys import render_acl
 from infra.haproxy.canary import weights_map
-from infra.haproxy.config import HAProxySettings, render_config
+from infra.haproxy.config import HAProxySettings
+from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import render_lua
 from infra.haproxy.runtime_api import RuntimeAPI, RuntimeAPIError
 
 MIN_SYSTEM_VERSION = (2, 6)
 _MIN_VERSION_TEXT = ".".join(map(str, MIN_SYSTEM_VERSION))
 _VERSION = re.compile(r"HA-?Proxy version (\d+)\.(\d+)(?:\.(\d+))?")
+# How often a start looks for the runtime socket (and a stop for the worker's exit).
+START_POLL_S = 0.05
+# How long a stop waits for the worker to exit after its master before it kills it.
+WORKER_EXIT_S = 3.0
 # Marker in `haproxy -vv` -> the feature it proves was built in.
 _REQUIRED_FEATURES = (("Built with Lua version", "Lua"), ("Prometheus exporter", "the Prometheus exporter"))
 
@@ -155,19 +161,23 @@ class HAProxyProcess:
                 cwd=self.settings.workdir,
                 preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self._fail_start(f"HAProxy exited with status {self.process.returncode}")
-            try:
-                info = self.runtime.show_info()
-            except (OSError, RuntimeAPIError):  # no socket yet, or not answering yet
-                time.sleep(0.05)
-                continue
-            self.worker_pid = int(info["Pid"])
-            return self
-        self.stop()
-        self._fail_start(f"HAProxy's runtime socket {self.settings.socket_path} did not answer in {timeout_s} s")
+        try:
+            info = wait_until(timeout_s, self._runtime_info, what="HAProxy's runtime socket", poll_s=START_POLL_S)
+        except WaitTimeout:
+            self.stop()
+            self._fail_start(f"HAProxy's runtime socket {self.settings.socket_path} did not answer in {timeout_s} s")
+        self.worker_pid = int(info["Pid"])
+        return self
+
+    def _runtime_info(self) -> dict[str, str] | None:
+        """`show info` once the runtime socket answers (None before); HAProxyStartError once HAProxy has exited."""
+        assert self.process is not None
+        if self.process.poll() is not None:
+            self._fail_start(f"HAProxy exited with status {self.process.returncode}")
+        try:
+            return self.runtime.show_info()
+        except (OSError, RuntimeAPIError):  # no socket yet, or not answering yet
+            return None
 
     def _fail_start(self, why: str) -> NoReturn:
         log = self.settings.log_path.read_text(errors="replace")[-4000:] if self.settings.log_path.exists() else ""
@@ -197,9 +207,8 @@ class HAProxyProcess:
         pid = self.worker_pid
         if pid is None:
             return
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and pid_alive(pid):
-            time.sleep(0.05)
+        with contextlib.suppress(WaitTimeout):
+            wait_until(WORKER_EXIT_S, lambda: not pid_alive(pid), what="HAProxy's worker to exit", poll_s=START_POLL_S)
         if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -1,22 +1,8 @@
 """What the frontend refuses before any route call, so that no client can hold or starve a replica.
 
-Rules, in the order HAProxy applies them to every request on the public frontend:
-
-1. Headers must arrive whole within `request_timeout_s` (`timeout http-request`), else HAProxy closes with 408.
-2. A request line over `max_url_bytes` gets 414, headers over `max_header_bytes` 431, a declared
-   `Content-Length` over `max_body_bytes` 413: at once, before the body is read.
-3. API keys (opt-in): the SHA-256 of the `Authorization: Bearer` token must be in the stack's key list, else 401.
-   The list is a pattern file that the key watcher replaces through the runtime API (no reload).
-4. Per-client limits (opt-in): the client is its key's digest when keys are on, else its source address; over
-   `max_concurrent_requests` in flight or `max_requests_per_window` per `window_s` -> 429 with `Retry-After`.
-   A request counts from the moment its headers arrived, so a slow sender spends its own client's slots.
-5. The body: HAProxy waits for all of it (`wait-for-body`) for up to `request_timeout_s` after the headers; a
-   partial or stalled body gets 408 and never reaches a router or a replica. The request buffer holds any body
-   up to `max_body_bytes` (`tune.bufsize` is sized for it), so a body is either complete before routing or
-   refused: a chunked body that overflows the maximum gets 413. Memory is committed only for bytes received.
-6. With keys on, the `Authorization` header is removed: a replica never sees a key.
-
-Every refusal carries `x-serve-reason` (`base.contracts.PROTECTION_REASONS`) and an OpenAI-style JSON body.
+Header and body timeouts, size limits, API keys and per-client limits, rendered as the public frontend's rules;
+every refusal carries `x-serve-reason` (`base.contracts.PROTECTION_REASONS`) and an OpenAI-style JSON body. The
+rules in the order HAProxy applies them: infra/haproxy/README.md (protection of the replicas).
 """
 
 from __future__ import annotations

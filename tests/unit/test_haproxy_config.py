@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from base import contracts
 from infra.api_keys import ApiKeySource, key_digest, key_hash_line
-from infra.haproxy import config as haproxy_config
+from infra.haproxy import config_file as haproxy_config
 from infra.haproxy import protection as frontend_protection
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import (
@@ -21,8 +21,8 @@ from infra.haproxy.config import (
     RETRY_SERVERS,
     ROUTER_BACKEND,
     HAProxySettings,
-    render_config,
 )
+from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
 from infra.haproxy.protection import ClientLimits, FrontendProtection

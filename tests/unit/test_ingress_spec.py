@@ -13,7 +13,8 @@ from base.contracts import REASON_DUPLICATE_REQUEST
 from builders.plan import build_plan, serve_config
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import LEGACY_BACKEND, RUNNING_TABLE, weights_map
-from infra.haproxy.config import HAProxySettings, render_config
+from infra.haproxy.config import HAProxySettings
+from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import render_lua
 from infra.haproxy.process import check_config, write_files
 from services.frontend.app import build_frontend_application

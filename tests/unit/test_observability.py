@@ -23,8 +23,8 @@ from infra.haproxy.config import (
     SLUICE_METRICS_PATH,
     UNROUTED_TABLE,
     HAProxySettings,
-    render_config,
 )
+from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.observability import DASHBOARD_PATH
 from infra.observability.dashboard import Dashboard, GridPos, load_dashboard, metric_names
