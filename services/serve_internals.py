@@ -11,7 +11,6 @@ replica disappears at once and a replaced replica shows up with its new port.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import ray
 from pydantic import BaseModel, ConfigDict
@@ -23,6 +22,8 @@ from ray.serve._private.constants import (
     SERVE_NAMESPACE,
 )
 from ray.serve.deployment import Deployment
+
+from base.waiting import WaitTimeout, wait_until
 
 # Serve raises a direct-ingress deployment's graceful_shutdown_timeout_s to at least its minimum
 # draining period plus this buffer, then force-kills the replica at that deadline.
@@ -135,15 +136,19 @@ async def list_replica_endpoints(app_name: str) -> list[ReplicaEndpoint]:
 
 
 def wait_for_endpoints(app_name: str, count: int, timeout_s: float = 180.0) -> list:
-    """Block until `app_name` has exactly `count` live replica endpoints; return them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Block until `app_name` has exactly `count` live replica endpoints; return them (`base.waiting.WaitTimeout`,
+    a TimeoutError, past `timeout_s`)."""
+    seen = [0]
+
+    def exactly_count() -> list[ReplicaEndpoint] | None:
         endpoints = asyncio.run(list_replica_endpoints(app_name))
-        if len(endpoints) == count:
-            return endpoints
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{app_name}: {len(endpoints)} endpoints after {timeout_s}s, wanted {count}")
-        time.sleep(0.5)
+        seen[0] = len(endpoints)
+        return endpoints if len(endpoints) == count else None
+
+    try:
+        return wait_until(timeout_s, exactly_count, what=f"{app_name} to have {count} live endpoints", poll_s=0.5)
+    except WaitTimeout as error:
+        raise WaitTimeout(f"{error} (it had {seen[0]})") from None
 
 
 def replica_log_tail(app_name: str, deployment: str, lines: int) -> tuple[str, list[str]]:
