@@ -25,7 +25,6 @@ FRONTEND_HEADER = "x-sluice-frontend"
 SERVE_PATH_HEADER = "x-serve-path"
 DIRECT_PATH = "direct"
 LEGACY_PATH = "legacy"
-SERVE_PATHS = (DIRECT_PATH, LEGACY_PATH)
 # Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection.
 RANKED_HEADER = "x-sluice-ranked"
 INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")

@@ -1,4 +1,4 @@
-"""Wire formats between the frontend and the router service (DESIGN.md §3)."""
+"""Wire formats between the frontend and the router service (docs/design.md §3)."""
 
 from __future__ import annotations
 

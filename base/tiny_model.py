@@ -1,8 +1,8 @@
 """Deterministic tiny Llama model + byte-level BPE tokenizer, built locally with no downloads.
 
-Recipe (DESIGN.md §5): Llama, hidden 128, 2 layers, 4 heads, vocab 2,048 byte-level BPE trained
-with `tokenizers` on text generated from a fixed seed, ChatML chat template, bf16. Every input is
-fixed (seeds, corpus, single-threaded training), so two builds give byte-identical files.
+Recipe (docs/design.md §5): Llama, hidden 128, 2 layers, 4 heads, vocab 2,048 byte-level BPE trained with
+`tokenizers` on text generated from a fixed seed, ChatML chat template, bf16. Every input is fixed (seeds, corpus,
+single-threaded training), so two builds give byte-identical files.
 
 The MoE variant (`moe=True`) is the same with Mixtral's sparse layers (4 experts, 2 per token): vLLM runs data
 parallelism with one server per rank only for MoE models, so the `ranks` mode needs one to be tested.

@@ -1,11 +1,8 @@
 """Build sluice's node image (`infra/images/Dockerfile`) through the Docker SDK.
 
-The build context is staged in a temporary folder: the work tree's files (tracked, and untracked ones git does not
-ignore) under `src/`, the CA bundle pip trusts under `build/ca-bundle.crt` (a machine behind a TLS-inspecting proxy
-reaches PyPI only with it), and, for CPU images, the wheels of pip's `find-links` under `build/wheels/` (the CPU
-torch build lies there; PyPI's torch is the CUDA one). Where no registry is reachable the default base image
-`sluice-base:bookworm` is made first by `infra/images/build-base.sh` (debootstrap + docker import). The Docker SDK
-is a development tool (the `dev` extra), imported only by what builds: the CLI imports this module in every image.
+The build context is staged in a temporary folder (the work tree, pip's CA bundle and, for CPU images, its
+`find-links` wheels); without a registry the base image is made first by `infra/images/build-base.sh`. Imported
+only by what builds (the Docker SDK is a dev tool). Details: infra/README.md (the node image).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """KubeRay's RayService, the part of it sluice renders, as pydantic models: a manifest that passes them passes the
-operator's own checks on those fields.
+operator's own checks on those fields (names, group labels, replica bounds, `rayStartParams` resources).
 
-Modelled from KubeRay's v1 API (`ray-operator/apis/ray/v1/rayservice_types.go`, `raycluster_types.go`) and the
-operator's validation (`ray-operator/controllers/ray/utils/validation.go`): a RayService name is a DNS-1035 label of
-at most 47 characters (the RayCluster it creates adds a 6-character suffix to stay within 53); a worker group's name
-is a DNS-1123 label and its replica bounds are ordered; group `labels` (Ray node labels, KubeRay >= 1.5) are
-Kubernetes labels, never `rayStartParams["labels"]`. Every model forbids keys it does not know, so a typo fails here
-rather than being pruned silently by the CRD's structural schema.
-
-`rayStartParams` values are strings handed to `ray start` through a shell, so custom resources take KubeRay's
-documented quoted form, `"{\\"sluice_head\\": 1000}"` (`ray_start_resources`), which is also the form Ray's KubeRay
-autoscaler parses (integer amounts only). Pod templates are plain dicts here: the Kubernetes schema checks them
-(`kubernetes-validate` in the tests), these models only what KubeRay requires of them (a first, Ray, container).
+Modelled from KubeRay's v1 API and validation; every model forbids unknown keys, so a typo fails here rather than
+being pruned by the CRD's schema. Sources and rules: infra/README.md (KubeRay's RayService).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """prometheus.yml for a sluice stack: its frontends' metrics ports as static targets, its routers and LLM replicas
-through the frontends' HTTP service discovery.
+through the frontends' HTTP service discovery (`infra.observability.targets`).
 
-Jobs (each frontend's metrics port is `host:port`, the stack's `frontend.metrics_port` on its bind host):
-
-- `sluice-haproxy`: HAProxy's own exporter (`PROMETHEUS_PATH`): requests, responses by status class, queues and
-  sessions per frontend, backend and server.
-- `sluice-frontend`: sluice's frontend counters (`SLUICE_METRICS_PATH`): fallbacks, refusals and fail-closed 503s
-  by reason.
-- `sluice-routers`, `sluice-replicas`: found at `TARGETS_PATH?role=router|replica` on every frontend
-  (`infra.observability.targets`): Serve gives each router and replica a port of its own, which changes when it is
-  replaced, so no static list could follow them. Prometheus merges the targets several frontends list alike.
-
-Every target found carries `sluice_role`, `sluice_app` and `sluice_replica` labels; the dashboard
-(`infra/observability/sluice-dashboard.json`) groups by them.
+Jobs `sluice-haproxy`, `sluice-frontend`, `sluice-routers`, `sluice-replicas`; every target found carries
+`sluice_role`, `sluice_app` and `sluice_replica` labels, which the dashboard groups by. Details: infra/README.md.
 """
 
 from __future__ import annotations

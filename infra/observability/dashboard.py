@@ -1,14 +1,6 @@
 """The Grafana dashboard shipped with sluice (`sluice-dashboard.json`): its shape, checked on load, and the metric
-names its queries read.
-
-`Dashboard` models the part of Grafana's dashboard JSON the file uses (schemaVersion 39): panels with unique ids and
-grid positions inside Grafana's 24-column grid, each query a PromQL `expr` over the datasource variable
-`DS_PROMETHEUS` (a datasource variable, not an import-time input, so the file also works as a provisioned
-dashboard). Unknown fields are allowed: Grafana adds its own on every save.
-
-`metric_names` reads the metric names a PromQL expression selects, so a test can compare them with what a running
-stack exports: every identifier that is no function call, keyword, label matcher, grouping clause, range or
-Grafana variable.
+names its queries read (`metric_names`), so a test can compare them with what a running stack exports.
+Details: infra/README.md (observability).
 """
 
 from __future__ import annotations
