@@ -1,13 +1,9 @@
 """`sluice load WORKLOAD --target URL`: one campaign, Locust in processes of its own, then the rows, the summary,
 the report and the gates.
 
-Locust runs headless (its progress table on the terminal), as one process, or with `workers` as a master and that
-many workers on 127.0.0.1 (Locust's distributed mode) for rates one process cannot drive; an open-loop rate is
-split evenly between the workers. Every process writes its rows; the campaign merges them into `rows.csv`, writes
-`summary.json` and `report.html` (with its plots) into the output folder, then checks the gates: each is a
-measured value and a limit (`ttft_p99_ms`, `tpot_p99_ms`, `itl_p99_ms`, `e2el_p99_ms`, `error_ratio`,
-`ratio_503`, `min_goodput`), from the command line or the stack's spec (`ingress.abort`). A breach names the gate,
-the value and the limit, and the command exits 1.
+Locust runs headless as one process, or as a master and `workers` workers on 127.0.0.1 (an open-loop rate split
+evenly between them); a breached gate (`GATES`, from the command line or the spec's `ingress.abort`) names its value
+and limit and exits 1. Details: loadtests/README.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The Locust user of a sluice campaign (run by `loadtests.campaign`, never imported with Ray: DESIGN §5).
+"""The Locust user of a sluice campaign (run by `loadtests.campaign`, never imported with Ray: docs/design.md §5).
 
-Settings come from the environment the campaign runner sets (`SLUICE_LOAD_*`). Each user streams with a
-`requests` session of its own, line by line as bytes arrive (`iter_lines(chunk_size=None)`, never Locust's 1 KiB
-batching), stamps every line with `time.perf_counter()` before parsing, and asks for `Accept-Encoding: identity`.
-Closed-loop workloads send the next request when the last one ended; open-loop ones take planned send times from
-one schedule per process (gamma or step arrivals), so a late send shows as schedule lag rather than a slower rate.
-Each process writes its rows to `<rows dir>/rows-<worker>.csv` when the test stops; Locust's own statistics count
-each request with its TTFT as the response time.
+Settings come from the environment the campaign runner sets (`SLUICE_LOAD_*`). Each user streams line by line as
+bytes arrive, stamps every line with `time.perf_counter()` before parsing, and writes its process's rows when the
+test stops. Closed and open loop, and why: loadtests/README.md.
 """
 
 from __future__ import annotations

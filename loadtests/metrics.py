@@ -1,13 +1,7 @@
 """A campaign's metrics, computed from its raw rows and named as `vllm bench serve` names them.
 
-- TTFT: time to the first generated text; TPOT: (E2EL - TTFT) / (output tokens - 1) per request; ITL: every
-  inter-token gap of every request, pooled; E2EL: send to last byte. Each as mean, p50, p90, p99 (ms).
-- time to headers: what Locust reports as the response time of a stream (not TTFT).
-- stalls: gaps over `stall_s`; chunks per token: text events / output tokens (below 1 when the server or a proxy
-  merged tokens into one event).
-- goodput: requests per second that met every SLO (TTFT, TPOT, E2EL), as `vllm bench serve --goodput` counts.
-- schedule lag (open loop): actual minus planned send time; a window whose p99 lag exceeds `lag_flag_s` is
-  flagged, since there the load generator itself, not the server, set the pace.
+TTFT, TPOT, ITL and E2EL (mean, p50, p90, p99 in ms), time to headers, stalls, chunks per token, goodput and, open
+loop, schedule lag flagged per window. Definitions: loadtests/README.md (metrics and gates).
 """
 
 from __future__ import annotations

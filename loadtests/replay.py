@@ -1,14 +1,8 @@
 """Replay recorded OpenAI requests against a path, or against two paths side by side (`sluice replay`).
 
-A recording is JSONL, one request per line: `{"at_s": <seconds after the first request>, "method": "POST",
-"path": "/v1/chat/completions", "headers": {...}, "body": {...}}` (`at_s`, `method` and `headers` optional).
-Each request is sent at its recorded offset (scaled by `speed`), with its headers, at most `max_in_flight` at a
-time; a streamed request (`"stream": true`) is read line by line to its end.
-
-With two targets every request goes to both at once and the answers are compared: the status, the chunk schema
-(the keys the SSE chunks carry, and the keys their choices carry: vLLM may merge tokens into fewer chunks when
-a reader lags, so chunk counts and per-chunk shapes are not compared) and the text. With greedy decoding the
-tiny model is deterministic, so the texts must be identical.
+A recording is JSONL, one request per line (`at_s`, `method`, `path`, `headers`, `body`), sent at its recorded
+offset; with two targets every request goes to both and the status, the chunk schema and the text are compared.
+Format and comparison: loadtests/README.md (replay).
 """
 
 from __future__ import annotations

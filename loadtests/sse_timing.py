@@ -1,11 +1,6 @@
 """One streamed request as a load campaign records it: every SSE line stamped with `time.perf_counter()` as it
-arrives, before it is parsed, then turned into a row (`StreamRow`).
-
-What a row holds: when the request was planned and sent, the time to the response headers (what Locust itself
-calls the response time), TTFT (to the first event that carries generated text), every inter-token gap (between
-consecutive text-carrying events; an event that carries several tokens counts once, which is how chunk merging
-shows: fewer chunks than tokens), end-to-end latency, output tokens and cached prompt tokens from `usage`, status,
-`x-serve-reason`, the path and the replica that served it.
+arrives, before it is parsed, then turned into a row (`StreamRow`: send times, time to headers, TTFT, every
+inter-token gap, E2EL, tokens, status, reason, path, replica). What each field means: loadtests/README.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Measure TTFT and token throughput of SSE completions against one or more base URLs (HTTP only).
 
-Each line is stamped with `time.perf_counter()` as it arrives, before parsing (DESIGN.md §5), and
-the request asks for `Accept-Encoding: identity` so nothing buffers the stream.
+Each line is stamped with `time.perf_counter()` as it arrives, before parsing (docs/design.md §5), and the request
+asks for `Accept-Encoding: identity` so nothing buffers the stream.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """The campaign workloads: what each simulated user sends, and when.
 
-- `short_long`: 16-token prompts, 256-token decodes; `long_short`: 512-token prompts, 8-token decodes; `mixed`:
-  either, at random per request. Closed loop: each user sends its next request when the last one ended.
-- `bursts`: open loop, arrivals with gamma-distributed gaps at `rate` per second; `burstiness` is the gamma shape
-  (1 = Poisson; below 1 burstier, above 1 steadier), as in `vllm bench serve`.
-- `step`: open loop, Poisson at 1x the rate for a third of the run, 4x for a third, 1x again.
-- `multi_turn`: conversations of `turns` chat turns; each turn resends the whole conversation, so consecutive
-  requests of a session share a growing prefix (what prefix caching and session affinity are for). One session
-  header per conversation.
-
-Prompt lengths are exact in tokens of the served model's tokenizer: a prompt is a sequence of words the tokenizer
-holds as single tokens (its byte-level pre-tokenizer never merges across a space), checked by encoding it.
+`short_long`, `long_short`, `mixed` (closed loop), `bursts`, `step` (open loop), `multi_turn` (growing shared
+prefixes, one session header per conversation). Prompt lengths are exact in tokens of the served model's tokenizer.
+Each workload's shape: loadtests/README.md (workloads).
 """
 
 from __future__ import annotations
