@@ -1,35 +1,10 @@
 """A team's stack on KubeRay: the spec and its plan across nodes become a RayService, a Service for the frontend and
 a ConfigMap with the spec.
 
-- **Head group**: the frontend (HAProxy, its syncer, its key watcher), the routers and the legacy ingress, which the
-  plan (`build_plan(spec, spans_nodes=True)`) places on the node advertising `HEAD_NODE_RESOURCE`. `num-cpus: 0`:
-  those actors ask for no CPU, and nothing else may land there. Container ports: Ray's (GCS, dashboard, client),
-  Serve's proxy as `serve` (KubeRay checks Serve's health there and needs that port to create its own Service), and
-  the frontend's HTTP and metrics ports.
-- **Worker groups**: one per pod shape among the spec's LLM deployments (each model, each prefill/decode role): a
-  pod per Serve replica (a gang of data-parallel ranks counts each rank), asking Kubernetes for the replica's CPUs
-  and whole GPUs (`nvidia.com/gpu`) and telling `ray start` the same, plus `WORKER_NODE_RESOURCE` and, for an
-  accelerator type, Ray's `accelerator_type:<type>` resource (what Serve's `accelerator_type` asks for and what the
-  autoscaler scales a group for) and the Ray node label `ray.io/accelerator-type`. Which Kubernetes nodes carry that
-  GPU model is the cluster's to say (labels differ by provider): add your node pool's nodeSelector to the group.
-  A fractional GPU gets a whole one; with fractional CPUs Ray may still pack two replicas on one pod. Fixed replica
-  counts give fixed groups; an autoscaled model's group spans its min..max replicas and turns on KubeRay's in-tree
-  autoscaler.
-- **serveConfigV2**: the same Serve config as `sluice render` of the plan across nodes, with Serve's HTTP options
-  on every interface (`NODE_BIND_ALL`) at `DEFAULT_SERVE_PROXY_PORT`, so each replica's own port is reachable from
-  the head's HAProxy.
-- **Environment** (every Ray container, before `ray start`): `base.runtime.process_env()` with its caches under
-  `POD_CACHE_DIR` (where the image keeps them, the tiny model included) and without `VLLM_HOST_IP`, which each
-  replica sets to its own pod's address. A stack with models from the Hugging Face Hub leaves HF offline mode off
-  and reads `HF_TOKEN` from the optional Secret `<stack>-hf-token` (key `token`).
-- **API keys**: a key list is a secret (hashes of keys, but still the stack's access list), so it comes from a
-  Secret the team creates, `<stack>-api-keys`, never from the manifest. A key file is that Secret's key of the file's
-  name, mounted on the head at `KEYS_MOUNT` (the pods' spec and plan name the file there, `pod_spec`; a folder
-  mount, not `subPath`, so a rotated Secret reaches the running key watcher); a key variable is read from the
-  Secret's key of that name.
-- **ConfigMap** `<stack>-spec`: the spec as the pods see it, mounted on the head at `SPEC_MOUNT`, so `sluice status`
-  runs inside the head pod (`kubectl exec`) against the deployed stack. Prometheus finds the frontend's metrics from
-  the Service's `prometheus.io/*` annotations.
+A head group (frontend, routers, legacy ingress; `num-cpus: 0`), a worker group per pod shape of the LLM
+deployments, `serveConfigV2` from the same plan as `sluice render`, sluice's environment in every Ray container, API
+keys and HF tokens from Secrets the team creates, the spec mounted on the head (`SPEC_MOUNT`). What each part holds
+and why: docs/design.md §2.2; the RayService model: `infra.kuberay`.
 """
 
 from __future__ import annotations

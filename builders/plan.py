@@ -1,13 +1,9 @@
 """A spec becomes a plan: the Ray Serve applications of a stack, each named by its builder's import path and args.
 
 The same plan is deployed by `sluice deploy` (one `serve.run` per app) and rendered as a Serve config file
-(`sluice render`) in the schema of `serve deploy` and KubeRay's `serveConfigV2`: both build the same apps.
-A stack is, per model, its kind's apps (`builders.model_apps`: the LLM app(s) whose replicas serve vLLM's paths
-under the app's route prefix, which the frontend prepends, and a router app with the model's policies); then one
-frontend app (HAProxy, its syncer, its key watcher) for all of them, which picks each request's app by its model
-when there are several. A plan for a stack across nodes (`spans_nodes`) places the LLM replicas on worker nodes and
-everything else on the head node (`base.contracts.node_role_resources`); the frontend then listens on the head's
-address.
+(`sluice render`, the schema of `serve deploy` and KubeRay's `serveConfigV2`). Per model its kind's apps
+(`builders.model_apps`), then one frontend app for all of them; a plan across nodes (`spans_nodes`) puts the LLM
+replicas on workers and the rest on the head. Details: docs/design.md §2.2.
 """
 
 from __future__ import annotations
