@@ -1,13 +1,11 @@
-"""Each kind's Serve apps for one model of a spec: its LLM app(s), its router app, and how the frontend routes to
-them (`AppRoute`).
+"""Each kind's Serve apps for one model of a spec: its LLM app(s), its router app, and its `AppRoute`.
 
-- `openai`: an LLM app (the model's replicas) and a router app with the model's policy; when the stack retains
-  the legacy path (`ingress.mode` legacy or both), a legacy ingress app in front of the same LLM deployment.
-- `data_parallel`: the same (legacy ingress included), with vLLM data parallelism in the LLM app: `in_engine` runs
-  `size` engine ranks per replica (`data_parallel_size`); `ranks` makes every replica one rank of a gang of `size`
-  replicas that Serve schedules and restarts together (`replicas` counts gangs).
-- `prefill_decode`: a prefill app (KV producer) and a decode app (KV consumer, the replicas HAProxy pins to), joined
-  by the model's KV connector; the router app chooses from both, each side with its own policy.
+- `openai`: an LLM app and a router app with the model's policy (plus a legacy ingress app when the stack retains
+  the legacy path).
+- `data_parallel`: the same, with vLLM data parallelism: `in_engine` runs `size` engine ranks per replica; `ranks`
+  makes each replica one rank of a gang of `size` that Serve schedules and restarts together (`replicas` counts gangs).
+- `prefill_decode`: a prefill app (KV producer) and a decode app (KV consumer, the replicas HAProxy pins to); the
+  router app chooses from both, each side with its own policy.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import json
 from builders.plan_types import PlannedModel, ServeApp, import_path, model_path
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import replica_backend, router_backend
+from routers.registry import policy_entry
 from services.legacy.ingress import LegacyIngressSettings, build_legacy_ingress_application
 from services.replica.llm_config import (
     DataParallelEngine,
@@ -26,7 +25,8 @@ from services.replica.llm_config import (
     ReplicaDeploymentConfig,
 )
 from services.replica.llm_replica import build_llm_application
-from services.router.service import PrefillTarget, RouterAppArgs, RouterSettings, build_router_application
+from services.router.service import build_router_application
+from services.router.settings import PrefillTarget, RouterAppArgs, RouterSettings
 from topologies.sections import Routing, Scaling
 from topologies.spec import (
     DataParallelModel,
@@ -51,7 +51,7 @@ def _deployment(scaling: Scaling, routing: Routing, gang_size: int | None = None
         num_cpus=scaling.resources.cpus,
         num_gpus=scaling.resources.gpus,
         accelerator_type=scaling.resources.accelerator_type,
-        capacity_ledger=routing.policy == "capacity_queue",
+        capacity_ledger=policy_entry(routing.policy).needs_ledger,
         gang_size=gang_size,
     )
 

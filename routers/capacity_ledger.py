@@ -1,56 +1,10 @@
 """CapacityLedger: one central count of in-flight requests per replica against its capacity. No Ray import.
 
-Algorithm. The ledger knows each replica's capacity (Serve's `max_ongoing_requests`, pushed with
-`set_replicas`) and holds one token per admitted request. `acquire` grants a token on the
-least-loaded replica among the candidates that still has room (lowest in_flight / capacity; ties
-are broken at random so equal replicas share the load). When none has room the caller may wait:
-waiters queue FIFO, and every event that frees a slot (a release, a reap, new capacity from
-`set_replicas`) hands the slot straight to the oldest waiter that can use it. The hand-off is
-synchronous, so a slot never sits free while a waiter could take it and a new request cannot
-overtake one that queued earlier. (An `asyncio.Condition` would need its lock, which the
-synchronous `release`/`reap` cannot take, and `notify_all` would wake every waiter per slot.)
-
-Cost per decision, independent of the replica count. Each distinct candidate set a caller passes (each
-router's routable set, or a frontend's narrowed one) is registered once, O(candidates), and then kept
-current: its replicas with room sit in buckets by load with a min-heap of the bucket loads, so a pick is
-the lowest bucket (a random member on a tie) and a grant or release moves one replica between buckets
-in every registered set, O(log loads) each. A caller that passes the same tuple again is matched by
-identity, O(1); an equal new tuple or a list is matched by value, O(candidates) to hash (a Ray actor
-call carries the list anyway). `set_replicas` (O(replicas)) drops every registered set, since all
-their loads change. While someone waits, freeing a slot scans the waiter queue only until the slot is
-handed out (the whole queue only when no waiter wants a replica that has room), one pick per waiter.
-
-Exactly-once release. `release(token_id)` returns True only the first time. A second release of
-the same token is a counted no-op (`double_releases`); a token this ledger never issued (one from
-before a restart) is a counted no-op (`unknown_releases`); releasing a token the reaper already
-took back is a counted no-op (`late_releases`, a hint that `token_ttl_s` is too short). To tell
-these apart the ledger remembers the last `RELEASED_MEMORY` finished token ids.
-
-Reaping. A token whose release is lost (its caller crashed) would hold a slot forever; `reap`
-takes back every token older than `token_ttl_s` and counts it (`reaped`). Tokens are kept in
-issue order, so a reap touches only the expired ones plus one.
-
-THE RESTART BOUND. The ledger keeps its state in memory only. After a restart it is empty: it
-knows no replica until `set_replicas` is called again, and it does not know the requests admitted
-before the restart. Until those finish, each replica can be granted up to `capacity` new tokens
-on top of up to `capacity` old requests still running: at most 2 x capacity admitted per replica,
-i.e. at most `capacity` over-admission, for at most the length of the longest old request. Past
-that, Serve's own `max_ongoing_requests` on the replica rejects the excess, so the bound is a
-queueing cost, never an overload of the engine. Releases of the pre-restart tokens reach the new
-ledger as unknown ids and are counted no-ops, so they can never free a slot twice.
-
-Constants:
-- `DEFAULT_TOKEN_TTL_S` = 600 s: far longer than any legitimate request (the longest streams plus
-  the drain grace), so only tokens whose release was lost are reaped; a lost release costs one
-  slot for at most 10 minutes.
-- `RELEASED_MEMORY` = 100,000 ids (~10-20 MB): at 1,000 requests/s it covers the last 100 s, far
-  longer than a retried release can lag behind the first.
-- `DEFAULT_REAP_INTERVAL_S` = 10 s: a reaped slot comes back at most 10 s after its TTL, at the
-  cost of one pass over the expired tokens every 10 s.
-- `MAX_CANDIDATE_SETS` = 16 registered sets, least recently used dropped first: a set per router
-  replica's view and per narrowed frontend set fits; every grant and release updates each set
-  (a dictionary look-up where the replica is not a member), and a dropped set that comes back costs
-  one registration, O(candidates).
+`acquire` grants a token on the least-loaded candidate with room, or queues the caller FIFO until a slot is handed
+to it; `release` is exactly-once (repeats, unknown and late releases are counted no-ops); `reap` takes back tokens
+older than `token_ttl_s`. A decision costs the same at any replica count. State is in memory only: after a restart
+at most 2 x capacity is admitted per replica until older requests finish (THE RESTART BOUND). Algorithm, cost,
+constants and why: routers/README.md#the-capacity-ledger.
 """
 
 from __future__ import annotations
@@ -66,9 +20,12 @@ from dataclasses import dataclass, field
 
 from routers.core import CapacityToken
 
+# Far longer than any legitimate request: only tokens whose release was lost are reaped.
 DEFAULT_TOKEN_TTL_S = 600.0
+# Finished token ids remembered to tell a double release from an unknown one (~10-20 MB).
 RELEASED_MEMORY = 100_000
 DEFAULT_REAP_INTERVAL_S = 10.0
+# Registered candidate sets (one per router view, per narrowed frontend set), least recently used dropped first.
 MAX_CANDIDATE_SETS = 16
 
 _RELEASED = "released"

@@ -1,46 +1,9 @@
 """CapacityQueue: admit a request only with a token from the deployment's central capacity ledger.
 
-Algorithm. `decide` takes the routable replicas, pushes their capacities to the ledger whenever
-the set or a capacity changed (and again whenever the ledger says it knows none of them, as a
-restarted ledger does), and asks for a token without waiting. The candidate ids go as one tuple per
-routable set, so the ledger matches the set by identity and picks in O(log loads) (see
-`routers.capacity_ledger`): a decision costs the same at any replica count. Granted: reason
-`acquired`. All replicas full: the request queues in the ledger, in slices of at most
-`WAIT_SLICE_S`, until a slot is handed to it (reason `waited`) or `max_wait_s` has passed
-(`NoReplicaAvailable("capacity_timeout")`). The ranking puts the token's replica first, alone in its tier, then
-`DEFAULT_NUM_FALLBACK_REPLICAS` (2, from `routers.core`) other replicas, each in its own tier,
-least loaded (live in-flight / capacity) first, ties at random, chosen among at most `FALLBACK_SAMPLE` (8)
-random others, so ranking does not grow with the replica count (with up to 9 replicas: among all of them). If
-the caller ends up on a fallback tier the token still counts against the primary until released: the error is
-on the safe side. The caller releases the token exactly once when the request ends.
-
-Faults. Any exception from the ledger (an error, a call timeout, a dead or restarting actor) is a
-fault, counted as event `ledger_fault`. After a fault the request sleeps `backoff_initial_s`
-(25 ms), doubling up to `backoff_max_s` (0.5 s), and tries again; after `fault_limit` (3) faults
-for the same request it falls back to PowerOfTwo's ranking over the same replicas, without a
-token (reason `ledger_fault_fallback`): availability over exact admission, with Serve's
-`max_ongoing_requests` still guarding each replica. A fault on release is counted as event
-`release_fault` and returns False; the ledger's reaper takes the token back after its TTL.
-
-Constants and why:
-- 25 ms first backoff: a transient blip (a dropped call, a GC pause) usually clears within it, and
-  it is small against a streamed LLM response. Doubling spreads the retries of many concurrent
-  requests so a recovering ledger is not stampeded; the 0.5 s cap bounds a single sleep if
-  `fault_limit` is raised (with the default 3 faults the sleeps are 25 ms then 50 ms).
-- 3 faults: one or two faults are a blip worth riding out; three in a row are an outage. The cost
-  of riding it out is bounded: 75 ms of sleep plus three ledger calls (each at most its call
-  timeout) before the request is served anyway.
-- `WAIT_SLICE_S` = 2 s: a waiting request re-asks the ledger at least every 2 s, so a ledger that
-  hangs (rather than failing fast) is noticed within a slice plus the call timeout; a re-ask puts
-  the request at the back of the ledger's FIFO, at most once per 2 s.
-- `DEFAULT_MAX_WAIT_S` = 30 s, the default `max_wait_s`: past that a queued request is better
-  rejected than kept.
-
-THE RESTART BOUND (see `routers.capacity_ledger`). A restarted ledger is empty: after the policy
-pushes the replica set again each replica can be granted up to `capacity` new tokens on top of up
-to `capacity` requests admitted before the restart, at most 2 x capacity admitted per replica
-until those finish; Serve's `max_ongoing_requests` rejects beyond that. Releases of pre-restart
-tokens are unknown ids to the new ledger: counted no-ops that return False.
+A token goes to the least-loaded replica with room; when all are full the request waits in the ledger's FIFO (up
+to `max_wait_s`). After `fault_limit` (3) ledger faults, with backoff, a request falls back to PowerOfTwo without a
+token. The caller releases a token exactly once; the ledger's reaper takes back lost ones. Algorithm, faults,
+constants and THE RESTART BOUND: routers/README.md#capacity_queue.
 """
 
 from __future__ import annotations
@@ -51,8 +14,10 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+from pydantic import Field
+
 from base.contracts import REASON_NO_REPLICA
-from routers.capacity_ledger import CapacityLedger, UnknownReplicas
+from routers.capacity_ledger import DEFAULT_TOKEN_TTL_S, CapacityLedger, UnknownReplicas
 from routers.core import (
     DEFAULT_NUM_FALLBACK_REPLICAS,
     CapacityToken,
@@ -62,12 +27,23 @@ from routers.core import (
     RouteRequest,
     RoutingPolicy,
 )
+from routers.entry import PolicyContext, PolicyEntry, PolicySettings
 
+NAME = "capacity_queue"
+
+# A waiting request re-asks the ledger at least this often, so a hung ledger is noticed within a slice.
 WAIT_SLICE_S = 2.0
 # Fallback candidates looked at per decision: enough that the two fallbacks are among the least loaded (the
 # token's replica already is the least loaded with room), few enough that ranking costs the same at any size.
 FALLBACK_SAMPLE = 8
+# Past this a queued request is better rejected than kept.
 DEFAULT_MAX_WAIT_S = 30.0
+
+
+class CapacityQueueSettings(PolicySettings):
+    max_wait_s: float = Field(DEFAULT_MAX_WAIT_S, gt=0)
+    token_ttl_s: float = Field(DEFAULT_TOKEN_TTL_S, gt=0)
+    seed: int | None = None
 
 
 class LedgerClient(Protocol):
@@ -102,7 +78,7 @@ class LocalLedgerClient:
 
 
 class CapacityQueue(RoutingPolicy):
-    name = "capacity_queue"
+    name = NAME
 
     def __init__(
         self,
@@ -225,3 +201,14 @@ class CapacityQueue(RoutingPolicy):
             # Share this policy's live counts, so the fallback sees the requests placed here.
             self._fallback.tracker = self.tracker
         return self._fallback
+
+
+def _build(settings: CapacityQueueSettings, context: PolicyContext) -> CapacityQueue:
+    """Over `context.ledger`, else over the ledger actor of the context's deployment (created on first use)."""
+    # The ledger actor needs Ray; only a policy built without a ledger imports it.
+    from routers.ledger_actor import capacity_queue_policy
+
+    return capacity_queue_policy(context.app, context.deployment, settings, context.ledger)
+
+
+ENTRY = PolicyEntry(NAME, CapacityQueueSettings, _build, needs_ledger=True, prefill_side=False)

@@ -1,37 +1,8 @@
-"""Consistent hashing on a ring of virtual nodes: a session keeps its replica while the set is stable.
+"""ConsistentHash: a ring of virtual nodes; a session keeps its replica while the replica set is stable.
 
-Algorithm. Every routable replica owns `VIRTUAL_NODES` points on a 64-bit ring, the murmur3 hashes of
-`f"{replica_id}:{i}"`; points are sorted by (hash, replica_id). A request's key is its session id, or
-its request id when it has none; with `user_affinity` (opt-in, for apps that forward bodies) a request
-without a session id is keyed by the body's OpenAI `user` field when the body has one, so an end user
-sticks to a replica without a custom header. The primary is the owner of the first point clockwise of the key's
-hash (wrapping at the end); the fallbacks are the next `num_fallback_replicas` (default
-`DEFAULT_NUM_FALLBACK_REPLICAS` = 2, from `routers.core`) *distinct* owners met walking on
-clockwise, so a replica that rejects the request sends it somewhere else. Adding a replica
-moves only the keys its new points take over (about 1/(N+1) of them, all to the new replica);
-removing one moves only the keys it owned.
-
-Bounded load (opt-in, `load_factor` c >= 1): with `total` = live in-flight over the routable replicas
-plus this request, a replica is eligible while `in_flight + 1 <= ceil(c * total / N)`; the primary is
-the first eligible owner clockwise of the hash (reason `bound_exceeded` when that is not the natural
-owner) and the fallbacks are the distinct owners after it, whatever their load. The bounds add up to
-at least `total`, so some replica is always eligible. The live in-flight sum is kept, not added up per
-decision: it is summed once per views snapshot (O(N)) and then follows each change of the tracker's
-counts (`InFlightTracker.on_count_changed`, O(1)); eligibility is checked only for the owners the walk
-meets, so a bounded decision costs what an unbounded one does plus one check per owner passed over.
-
-Complexity. A lookup is a bisect over N*100 points, O(log(N*100)), plus a short clockwise walk to
-collect distinct owners (a few points on average). The ring changes only when the routable replica
-set does. Each replica's 100 hashes are cached, so a change hashes only the new replicas; a change
-of a few replicas is applied in place (a bisect and a list insert or delete per point, O(N*100)
-memory moves each), a larger one re-sorts all N*100 points, O(N*100 log(N*100)).
-
-Constants, and why. `HASH_SEED` and `VIRTUAL_NODES` are fixed, and equal hashes are ordered by replica
-id, so every router replica builds the identical ring from the same set and routes a session to the
-same place without talking to the others; the ring depends only on the set, not on the order in which
-replicas came and went. 100 virtual nodes keep the per-replica share even (coefficient of variation
-about 0.1). The policy ignores queue depth by design: a hot session stays on its primary, keeping its
-prefix cache warm, unless the primary rejects it; bounded load is the opt-in that lets it spill over.
+The key (session id, else request id; with `user_affinity` the body's `user`) hashes to the first ring point
+clockwise; the fallbacks are the next `num_fallback_replicas` distinct owners. Opt-in bounded load (`load_factor`)
+lets a hot replica's sessions spill over. Algorithm, complexity, constants and why: routers/README.md#consistent_hash.
 """
 
 from __future__ import annotations
@@ -42,13 +13,25 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 
 import mmh3
+from pydantic import Field
 
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, InFlightTracker, ReplicaView, RouteRequest, RoutingPolicy
+from routers.entry import PolicyContext, PolicyEntry, PolicySettings
 
+NAME = "consistent_hash"
+
+# Fixed, with equal hashes ordered by replica id: every router replica builds the same ring from the same set.
 HASH_SEED = 0xF9B4CA77
+# Keeps each replica's share of the ring even (coefficient of variation about 0.1).
 VIRTUAL_NODES = 100
 # Up to this many replicas joining or leaving at once, moving points in place beats re-sorting the whole ring.
 _MAX_IN_PLACE_CHANGES = 8
+
+
+class ConsistentHashSettings(PolicySettings):
+    num_fallback_replicas: int = Field(DEFAULT_NUM_FALLBACK_REPLICAS, ge=0)
+    load_factor: float | None = Field(None, ge=1.0)
+    user_affinity: bool = False
 
 
 def _hash(key: str) -> int:
@@ -60,7 +43,7 @@ def _vnode_hashes(replica_id: str) -> list[int]:
 
 
 class ConsistentHash(RoutingPolicy):
-    name = "consistent_hash"
+    name = NAME
     sticky = True
 
     def __init__(
@@ -183,3 +166,18 @@ class ConsistentHash(RoutingPolicy):
                 yield pos, owners[pos]
                 if len(seen) == len(self._vnodes):
                     return
+
+
+def _build(settings: ConsistentHashSettings, context: PolicyContext) -> ConsistentHash:
+    return ConsistentHash(
+        num_fallback_replicas=settings.num_fallback_replicas,
+        load_factor=settings.load_factor,
+        user_affinity=settings.user_affinity,
+    )
+
+
+def _body_use(settings: ConsistentHashSettings) -> tuple[str, str] | None:
+    return ("user_affinity", "user_affinity reads the body's `user`") if settings.user_affinity else None
+
+
+ENTRY = PolicyEntry(NAME, ConsistentHashSettings, _build, body_use=_body_use)

@@ -1,31 +1,9 @@
 """The production capacity ledger: one named, detached, restartable Ray actor per deployment.
 
-`CapacityLedgerActor` wraps `routers.capacity_ledger.CapacityLedger` in an async actor (one event
-loop, so the ledger's single-loop invariants hold) and runs its reaper from the constructor. Every
-router of the deployment finds it by name (`ledger_actor_name`) in the `sluice` namespace.
-
-Restarts. `max_restarts=-1`: Ray restarts a dead ledger forever; it comes back empty (THE RESTART
-BOUND in `routers.capacity_ledger`: at most 2 x capacity admitted per replica until the
-pre-restart requests finish). `max_task_retries=0`: a call in flight when the actor dies fails
-instead of being replayed on the new ledger, because a replayed acquire would grant a token
-nobody holds and a replayed release would hit an unknown id; the policy counts the failure as a
-ledger fault and retries (or falls back) itself. `num_cpus=0`: the ledger is mostly idle and must
-never wait for a CPU to be scheduled.
-
-Constants:
-- `MAX_CONCURRENCY` = 100,000 concurrent calls (Ray's async default is 1,000): a waiting acquire
-  holds a call slot for up to `WAIT_SLICE_S`, and releases must never queue behind waiters.
-- `DEFAULT_CALL_TIMEOUT_S` = 1 s on top of the call's own wait: a healthy ledger answers in well
-  under a millisecond plus the RPC; past a second it is hung or gone and the call is a fault.
-
-`capacity_queue_policy` builds a deployment's capacity_queue policy over its ledger actor, for both
-the router service and the Serve request-router adapter. `ActorLedgerClient` is the policy's
-`LedgerClient` over the actor. When an acquire gives up (call timeout or the caller was cancelled)
-the ledger may still grant it a moment later; the client then collects that token in the background
-and releases it, so a slow ledger never leaks a slot for the whole token TTL. A release that times
-out was still sent and normally lands late; if it never does, the reaper takes the token back.
-While a new or restarted actor's worker starts (about a second when restarting), calls time out
-and count as ledger faults.
+`CapacityLedgerActor` wraps `routers.capacity_ledger.CapacityLedger` in an async actor; every router of the
+deployment finds it by name (`ledger_actor_name`) in the `sluice` namespace. `ActorLedgerClient` is the policy's
+`LedgerClient` over it, every call bounded by a timeout. Restart options, constants and why:
+routers/README.md#the-ledger-actor.
 """
 
 from __future__ import annotations
@@ -39,12 +17,13 @@ from ray.actor import ActorHandle
 
 from routers.background import run_in_background
 from routers.capacity_ledger import DEFAULT_REAP_INTERVAL_S, DEFAULT_TOKEN_TTL_S, CapacityLedger
-from routers.capacity_queue import CapacityQueue, LedgerClient
-from routers.config import CapacityQueueSettings
+from routers.capacity_queue import CapacityQueue, CapacityQueueSettings, LedgerClient
 from routers.core import CapacityToken
 
 LEDGER_NAMESPACE = "sluice"
+# A waiting acquire holds a call slot for up to `WAIT_SLICE_S`; releases must never queue behind waiters.
 MAX_CONCURRENCY = 100_000
+# On top of a call's own wait: a healthy ledger answers in well under a millisecond plus the RPC.
 DEFAULT_CALL_TIMEOUT_S = 1.0
 
 

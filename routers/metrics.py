@@ -1,15 +1,8 @@
 """Why each routing decision went the way it did, counted per policy and exported to Prometheus; and the capacity
-ledger's tokens.
+ledger's tokens (`LEDGER_METRICS`, the last snapshot a capacity-metered router read at its scrape, per app).
 
-Reasons are a small fixed vocabulary per policy (`primary`, `fallback_1`, `no_session_header`,
-`bound_exceeded`, `ledger_fault_fallback`, `waited`, ...), so the label set stays low-cardinality.
-
-The capacity ledger lives in an actor of its own, not in a process Prometheus scrapes, so a capacity_queue router
-asks it for a snapshot when its `/metrics` is scraped (one actor call per scrape, nothing per decision) and
-`LEDGER_METRICS` exports the last one per app: tokens held and free per replica (a label per replica the ledger
-knows: as many as the app has, and a replaced one is gone from the next snapshot), requests waiting for one, and
-the ledger's token counters. Every router of an app exports the same ledger: aggregate across routers with `max`,
-never `sum`.
+Reasons are a small fixed vocabulary per policy, so the label set stays low-cardinality. Every router of an app
+exports the same ledger: aggregate across routers with `max`, never `sum`. More: routers/README.md#metrics.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""PowerOfTwo: two random candidates, the one with fewer live in-flight requests wins.
+"""PowerOfTwo: two random candidates, the one with fewer live in-flight requests wins; the loser is the fallback.
 
-Algorithm: sample two distinct replicas uniformly; compare `live_in_flight` (the larger of the
-caller's reported count and the requests this policy placed there and has not seen end, counted
-at decision time); the lower wins, a tie goes to the first sample (itself random). The loser is
-the only fallback tier. O(1) per decision beyond reading the views. Live counts matter: with
-counts scraped from metrics, a burst of simultaneous decisions all see the same stale numbers and
-herd onto one replica; counting at decision time keeps the maximum load of a burst of M over N
-equal replicas near M/N (+ O(log log N)).
-Reasons: `single_replica`, `fewer_in_flight`, `tie`. `seed` makes the sampling reproducible.
+In-flight counts are live (counted at decision time), so a burst of simultaneous decisions does not herd onto one
+replica. Reasons: `single_replica`, `fewer_in_flight`, `tie`; `seed` makes the sampling reproducible.
+Semantics and rationale: routers/README.md#power_of_two.
 """
 
 from __future__ import annotations
@@ -15,10 +10,17 @@ from __future__ import annotations
 import random
 
 from routers.core import ReplicaView, RouteRequest, RoutingPolicy
+from routers.entry import PolicyContext, PolicyEntry, PolicySettings
+
+NAME = "power_of_two"
+
+
+class PowerOfTwoSettings(PolicySettings):
+    seed: int | None = None
 
 
 class PowerOfTwo(RoutingPolicy):
-    name = "power_of_two"
+    name = NAME
 
     def __init__(self, seed: int | None = None) -> None:
         super().__init__()
@@ -32,3 +34,10 @@ class PowerOfTwo(RoutingPolicy):
         if second_load < first_load:
             first, second = second, first
         return [[first], [second]], "tie" if first_load == second_load else "fewer_in_flight"
+
+
+def _build(settings: PowerOfTwoSettings, context: PolicyContext) -> PowerOfTwo:
+    return PowerOfTwo(seed=settings.seed)
+
+
+ENTRY = PolicyEntry(NAME, PowerOfTwoSettings, _build)

@@ -1,13 +1,8 @@
-"""RoundRobin: the default policy of a direct-streaming app with no policy set.
+"""RoundRobin: a cursor over the sorted replica ids; the default policy of an app with no policy set.
 
-Algorithm: one cursor over the replica ids in sorted order; each decision takes the id under the
-cursor as primary and advances it, so consecutive decisions cycle strictly through the set. The
-next `DEFAULT_NUM_FALLBACK_REPLICAS` replicas in cyclic order follow as single-replica fallback tiers.
-The sort runs only when the replica set changes (O(N log N)); a decision is O(1) (the views by id come from
-`RoutingPolicy`, built once per views snapshot). It ignores load and sessions by design (use PowerOfTwo or
-ConsistentHash for those).
-`DEFAULT_NUM_FALLBACK_REPLICAS` = 2 (`routers.core`, also ConsistentHash's default): enough to ride
-out a rejecting replica without ranking the whole set on every decision.
+Each decision takes the id under the cursor as primary and the next `DEFAULT_NUM_FALLBACK_REPLICAS` in cyclic order
+as fallbacks; O(1) per decision, a sort only when the replica set changes. Ignores load and sessions by design.
+Semantics, reasons and rationale: routers/README.md#round_robin.
 """
 
 from __future__ import annotations
@@ -15,10 +10,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
+from routers.entry import PolicyContext, PolicyEntry, PolicySettings
+
+NAME = "round_robin"
+
+
+class RoundRobinSettings(PolicySettings):
+    pass
 
 
 class RoundRobin(RoutingPolicy):
-    name = "round_robin"
+    name = NAME
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,3 +39,10 @@ class RoundRobin(RoutingPolicy):
         self._cursor = start + 1
         picked = (self._ordered[(start + i) % count] for i in range(min(count, 1 + DEFAULT_NUM_FALLBACK_REPLICAS)))
         return [[views[replica_id]] for replica_id in picked], "cycle"
+
+
+def _build(settings: RoundRobinSettings, context: PolicyContext) -> RoundRobin:
+    return RoundRobin()
+
+
+ENTRY = PolicyEntry(NAME, RoundRobinSettings, _build)

@@ -1,20 +1,16 @@
-"""Thin adapters that let Ray Serve's DeploymentHandle route with sluice's policies.
+"""Ray Serve `RequestRouter` adapters: DeploymentHandle calls routed with sluice's policies.
 
-Each adapter is a public `ray.serve.request_router.RequestRouter` subclass; it overrides only the
-public hooks (`initialize_state`, `choose_replicas`, `on_request_routed`,
-`on_request_completed`). It turns Serve's replicas into `ReplicaView`s, asks the policy, and maps
-the ranking back. Name one in a deployment with `request_router_config(policy, **kwargs)`, which
-validates the kwargs before anything is deployed.
-
-The session comes from the handle's `.options(session_id=...)`, else from a `session_id` kwarg,
-else from the session header inside a `headers` dict argument (the legacy ingress passes the
-client's headers), else the request is unsessioned.
+One generic adapter (`SluiceRequestRouter`) turns Serve's replicas into `ReplicaView`s and asks the policy; each
+registered policy gets a subclass named `<Policy>RequestRouter`, made on first use, which Serve imports by its path
+(`PolicyEntry.adapter`). Name one in a deployment with `request_router_config(policy, **kwargs)`. How the session
+is found: routers/README.md#serve-adapters.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 from ray.serve.config import RequestRouterConfig
@@ -22,8 +18,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from base.contracts import SESSION_HEADER_DEFAULT
 from routers.background import run_in_background
-from routers.config import CapacityQueueSettings, build_stateless_policy, validate_settings
-from routers.core import CapacityToken, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
+from routers.core import CapacityToken, NoReplicaAvailable, ReplicaView, RouteRequest
+from routers.entry import PolicyContext, adapter_class_name
+from routers.registry import build_policy, policy_entry, policy_names, validate_settings
 
 
 def _session_from(pending: PendingRequest) -> str | None:
@@ -51,17 +48,16 @@ def route_request_from(pending: PendingRequest | None) -> RouteRequest:
 
 
 class SluiceRequestRouter(RequestRouter):
-    """Common adapter; subclasses only name their policy."""
+    """The adapter of every policy; a subclass per policy names it (`adapter_class`)."""
 
     policy_name: ClassVar[str]
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.policy = self._build_policy(kwargs)
+        # A policy with a ledger uses the actor of this deployment (`ledger_actor_name(app, deployment)`).
+        context = PolicyContext(app=self._deployment_id.app_name, deployment=self._deployment_id.name)
+        self.policy = build_policy(self.policy_name, kwargs, context)
         self._tokens: dict[str, CapacityToken] = {}
         self._releases: set[asyncio.Task] = set()
-
-    def _build_policy(self, kwargs: dict[str, Any]) -> RoutingPolicy:
-        return build_stateless_policy(self.policy_name, kwargs)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -96,44 +92,47 @@ class SluiceRequestRouter(RequestRouter):
             run_in_background(self._releases, self.policy.release(token))
 
 
-class RoundRobinRequestRouter(SluiceRequestRouter):
-    policy_name = "round_robin"
+_MADE: dict[str, type[SluiceRequestRouter]] = {}
 
 
-class PowerOfTwoRequestRouter(SluiceRequestRouter):
-    policy_name = "power_of_two"
+def adapter_class(policy: str) -> type[SluiceRequestRouter]:
+    """The policy's adapter class, made once; this module's attribute of its name (Serve imports it by path)."""
+    entry = policy_entry(policy)
+    adapter = _MADE.get(entry.name)
+    if adapter is None:
+        name = adapter_class_name(entry.name)
+        namespace = {"policy_name": entry.name, "__module__": __name__, "__qualname__": name}
+        adapter = _MADE[entry.name] = type(name, (SluiceRequestRouter,), namespace)
+    return adapter
 
 
-class ConsistentHashRequestRouter(SluiceRequestRouter):
-    policy_name = "consistent_hash"
+def __getattr__(name: str) -> type[SluiceRequestRouter]:
+    """`routers.serve_adapters.<Policy>RequestRouter` of any registered policy (how Serve finds an adapter)."""
+    for policy in policy_names():
+        if adapter_class_name(policy) == name:
+            return adapter_class(policy)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class CapacityQueueRequestRouter(SluiceRequestRouter):
-    """Takes a token from the deployment's central ledger actor; releases it when the call ends."""
+class _Adapters(Mapping[str, type[SluiceRequestRouter]]):
+    """Policy name -> its adapter class, for every registered policy."""
 
-    policy_name = "capacity_queue"
+    def __getitem__(self, policy: str) -> type[SluiceRequestRouter]:
+        if policy not in policy_names():
+            raise KeyError(policy)
+        return adapter_class(policy)
 
-    def _build_policy(self, kwargs: dict[str, Any]) -> RoutingPolicy:
-        # The ledger actor is a process of its own (services/); only this adapter needs it.
-        from routers.ledger_actor import capacity_queue_policy
+    def __iter__(self) -> Iterator[str]:
+        return iter(policy_names())
 
-        settings = validate_settings(self.policy_name, kwargs)
-        assert isinstance(settings, CapacityQueueSettings)
-        return capacity_queue_policy(self._deployment_id.app_name, self._deployment_id.name, settings)
+    def __len__(self) -> int:
+        return len(policy_names())
 
 
-ADAPTERS: dict[str, type[SluiceRequestRouter]] = {
-    cls.policy_name: cls
-    for cls in (
-        RoundRobinRequestRouter,
-        PowerOfTwoRequestRouter,
-        ConsistentHashRequestRouter,
-        CapacityQueueRequestRouter,
-    )
-}
+ADAPTERS: Mapping[str, type[SluiceRequestRouter]] = _Adapters()
 
 
 def request_router_config(policy: str, **kwargs: Any) -> RequestRouterConfig:
     """The `RequestRouterConfig` naming a sluice policy; raises `PolicyConfigError` on bad kwargs."""
     validate_settings(policy, kwargs)
-    return RequestRouterConfig(request_router_class=ADAPTERS[policy], request_router_kwargs=kwargs)
+    return RequestRouterConfig(request_router_class=adapter_class(policy), request_router_kwargs=kwargs)

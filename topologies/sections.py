@@ -17,7 +17,7 @@ from base.contracts import (
 )
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
 from infra.haproxy.protection import FrontendProtection
-from routers.config import PolicyConfigError, PolicyName, validate_settings
+from routers.registry import DEFAULT_POLICY, PolicyConfigError, PolicyName, policy_entry, validate_settings
 from services.frontend.canary_guard import AbortCriteria
 from services.frontend.ingress_control import DRAIN_DEADLINE_S_DEFAULT, IngressConfig
 from services.replica.llm_config import EngineArgValue
@@ -95,7 +95,7 @@ class RoutingOverride(Section):
 class Routing(Section):
     """How the frontend routes a stack's requests (a stack default; models may override policy and timeout)."""
 
-    policy: PolicyName = "round_robin"
+    policy: PolicyName = DEFAULT_POLICY
     policy_kwargs: dict[str, Any] = Field(default_factory=dict)
     session_header: str = SESSION_HEADER_DEFAULT
     # closed: a request the router could not place gets 503 with a reason; open: it is load-balanced instead.
@@ -126,11 +126,10 @@ def policy_problem(routing: Routing) -> tuple[str, str] | None:
         settings = validate_settings(routing.policy, routing.policy_kwargs)
     except PolicyConfigError as error:
         return "policy_kwargs", f"{error}; the README's policy table lists each policy's kwargs"
-    if getattr(settings, "user_affinity", False) and not routing.forward_body:
-        return (
-            "policy_kwargs.user_affinity",
-            "user_affinity reads the body's `user`: set routing.forward_body: true, or drop user_affinity",
-        )
+    body_use = policy_entry(routing.policy).body_use(settings)
+    if body_use is not None and not routing.forward_body:
+        kwarg, reads = body_use
+        return f"policy_kwargs.{kwarg}", f"{reads}: set routing.forward_body: true, or drop {kwarg}"
     return None
 
 

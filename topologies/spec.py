@@ -1,13 +1,10 @@
 """A team's topology spec: one YAML file, a union of stack kinds discriminated by `kind`.
 
 - `openai`: each model is a set of vLLM replicas behind the shared frontend.
-- `data_parallel`: each model's replicas run vLLM data parallel, `in_engine` (one server, N engine ranks: dense
-  models) or `ranks` (one Serve replica per rank, gang-scheduled: MoE with expert parallelism, GPUs).
+- `data_parallel`: vLLM data parallel replicas, `in_engine` (one server, N engine ranks) or `ranks` (one Serve
+  replica per rank, gang-scheduled: MoE with expert parallelism).
 - `prefill_decode`: each model has a prefill role and a decode role, joined by a KV connector.
-
-Loading a spec (`load_spec`) reports every problem at once, each with its field path and what to change: YAML
-errors, schema errors (unknown keys are rejected), cross-field rules (`_cross_field_problems`) and, on request,
-each model's engine arguments as vLLM's own `vllm serve` parser sees them (`engine_problems`).
+Loading a spec (`load_spec`) reports every problem at once, each with its field path and what to change.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ import yaml
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
 from infra.haproxy.models import MODEL_NAME_PATTERN
+from routers.registry import policy_entry, prefill_policy_choices
 from services.replica.llm_config import CPU_ONLY_DEFAULTS, EngineArgValue, EngineConfig
 from topologies.problems import SpecError, SpecProblem, pydantic_problems
 from topologies.sections import (
@@ -185,12 +183,12 @@ def _cross_field_problems(spec: StackBase) -> list[SpecProblem]:
             )
         if isinstance(model, PrefillDecodeModel):
             prefill_routing = spec.routing.overridden(model.routing).overridden(model.prefill.routing)
-            if prefill_routing.policy == "capacity_queue":
+            if not policy_entry(prefill_routing.policy).prefill_side:
                 problems.append(
                     SpecProblem(
                         f"models[{i}].prefill.routing.policy",
                         "the prefill side takes no capacity tokens (the decode replica calls it): "
-                        "set power_of_two, round_robin or consistent_hash",
+                        f"set {prefill_policy_choices()}",
                     )
                 )
     for path, routing in _routings(spec):

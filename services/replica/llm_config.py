@@ -16,7 +16,7 @@ from base.contracts import (
 from base.rollout import config_version
 from base.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
 from base.tiny_model import SERVED_MODEL_NAME
-from routers.config import validate_settings
+from routers.registry import validate_settings
 from routers.serve_adapters import request_router_config
 from services.serve_internals import SERVE_SHUTDOWN_BUFFER_S
 
@@ -111,7 +111,7 @@ class ReplicaDeploymentConfig(BaseModel):
     # Serve's autoscaling (min_replicas, max_replicas, target_ongoing_requests); replaces num_replicas when set.
     autoscaling: dict[str, float] | None = None
     health_check_period_s: float = Field(5.0, gt=0)
-    # Routers of this deployment take capacity tokens (capacity_queue): the replica releases each
+    # Routers of this deployment take capacity tokens (a policy with a ledger): the replica releases each
     # request's token when the request ends (services.replica.middleware.capacity_release). Not a Serve option.
     capacity_ledger: bool = False
     # Replicas scheduled (and restarted) together as one gang of this size: `num_replicas` counts gangs.

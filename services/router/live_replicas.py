@@ -1,5 +1,5 @@
 """A target app's replicas as routing views, kept fresh by polling Serve's endpoint list in the background (the
-router's candidate set; see `services.router.service` for the refresh interval's rationale)."""
+router's candidate set; the refresh interval's rationale is in services/router/README.md)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
 """One membership truth: a router ranks only the replicas the asking frontend can route to.
 
-Serve's replica list (`LiveReplicas.views()`) is the candidate set. Each frontend's syncer publishes the
-replica ids it can route to (`Membership`: UP in its server set and not leaving); a route call names its
-frontend in `x-sluice-frontend`. Without this, the router could rank a replica the frontend has not added
-yet or has marked DOWN, and the frontend would have to skip its primary (breaking session stickiness)
-or fail the request.
-
-The rule, for the views of one route call:
-- a frontend that has published: the views whose id is in its latest set. The intersection with Serve's
-  list means a stale publication can never keep a replica Serve removed;
-- no publication at all: every view (nothing to narrow by);
-- an unnamed frontend, or one that never published: the views every publishing frontend can route to,
-  so a direct route call (tests, tools) gets an answer any frontend can serve.
-A view of a data-parallel engine rank (`<replica>:<rank>`) goes with its replica.
-The result may be empty; the policy then refuses with `no_replica` (fail closed).
+Serve's replica list is the candidate set; a frontend that published (`Membership`) gets the views in its latest
+set, an unnamed or silent one the views every publishing frontend can route to, and with no publication at all
+every view. The result may be empty (the policy refuses with `no_replica`). The rule and why:
+services/router/README.md.
 """
 
 from __future__ import annotations
@@ -48,7 +38,7 @@ class FrontendMembership:
         self._cache.clear()
 
     def routable(self, views: Sequence[ReplicaView], frontend: str | None) -> Sequence[ReplicaView]:
-        """The views `frontend` (None: unnamed) may be offered; see the module docstring for the rule."""
+        """The views `frontend` (None: unnamed) may be offered, by the rule of the module docstring."""
         if self._common is None:
             return views
         # Unknown names share the common entry, so the cache stays bounded by the publishing frontends.

@@ -88,13 +88,14 @@ def _percentiles(values: list[float]) -> str:
 def run_direct_bench(model: Path, samples: int = 200) -> None:
     """TTFT through HAProxy + router versus the replica's own port, and the route call alone."""
     from base.contracts import ROUTE_PATH
+    from routers.consistent_hash import NAME as CONSISTENT_HASH
     from services.serve_internals import list_replica_endpoints
     from sluice.bench.stack_harness import DirectStreamSpec, DirectStreamStack
     from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
 
     start_local_cluster()
     spec = DirectStreamSpec(
-        app=BENCH_APP, model=str(model), policy="consistent_hash", haproxy_port=28000, prometheus_port=28404
+        app=BENCH_APP, model=str(model), policy=CONSISTENT_HASH, haproxy_port=28000, prometheus_port=28404
     )
     stack = DirectStreamStack(spec)
     try:

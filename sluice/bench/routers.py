@@ -14,10 +14,14 @@ import time
 from collections.abc import Callable
 
 from routers.capacity_ledger import CapacityLedger
+from routers.capacity_queue import NAME as CAPACITY_QUEUE
 from routers.capacity_queue import CapacityQueue, LocalLedgerClient
+from routers.consistent_hash import NAME as CONSISTENT_HASH
 from routers.consistent_hash import ConsistentHash
 from routers.core import ReplicaView, RouteRequest, RoutingPolicy
+from routers.power_of_two import NAME as POWER_OF_TWO
 from routers.power_of_two import PowerOfTwo
+from routers.round_robin import NAME as ROUND_ROBIN
 from routers.round_robin import RoundRobin
 
 SIZES = (8, 128, 1024)
@@ -106,13 +110,16 @@ def capacity_decision_us(n: int) -> float:
 def run_router_bench(with_actor: bool = True) -> None:
     print(f"{'policy':<34}" + "".join(f"{f'{n} replicas':>14}" for n in SIZES) + "   (µs per decision)")
     rows: list[tuple[str, Callable[[int], float]]] = [
-        ("round_robin", lambda n: decision_us(RoundRobin(), n, sessions=False)),
-        ("power_of_two", lambda n: decision_us(PowerOfTwo(seed=0), n, sessions=False)),
-        ("consistent_hash (session)", lambda n: decision_us(ConsistentHash(), n, sessions=True)),
-        ("consistent_hash (no session)", lambda n: decision_us(ConsistentHash(), n, sessions=False)),
-        ("consistent_hash bounded c=1.25", lambda n: decision_us(ConsistentHash(load_factor=1.25), n, sessions=True)),
+        (ROUND_ROBIN, lambda n: decision_us(RoundRobin(), n, sessions=False)),
+        (POWER_OF_TWO, lambda n: decision_us(PowerOfTwo(seed=0), n, sessions=False)),
+        (f"{CONSISTENT_HASH} (session)", lambda n: decision_us(ConsistentHash(), n, sessions=True)),
+        (f"{CONSISTENT_HASH} (no session)", lambda n: decision_us(ConsistentHash(), n, sessions=False)),
+        (
+            f"{CONSISTENT_HASH} bounded c=1.25",
+            lambda n: decision_us(ConsistentHash(load_factor=1.25), n, sessions=True),
+        ),
         ("ring lookup alone", ring_lookup_us),
-        ("capacity_queue (in-process ledger)", capacity_decision_us),
+        (f"{CAPACITY_QUEUE} (in-process ledger)", capacity_decision_us),
     ]
     for label, measure in rows:
         print(f"{label:<34}" + "".join(f"{measure(n):>14.1f}" for n in SIZES))

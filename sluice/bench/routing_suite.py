@@ -1,17 +1,8 @@
 """`sluice load routing --spec FILE`: the routing-semantics suite. It deploys the stack of FILE (the embedded default
-unless given) in the variants it needs, drives the scale changes itself, and reports:
-
-- affinity: with consistent_hash and no scale change, the share of each session's requests on its usual replica
-  (the multi-turn campaign);
-- remap fraction: the share of sessions whose replica changes when the deployment scales out 2 -> 3 (ideal 1/3)
-  and back in 3 -> 2;
-- header-less uniformity: the coefficient of variation of per-replica counts over requests with no session header
-  (round_robin, 3 replicas);
-- bodies over the forwarding buffer (forward_body on, a 1 KiB buffer): still served, each session on one replica;
-- `num_fallback_replicas` 2 (the default) versus 0: rejections and p99 latency while a replica is killed;
-- prefix-cache reuse per policy: the multi-turn campaign on 3 replicas under round_robin and consistent_hash, with
-  vLLM's own prefix-cache counters read from every replica's /metrics before and after, and the ideal rate the
-  workload allows (every token a session resends was computed before).
+unless given) in the variants it needs, drives the scale changes itself, and reports: consistent-hash affinity,
+the remap fraction when scaling 2 -> 3 -> 2 (ideal 1/3), header-less uniformity under round robin, bodies over the
+forwarding buffer, `num_fallback_replicas` 2 versus 0 while a replica is killed, and prefix-cache reuse per policy
+against the ideal rate the workload allows (vLLM's own counters, read before and after).
 
 Writes `routing.json` and `report.html` (with the prefix-cache plot) into the output folder.
 """
@@ -36,6 +27,8 @@ from loadtests.campaign import Campaign, run
 from loadtests.metrics import summarize
 from loadtests.report import prefix_cache_rates, write_report
 from loadtests.sse_timing import StreamRow
+from routers.consistent_hash import NAME as CONSISTENT_HASH
+from routers.round_robin import NAME as ROUND_ROBIN
 
 PROBES = 600
 REMAP_SESSIONS = 300
@@ -190,21 +183,21 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
     out.mkdir(parents=True, exist_ok=True)
     model = data["models"][0]["name"]
     figures: dict[str, Any] = {}
-    plan = _deploy(data, "consistent_hash", 2)
+    plan = _deploy(data, CONSISTENT_HASH, 2)
     try:
         rows = _campaign(plan, out / "affinity", tokenizer, duration_s)
         figures["affinity"] = affinity(rows)
         sessions = [f"remap-{i}" for i in range(REMAP_SESSIONS)]
         on_two = asyncio.run(_probe(plan.url, model, sessions))
-        plan = _deploy(data, "consistent_hash", 3)
+        plan = _deploy(data, CONSISTENT_HASH, 3)
         time.sleep(1)
         on_three = asyncio.run(_probe(plan.url, model, sessions))
         figures["remap_out_2_to_3"] = sum(a != b for a, b in zip(on_two, on_three, strict=True)) / len(sessions)
         prefix: dict[str, float] = {}
         ideal: dict[str, float] = {}
-        for policy in ("consistent_hash", "round_robin"):
-            if policy == "round_robin":
-                plan = _deploy(data, "round_robin", 3)
+        for policy in (CONSISTENT_HASH, ROUND_ROBIN):
+            if policy == ROUND_ROBIN:
+                plan = _deploy(data, ROUND_ROBIN, 3)
                 served = asyncio.run(_probe(plan.url, model, [None] * PROBES))
                 figures["headerless_cv"] = cv(list(Counter(served).values()))
                 figures["headerless_per_replica"] = dict(Counter(served))
@@ -214,15 +207,15 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
             queries = after[1] - before[1]
             prefix[policy] = (after[0] - before[0]) / queries if queries else 0.0
             ideal[policy] = ideal_prefix_rate(rows)
-            if policy == "consistent_hash":
-                plan = _deploy(data, "consistent_hash", 2)
+            if policy == CONSISTENT_HASH:
+                plan = _deploy(data, CONSISTENT_HASH, 2)
                 time.sleep(1)
                 back = asyncio.run(_probe(plan.url, model, sessions))
                 figures["remap_in_3_to_2"] = sum(a != b for a, b in zip(on_three, back, strict=True)) / len(sessions)
         figures["prefix_cache_hit_rate"] = prefix
         figures["prefix_cache_ideal_rate"] = ideal
         # Bodies over the forwarding buffer: routed by their session all the same (the router sees a cut body).
-        plan = _deploy(data, "consistent_hash", 2, forward_body=True, body_buffer_bytes=OVER_BUFFER_BYTES)
+        plan = _deploy(data, CONSISTENT_HASH, 2, forward_body=True, body_buffer_bytes=OVER_BUFFER_BYTES)
         long_prompt = " ka lo mi" * (OVER_BUFFER_BYTES // 5)  # ~1.8 KB, within the model's context
         outcomes = asyncio.run(_outcomes(plan.url, model, [(f"big-{i % 20}", long_prompt) for i in range(100)]))
         by_session: dict[str, set[str]] = {}
@@ -236,7 +229,7 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
         }
         # num_fallback_replicas 2 (the default) versus 0, each while a replica is killed.
         figures["fallbacks"] = {"2": fallback_run(plan, model)}
-        plan = _deploy(data, "consistent_hash", 2, policy_kwargs={"num_fallback_replicas": 0})
+        plan = _deploy(data, CONSISTENT_HASH, 2, policy_kwargs={"num_fallback_replicas": 0})
         figures["fallbacks"]["0"] = fallback_run(plan, model)
     finally:
         from sluice.deploy.apply import delete_plan

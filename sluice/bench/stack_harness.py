@@ -8,7 +8,6 @@ caller does; every change goes through HAProxy's runtime API, never a reload.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.runtime import cache_dir
+from base.waiting import wait_until
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
 from infra.haproxy.config import (
     CHECK_INTER_S_DEFAULT,
@@ -35,13 +35,15 @@ from infra.haproxy.config import (
 from infra.haproxy.process import HAProxyProcess
 from infra.haproxy.protection import FrontendProtection
 from infra.haproxy.runtime_api import RuntimeAPI
+from routers.registry import DEFAULT_POLICY, policy_entry
 from services.frontend.api_key_watcher import ApiKeyWatcher
 from services.frontend.background_loop import BackgroundLoop
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.replica.llm_replica import llm_application
 from services.router.route_listener import router_source
-from services.router.service import RouterSettings, router_application
+from services.router.service import router_application
+from services.router.settings import RouterSettings
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 
 
@@ -57,7 +59,7 @@ class DirectStreamSpec(BaseModel):
     routers: int = Field(1, ge=1)
     # Name of the router app; None: "<app>-router". Two stacks in front of one LLM app need two names.
     router_name: str | None = None
-    policy: str = "round_robin"
+    policy: str = DEFAULT_POLICY
     policy_kwargs: dict[str, Any] = Field(default_factory=dict)
     session_header: str = SESSION_HEADER_DEFAULT
     fail_open: bool = False
@@ -110,7 +112,7 @@ def deploy_llm(spec: DirectStreamSpec) -> LLMAppConfig:
         deployment=ReplicaDeploymentConfig(
             num_replicas=spec.replicas,
             max_ongoing_requests=spec.max_ongoing_requests,
-            capacity_ledger=spec.policy == "capacity_queue",
+            capacity_ledger=policy_entry(spec.policy).needs_ledger,
         ),
     )
     serve.run(llm_application(config), name=spec.app, route_prefix="/", blocking=False)
@@ -181,19 +183,19 @@ class DirectStreamStack:
 
     def wait_until_serving(self, replicas: int, routers: int, timeout_s: float) -> None:
         """Until HAProxy has `replicas` replicas and `routers` routers UP and every router knows the replicas."""
-        assert self.syncer is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
+        syncer = self.syncer
+        assert syncer is not None
+
+        def serving() -> bool:
             up = self._up_counts()
-            if (
+            return (
                 up[REPLICA_BACKEND] >= replicas
                 and up[ROUTER_BACKEND] >= routers
-                and self.syncer.published_replicas() >= replicas
-            ):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError("HAProxy never saw every replica and router UP, or the routers never learnt them")
-            time.sleep(0.2)
+                and syncer.published_replicas() >= replicas
+            )
+
+        what = "HAProxy to see every replica and router UP and the routers to learn the replicas"
+        wait_until(timeout_s, serving, what, poll_s=0.2)
 
     def stop(self, delete_apps: bool = True) -> None:
         try:

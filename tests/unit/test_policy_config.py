@@ -1,9 +1,9 @@
 import pytest
 from prometheus_client import generate_latest
 
-from routers.config import PolicyConfigError, build_stateless_policy
 from routers.consistent_hash import ConsistentHash
 from routers.core import ReplicaView, RouteRequest
+from routers.registry import PolicyConfigError, build_stateless_policy
 from routers.serve_adapters import ADAPTERS, ConsistentHashRequestRouter, request_router_config
 
 

@@ -11,9 +11,7 @@ from base.contracts import (
 from base.route_wire import Membership, RouteRefusal
 from routers.consistent_hash import ConsistentHash
 from services.router.membership import FrontendMembership
-from services.router.service import (
-    RouterSettings,
-)
+from services.router.settings import RouterSettings
 from tests.support.router_service_client import (
     REPLICA_IDS,
     named_ids,

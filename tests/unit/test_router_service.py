@@ -16,19 +16,13 @@ from base.contracts import (
 from base.route_wire import Membership, RouteRefusal, RouteReply, endpoint_id, replica_of
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import LocalLedgerClient
-from routers.config import build_stateless_policy
 from routers.core import ReplicaView, RouteRequest
+from routers.registry import build_stateless_policy
 from services.router.live_replicas import LiveReplicas
 from services.router.membership import FrontendMembership
 from services.router.route_request import fields_from_body, route_request_from
-from services.router.service import (
-    METRICS_PATH,
-    PrefillChooser,
-    PrefillTarget,
-    RouterSettings,
-    build_policy,
-    build_router_app,
-)
+from services.router.service import METRICS_PATH, PrefillChooser, build_router_app
+from services.router.settings import PrefillTarget, RouterSettings, build_policy
 from services.serve_internals import ReplicaEndpoint
 from tests.support.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
 

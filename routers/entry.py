@@ -1,0 +1,75 @@
+"""What a policy module hands the registry: its name, settings model, factory and capabilities.
+
+Every policy module defines `NAME`, a `PolicySettings` subclass and `ENTRY = PolicyEntry(...)`; `routers.registry`
+lists the entries. No Ray import: the Serve adapter is named by its import path (`PolicyEntry.adapter`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+from routers.core import RoutingPolicy
+
+if TYPE_CHECKING:
+    from routers.capacity_queue import LedgerClient
+
+# A policy's name is a metric label, a spec value and (camel-cased) its Serve adapter's class name.
+NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+ADAPTERS_MODULE = "routers.serve_adapters"
+
+
+class PolicySettings(BaseModel):
+    """A policy's kwargs, validated before anything is deployed; unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """Where a policy is built: the app and deployment it routes to; `ledger` replaces the deployment's ledger actor
+    (tests, benches) for a policy that needs one."""
+
+    app: str = ""
+    deployment: str = ""
+    ledger: LedgerClient | None = None
+
+
+def _reads_no_body(settings: Any) -> tuple[str, str] | None:
+    return None
+
+
+def adapter_class_name(policy: str) -> str:
+    """`consistent_hash` -> `ConsistentHashRequestRouter`."""
+    return "".join(part.title() for part in policy.split("_")) + "RequestRouter"
+
+
+@dataclass(frozen=True)
+class PolicyEntry:
+    """One routing policy as the rest of sluice sees it."""
+
+    name: str
+    settings: type[PolicySettings]
+    # The pure-core policy from validated settings (an instance of `settings`) and where it runs.
+    build: Callable[[Any, PolicyContext], RoutingPolicy]
+    # Takes a capacity token per request from the deployment's ledger: the replicas must release them, and the
+    # policy cannot be built without a ledger (`build_stateless_policy` refuses it).
+    needs_ledger: bool = False
+    # May choose the prefill replica of a prefill/decode model. A policy with capacity tokens may not: a token is
+    # released by the replica it was taken for, and the decode replica's prefill call carries none.
+    prefill_side: bool = True
+    # (kwarg, what it reads) when these settings read the forwarded request body (the app must set forward_body).
+    body_use: Callable[[Any], tuple[str, str] | None] = _reads_no_body
+
+    def __post_init__(self) -> None:
+        if not NAME_PATTERN.match(self.name):
+            raise ValueError(f"policy name {self.name!r}: lower-case words joined by underscores")
+
+    @property
+    def adapter(self) -> str:
+        """The import path of its Ray Serve `RequestRouter` (what `RequestRouterConfig` keeps)."""
+        return f"{ADAPTERS_MODULE}.{adapter_class_name(self.name)}"

@@ -1,0 +1,142 @@
+"""Every routing policy by name: its settings model, factory, Serve adapter and capabilities (`PolicyEntry`).
+
+Spec validation, the router service, the builders and the Serve adapters ask this module; nothing outside
+`routers/` names a policy. Adding a policy is one module (NAME, settings, policy class, ENTRY) plus one line in
+`BUILT_IN` (routers/README.md#adding-a-policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Annotated, Any
+
+from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError
+from pydantic_core import PydanticCustomError, core_schema
+
+from routers import capacity_queue, consistent_hash, power_of_two, round_robin
+from routers.core import RoutingPolicy
+from routers.entry import PolicyContext, PolicyEntry, PolicySettings
+
+BUILT_IN: tuple[PolicyEntry, ...] = (
+    round_robin.ENTRY,
+    power_of_two.ENTRY,
+    consistent_hash.ENTRY,
+    capacity_queue.ENTRY,
+)
+# A stack's (and a router's) policy when none is set, and the prefill side's of prefill/decode.
+DEFAULT_POLICY = round_robin.NAME
+DEFAULT_PREFILL_POLICY = power_of_two.NAME
+
+_ENTRIES: dict[str, PolicyEntry] = {}
+
+
+class PolicyConfigError(ValueError):
+    """Unknown policy or invalid kwargs, with every problem spelled out."""
+
+
+def register_policy(entry: PolicyEntry) -> PolicyEntry:
+    """Make `entry` known by its name; a name already taken is refused."""
+    if entry.name in _ENTRIES:
+        raise PolicyConfigError(f"routing policy {entry.name!r} is already registered")
+    _ENTRIES[entry.name] = entry
+    return entry
+
+
+def unregister_policy(name: str) -> None:
+    """Forget a policy (tests that registered one); unknown names are refused."""
+    policy_entry(name)
+    del _ENTRIES[name]
+
+
+for _entry in BUILT_IN:
+    register_policy(_entry)
+
+
+def policy_names() -> list[str]:
+    """Every registered policy, in registration order."""
+    return list(_ENTRIES)
+
+
+def policy_entry(name: str) -> PolicyEntry:
+    entry = _ENTRIES.get(name)
+    if entry is None:
+        raise PolicyConfigError(f"unknown routing policy {name!r}; choose one of {sorted(_ENTRIES)}")
+    return entry
+
+
+def prefill_policy_choices() -> str:
+    """The policies that may choose a prefill replica, for a message: `power_of_two, round_robin or ...`."""
+    others = [name for name, entry in _ENTRIES.items() if entry.prefill_side and name != DEFAULT_PREFILL_POLICY]
+    return _one_of([DEFAULT_PREFILL_POLICY, *others])
+
+
+def _one_of(names: list[str]) -> str:
+    """`a, b or c`."""
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
+def validate_settings(policy: str, kwargs: dict[str, Any]) -> PolicySettings:
+    """The policy's settings from `kwargs`; raises `PolicyConfigError` naming every problem."""
+    entry = policy_entry(policy)
+    try:
+        return entry.settings.model_validate(kwargs)
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'kwargs'}: {e['msg']}" for e in error.errors())
+        raise PolicyConfigError(f"invalid {policy} kwargs: {problems}") from None
+
+
+def build_policy(policy: str, kwargs: dict[str, Any], context: PolicyContext | None = None) -> RoutingPolicy:
+    """The pure-core policy `policy` with `kwargs`, for the app and deployment of `context`."""
+    settings = validate_settings(policy, kwargs)
+    return policy_entry(policy).build(settings, context or PolicyContext())
+
+
+def build_stateless_policy(policy: str, kwargs: dict[str, Any]) -> RoutingPolicy:
+    """A policy that needs no capacity ledger; one that does is refused."""
+    settings = validate_settings(policy, kwargs)
+    entry = policy_entry(policy)
+    if entry.needs_ledger:
+        raise PolicyConfigError(f"{policy} needs a capacity ledger")
+    return entry.build(settings, PolicyContext())
+
+
+class _Settings(Mapping[str, type[PolicySettings]]):
+    """Policy name -> settings model, for every registered policy (what `sluice serve --policy` offers)."""
+
+    def __getitem__(self, name: str) -> type[PolicySettings]:
+        return _ENTRIES[name].settings
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(_ENTRIES))
+
+    def __len__(self) -> int:
+        return len(_ENTRIES)
+
+
+SETTINGS: Mapping[str, type[PolicySettings]] = _Settings()
+
+
+class _KnownPolicy:
+    """A spec's policy field: a registered name (checked at validation time, so a policy registered later counts);
+    its JSON Schema is an enum of the registered names."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(_known, core_schema.str_schema())
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        return {"enum": policy_names(), "type": "string"}
+
+
+def _known(name: str) -> str:
+    if name not in _ENTRIES:
+        # The error of a Literal of the names, as the spec's field was before the registry.
+        expected = _one_of([repr(n) for n in _ENTRIES])
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return name
+
+
+PolicyName = Annotated[str, _KnownPolicy]

@@ -1,0 +1,118 @@
+"""What one router app routes to and how (`RouterSettings`, the args of its Serve app), and the policies it builds.
+
+The policy and its kwargs are checked against the policy's own settings in `routers.registry`; the prefill side of
+prefill/decode takes only a policy the registry allows there. Fields and defaults: services/router/README.md.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from base.contracts import DEFAULT_MAX_ONGOING_REQUESTS, SESSION_HEADER_DEFAULT, NodeRole
+from routers.capacity_queue import LedgerClient
+from routers.core import InFlightTracker, RoutingPolicy
+from routers.entry import PolicyContext
+from routers.registry import (
+    DEFAULT_POLICY,
+    DEFAULT_PREFILL_POLICY,
+    build_stateless_policy,
+    policy_entry,
+    policy_names,
+    prefill_policy_choices,
+    validate_settings,
+)
+from routers.registry import build_policy as build_registered_policy
+from services.replica.llm_config import LLM_DEPLOYMENT_NAME
+
+
+class PolicyChoice(BaseModel):
+    """A routing policy and its kwargs, checked against the policy's own settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = DEFAULT_POLICY
+    policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _policy_kwargs(self) -> PolicyChoice:
+        # PolicyConfigError is a ValueError: pydantic reports its message as the validation error.
+        validate_settings(self.policy, self.policy_kwargs)
+        return self
+
+
+class PrefillTarget(PolicyChoice):
+    """Prefill/decode: the prefill app a router also chooses from for every request, with its own policy."""
+
+    app: str = Field(min_length=1)
+    # The prefill app's route prefix: its replicas serve vLLM's paths under it.
+    route_prefix: str = ""
+    deployment: str = LLM_DEPLOYMENT_NAME
+    capacity: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
+    policy: str = DEFAULT_PREFILL_POLICY
+    # False when the decode replicas prefill locally if need be: with no prefill replica the decode side is
+    # routed anyway (and the decode replica says it prefilled locally) instead of a 503 `no_prefill_replica`.
+    required: bool = True
+
+    @field_validator("policy")
+    @classmethod
+    def _prefill_side(cls, value: str) -> str:
+        # An unknown name is left to `_policy_kwargs`, which names the known ones.
+        if value in policy_names() and not policy_entry(value).prefill_side:
+            raise ValueError(f"the prefill side takes no capacity tokens: choose {prefill_policy_choices()}")
+        return value
+
+
+class RouterSettings(PolicyChoice):
+    """What one router app routes to and how."""
+
+    target_app: str = Field(min_length=1)
+    target_deployment: str = LLM_DEPLOYMENT_NAME
+    # The target deployment's `max_ongoing_requests`: each replica's capacity in the views.
+    target_capacity: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
+    session_header: str = SESSION_HEADER_DEFAULT
+    refresh_interval_s: float = Field(0.25, gt=0)
+    # How long the tracker counts a decision as in flight (the router never sees completions).
+    forget_after_s: float = Field(2.0, gt=0)
+    # Prefill/decode: the prefill side, chosen with the decode replica.
+    prefill: PrefillTarget | None = None
+    # In-engine data parallelism: each target replica runs this many engine ranks, ranked as `<replica>:<rank>`.
+    data_parallel_size: int = Field(1, ge=1)
+    # Staging stacks only: `POST <prefix>/internal/fault {"seconds": s}` makes every route call fail for s seconds.
+    fault_injection: bool = False
+
+    @field_validator("session_header")
+    @classmethod
+    def _header_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9-]+", value):
+            raise ValueError(f"invalid header name {value!r}")
+        return value.lower()
+
+
+class RouterAppArgs(BaseModel):
+    """What `build_router_application` takes from a Serve config's `args`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    settings: RouterSettings
+    num_replicas: int = Field(1, ge=1)
+    # A stack across nodes runs its routers on the head node; None: one machine.
+    node_role: NodeRole | None = None
+
+
+def build_policy(settings: RouterSettings, ledger: LedgerClient | None = None) -> RoutingPolicy:
+    """The policy the settings name. One that needs a capacity ledger uses `ledger`, else the target deployment's
+    ledger actor."""
+    context = PolicyContext(app=settings.target_app, deployment=settings.target_deployment, ledger=ledger)
+    policy = build_registered_policy(settings.policy, settings.policy_kwargs, context)
+    policy.tracker = InFlightTracker(forget_after_s=settings.forget_after_s)
+    return policy
+
+
+def build_prefill_policy(settings: RouterSettings, side: PrefillTarget) -> RoutingPolicy:
+    """The prefill side's policy (never one with capacity tokens)."""
+    policy = build_stateless_policy(side.policy, side.policy_kwargs)
+    policy.tracker = InFlightTracker(forget_after_s=settings.forget_after_s)
+    return policy
