@@ -138,7 +138,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def register(commands: Any) -> None:
-    from routers.config import SETTINGS
+    from routers.registry import policy_names
 
     model = commands.add_parser("model", help="the locally generated tiny model")
     model_commands = model.add_subparsers(dest="model_command", required=True)
@@ -151,7 +151,7 @@ def register(commands: Any) -> None:
     serve.add_argument("file", nargs="?", default=str(EMBEDDED_SPEC), help="a spec file (default: local-cpu)")
     serve.add_argument("--replicas", type=int, help="replicas of every model")
     serve.add_argument("--routers", type=int)
-    serve.add_argument("--policy", choices=sorted(SETTINGS))
+    serve.add_argument("--policy", choices=sorted(policy_names()))
     serve.add_argument("--port", type=int, help=f"HAProxy's port on 127.0.0.1 (spec; {HAPROXY_PORT_DEFAULT})")
     serve.add_argument(
         "--prometheus-port", type=int, help=f"HAProxy's metrics port (spec; {HAPROXY_PROMETHEUS_PORT_DEFAULT})"

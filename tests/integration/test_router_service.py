@@ -56,7 +56,8 @@ class RouterApp:
 def _deploy(name: str, prefix: str, num_replicas: int, **settings) -> RouterApp:
     from ray import serve
 
-    from services.router.service import RouterSettings, router_application
+    from services.router.service import router_application
+    from services.router.settings import RouterSettings
     from services.serve_internals import wait_for_endpoints
 
     app = router_application(RouterSettings(**settings), num_replicas)

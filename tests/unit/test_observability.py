@@ -41,7 +41,8 @@ from infra.prometheus_config import (
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import CapacityQueue, LocalLedgerClient
 from routers.metrics import LEDGER_METRICS, LedgerMetrics
-from services.router.service import METRICS_PATH, RouterSettings
+from services.router.service import METRICS_PATH
+from services.router.settings import RouterSettings
 from services.serve_internals import ReplicaEndpoint
 from tests.support.router_service_client import REPLICA_IDS, route, router, unique_app, views
 from tests.unit.test_haproxy_config import FakeRuntime, endpoint, make_syncer

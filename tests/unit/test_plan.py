@@ -18,7 +18,7 @@ from infra.haproxy.config import HAProxySettings
 from infra.haproxy.lua import render_lua
 from services.frontend.app import FrontendArgs
 from services.replica.llm_config import LLMAppConfig
-from services.router.service import RouterAppArgs
+from services.router.settings import RouterAppArgs
 from sluice.cli.main import main
 from sluice.deploy.apply import render
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE

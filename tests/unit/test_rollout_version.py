@@ -1,6 +1,7 @@
 from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.replica.llm_replica import llm_deployment
-from services.router.service import RouterSettings, router_application
+from services.router.service import router_application
+from services.router.settings import RouterSettings
 
 
 def _config(**deployment: object) -> LLMAppConfig:
