@@ -7,7 +7,6 @@ Spec validation, the router service, the builders and the Serve adapters ask thi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from typing import Annotated, Any
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError
@@ -98,22 +97,6 @@ def build_stateless_policy(policy: str, kwargs: dict[str, Any]) -> RoutingPolicy
     if entry.needs_ledger:
         raise PolicyConfigError(f"{policy} needs a capacity ledger")
     return entry.build(settings, PolicyContext())
-
-
-class _Settings(Mapping[str, type[PolicySettings]]):
-    """Policy name -> settings model, for every registered policy (what `sluice serve --policy` offers)."""
-
-    def __getitem__(self, name: str) -> type[PolicySettings]:
-        return _ENTRIES[name].settings
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(_ENTRIES))
-
-    def __len__(self) -> int:
-        return len(_ENTRIES)
-
-
-SETTINGS: Mapping[str, type[PolicySettings]] = _Settings()
 
 
 class _KnownPolicy:
