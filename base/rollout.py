@@ -1,5 +1,7 @@
-"""Deployment versions for Serve: a digest of what would change a replica, so a redeploy that only
-changes the replica count scales in place instead of rolling every replica."""
+"""Deployment versions for Serve: a digest of what would change a replica, so a redeploy that only changes the
+replica count scales in place instead of rolling every replica. `services.serve_internals.with_rollout_version`
+pins a deployment to it.
+"""
 
 from __future__ import annotations
 

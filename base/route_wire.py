@@ -1,4 +1,6 @@
-"""Wire formats between the frontend and the router service (docs/design.md §3)."""
+"""Wire formats between the frontend and the router service: the route reply and refusal, and the membership a
+frontend publishes (docs/design.md §3). The Lua action reads the reply's fields as rendered from these models.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Process environment for Ray, Serve and vLLM: loopback only, offline, every cache in one folder."""
+"""Process environment for Ray, Serve and vLLM: loopback only, offline, every cache in one folder. Why each
+setting is needed on these machines: docs/design.md §5.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The one deadline-polling helper: `wait_until` (blocking) and `async_wait_until` (on an event loop: a replica's
-start, a frontend's move; it says in its log what it waits for). Neither waits forever: docs/design.md §3."""
+start, a frontend's move; it says in its log what it waits for). Neither waits forever: docs/design.md §3.
+"""
 
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ class WaitTimeout(TimeoutError):
 
 
 class StartDeadline(WaitTimeout):
-    """An `async_wait_until` that passed its deadline; in a replica's start it fails the constructor, and Serve shows
-    the message."""
+    """An `async_wait_until` past its deadline: in a replica's start it fails the constructor (Serve shows why)."""
 
 
 def _done(value: object) -> bool:

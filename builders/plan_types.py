@@ -1,5 +1,6 @@
 """What a plan is made of: Serve applications (each named by its builder's import path and args) and what the plan
-says of each served model (its apps, its HAProxy backends, its policies)."""
+says of each served model (its apps, its HAProxy backends, its policies); docs/design.md §2.2.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""What is wrong with a spec, each problem with its field path (`models[0].resources.gpus`) and what to change."""
+"""What is wrong with a spec, each problem with its field path (`models[0].resources.gpus`) and what to change
+(`sluice validate` prints every one).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """What the frontend routes per app: its name, model, router pool and replica prefixes, fail mode, body forwarding
-and session header (`AppRoute`), checked before anything is rendered."""
+and session header (`AppRoute`), checked before anything is rendered (infra/haproxy/README.md).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """How values are written in the rendered HAProxy config: times, and the body of every error the frontend answers
-itself (OpenAI's error shape, so a client's OpenAI SDK parses it)."""
+itself (OpenAI's error shape, so a client's OpenAI SDK parses it; infra/haproxy/README.md).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Find a usable HAProxy binary and run one HAProxy (master-worker) for the sluice data plane."""
+"""Find a usable HAProxy binary and run one HAProxy (master-worker) for the sluice data plane.
+
+Ray's bundled HAProxy first, else `haproxy` on PATH, each at least `MIN_SYSTEM_VERSION` with Lua and the Prometheus
+exporter; the files are written and checked (`haproxy -c`) before it starts (infra/haproxy/README.md).
+"""
 
 from __future__ import annotations
 

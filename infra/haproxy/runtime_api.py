@@ -1,4 +1,6 @@
-"""Client of HAProxy's runtime API (the admin-level `stats socket`): one command per connection."""
+"""Client of HAProxy's runtime API (the admin-level `stats socket`): one command per connection. The syncer, the key
+watcher and the ingress controller drive HAProxy through it, never by a reload (infra/haproxy/README.md).
+"""
 
 from __future__ import annotations
 

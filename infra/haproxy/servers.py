@@ -1,5 +1,7 @@
 """The keywords of the servers the syncer adds at run time (`add server`): replicas, routers and legacy ingress
-replicas. Dynamic servers do not inherit `default-server`, so every setting goes on each server."""
+replicas. Dynamic servers do not inherit `default-server`, so every setting goes on each server
+(infra/haproxy/README.md).
+"""
 
 from __future__ import annotations
 

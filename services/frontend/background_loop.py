@@ -1,4 +1,7 @@
-"""An event loop in a thread of its own for a frontend's background tasks."""
+"""An event loop in a thread of its own for a frontend's background tasks (the supervisor, the syncer, the key
+watcher, the request log, the canary guard), so they run whatever Serve's replica loop does
+(services/frontend/README.md).
+"""
 
 from __future__ import annotations
 

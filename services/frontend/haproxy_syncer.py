@@ -66,8 +66,8 @@ class HAProxySyncer:
         self._refused_logged: set[str] = set()
 
     async def sync_once(self) -> SyncReport:
-        """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is (the
-        error propagates)."""
+        """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is and its
+        error propagates."""
         endpoints = [
             (
                 await app.sources.replicas(),

@@ -139,6 +139,7 @@ def llm_application(config: LLMAppConfig) -> Application:
 
 
 def build_llm_application(args: dict[str, Any]) -> Application:
-    """Serve's application builder (`import_path: services.replica.llm_replica:build_llm_application`): `args`
-    is an LLMAppConfig."""
+    """Serve's application builder (`import_path: services.replica.llm_replica:build_llm_application`).
+
+    `args` is an LLMAppConfig."""
     return llm_application(LLMAppConfig.model_validate(args))
