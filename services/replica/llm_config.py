@@ -1,4 +1,7 @@
-"""Configuration of the LLM replica deployment: vLLM engine arguments plus Serve deployment options."""
+"""Configuration of the LLM replica deployment: vLLM engine arguments plus Serve deployment options, data
+parallelism and the prefill/decode role (`LLMAppConfig`). The defaults and why they are what they are:
+services/replica/README.md (settings and constants).
+"""
 
 from __future__ import annotations
 
