@@ -45,7 +45,7 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(1024, gt=0)
     max_num_seqs: int | None = Field(64, gt=0)
     dtype: str | None = "bfloat16"
-    # CPU facts (DESIGN.md §5): compiled mode costs +40 s at start and its cache reload fails.
+    # CPU facts (docs/design.md §5): compiled mode costs +40 s at start and its cache reload fails.
     enforce_eager: bool | None = True
     # A small KV cache: the VM's memory node reports ~9 GiB, so vLLM's default does not fit.
     kv_cache_memory_bytes: int | None = Field(64 * 1024 * 1024, gt=0)
@@ -199,9 +199,8 @@ class LLMAppConfig(BaseModel):
         None,
         description=(
             "Benchmarks only: `zero_compute` answers every completion with `max_tokens` copies of one token without "
-            "running the model (services.replica.zero_compute_engine), behind the same replica app, "
-            "and names itself in every "
-            "response's `x-serve-engine-stand-in` header. Never set by a team topology."
+            "running the model (services.replica.zero_compute_engine), behind the same replica app, and names "
+            "itself in every response's `x-serve-engine-stand-in` header. Never set by a team topology."
         ),
     )
 
