@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import threading
 from typing import Any
 
@@ -78,8 +79,12 @@ class FrontendReplica:
         haproxy = dict(parsed.haproxy)
         if parsed.node_role is not None:
             haproxy["bind_host"] = ray.util.get_node_ip_address()
-        self._settings = HAProxySettings(workdir=cache_dir() / f"frontend-{parsed.stack}", **haproxy)
-        self._settings.workdir.mkdir(parents=True, exist_ok=True)
+        # A folder per frontend process: a redeploy's new frontend runs beside the old one until the old one drains,
+        # and their HAProxies' runtime and log sockets must not meet.
+        workdir = cache_dir() / f"frontend-{parsed.stack}-{os.getpid()}"
+        shutil.rmtree(workdir, ignore_errors=True)  # left by a dead process that had this PID
+        workdir.mkdir(parents=True)
+        self._settings = HAProxySettings(workdir=workdir, **haproxy)
         self._haproxy: HAProxyProcess | None = None
         self._syncer: HAProxySyncer | None = None
         self.restarts = 0
@@ -206,6 +211,7 @@ class FrontendReplica:
             "worker_pid": self._haproxy.worker_pid,
             "restarts": self.restarts,
             "url": f"http://{self._settings.bind_host}:{self._settings.port}",
+            "runtime_socket": str(self._haproxy.runtime.socket_path),
             # Per app: how many replicas all its routers were last told about.
             "published": [app.published_replicas() for app in self._syncer.apps] if self._syncer is not None else [],
             "servers": servers,
@@ -225,6 +231,9 @@ class FrontendReplica:
         haproxy = getattr(self, "_haproxy", None)
         if haproxy is not None:
             haproxy.stop(grace_s=1)
+        settings = getattr(self, "_settings", None)
+        if settings is not None:
+            shutil.rmtree(settings.workdir, ignore_errors=True)
 
 
 def _sources(app: ServedApp, route: AppRoute) -> AppSources:

@@ -31,7 +31,6 @@ from base.contracts import (
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
 )
-from base.runtime import cache_dir
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.ingress_control import GUARD_INTERVAL_S
@@ -121,9 +120,9 @@ def test_sluice_check_twice_on_the_live_canary_passes_both_times_and_leaves_it_a
 def _routers_unreachable(stack: TeamStack) -> Iterator[None]:
     """Every router out of HAProxy's pool (maintenance): the frontend fails direct requests closed, a real fault
     (unlike an injected one, which the guard leaves out)."""
-    runtime = RuntimeAPI(cache_dir() / f"frontend-{stack.plan.stack}" / "haproxy.sock")
-    backend = stack.plan.models[0].router_backend
     status = _frontend(stack).status.remote().result(timeout_s=30)
+    runtime = RuntimeAPI(status["runtime_socket"])
+    backend = stack.plan.models[0].router_backend
     routers = [s["server"] for s in status["servers"] if s["backend"] == backend]
     assert routers
     for router in routers:
@@ -318,9 +317,9 @@ def test_sluice_check_fails_naming_the_item_when_a_router_is_broken(stack: TeamS
 
 
 def test_sluice_check_fails_naming_the_item_when_a_replica_is_missing_from_haproxys_map(stack: TeamStack) -> None:
-    runtime = RuntimeAPI(cache_dir() / f"frontend-{stack.plan.stack}" / "haproxy.sock")
-    model = stack.plan.models[0]
     status = _frontend(stack).status.remote().result(timeout_s=30)
+    runtime = RuntimeAPI(status["runtime_socket"])
+    model = stack.plan.models[0]
     replica = next(s["server"] for s in status["servers"] if s["backend"] == model.replica_backend)
     runtime.set_server_state(model.replica_backend, replica, "maint")
     try:
