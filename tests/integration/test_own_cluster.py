@@ -2,7 +2,8 @@
 and temp folder), then the CLI the way a user runs it: a cluster whose Serve lacks sluice's settings is refused in
 seconds with the fix; `deploy` returns and the stack serves after the CLI exited; `status` lists and reads the
 running stack; `check` ends pass or incomplete; `down STACK` removes it; a stack that cannot start ends `deploy`
-with exit 1 at its deadline, naming the stuck deployment. The cluster is stopped at the end, by its PIDs."""
+with exit 1 at its deadline, naming the stuck deployment, and one Serve gave up on ends it with the replica's error.
+The cluster is stopped at the end, by its PIDs."""
 
 from __future__ import annotations
 
@@ -167,13 +168,25 @@ def test_down_by_name_removes_the_stack(cluster: str, deployed: tuple[Path, str]
 
 
 def test_a_stack_that_cannot_start_ends_deploy_at_its_deadline(cluster: str, tmp_path: Path) -> None:
+    # A deadline well inside the time Serve takes to give up on a replica that fails (6 failed starts, about 35 s or
+    # more): the stack is still starting when it passes.
     spec, _ = _spec(tmp_path, "stuck", source=str(tmp_path / "no-such-model"))
     began = time.monotonic()
-    result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", "40", timeout_s=120)
+    result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", "20", timeout_s=120)
     took = time.monotonic() - began
     _sluice("down", "platform-stuck", "--address", cluster)
-    assert result.returncode == 1 and took < 80, result.stderr
+    assert result.returncode == 1 and took < 60, result.stderr
     assert "deploy timed out" in result.stderr and "platform-stuck-llm/LLMReplica" in result.stderr
     # The router says in its replica log what it waits for, and deploy shows it.
     assert "platform-stuck-router/Router" in result.stderr
     assert "for a running replica of app 'platform-stuck-llm'" in result.stderr, result.stderr
+
+
+def test_a_deployment_serve_gives_up_on_ends_deploy_with_its_error(cluster: str, tmp_path: Path) -> None:
+    spec, _ = _spec(tmp_path, "failing", source=str(tmp_path / "no-such-model"))
+    result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", "400", timeout_s=500)
+    _sluice("down", "platform-failing", "--address", cluster)
+    assert result.returncode == 1 and "deploy failed: Serve gave up" in result.stderr, result.stderr
+    # The replica's own error (the model folder it could not find) and the tail of its log, not only Serve's summary.
+    assert "platform-failing-llm/LLMReplica" in result.stderr and "no-such-model" in result.stderr
+    assert "last lines of its replica log" in result.stderr
