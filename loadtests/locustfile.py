@@ -18,7 +18,7 @@ from locust import HttpUser, events, task
 from locust.runners import MasterRunner
 
 from loadtests.sse_timing import CSV_FIELDS, StreamRow, record_stream
-from loadtests.workloads import PromptMaker, Workload
+from loadtests.workloads import PromptMaker, Request, Workload
 
 SETTINGS = {
     "workload": os.environ.get("SLUICE_LOAD_WORKLOAD", "short_long"),
@@ -50,6 +50,7 @@ def workload() -> Workload:
             burstiness=SETTINGS["burstiness"],
             duration_s=SETTINGS["duration_s"],
             seed=SETTINGS["seed"] + os.getpid(),
+            prefix_seed=SETTINGS["seed"],  # the system prompts every process of the campaign shares
         )
     return _workload
 
@@ -95,18 +96,21 @@ class StreamingUser(HttpUser):
         if self.conversation.turns_left <= 0:
             self.conversation = workload().new_conversation()
         request = workload().next_request(self.conversation)
-        _, text = self.stream(request.path, request.body, request.session, planned)
+        _, text = self.stream(request, planned)
         if workload().name == "multi_turn":
             self.conversation.messages.append({"role": "assistant", "content": text})
 
-    def stream(self, path: str, body: dict, session: str, planned: float | None) -> tuple[StreamRow, str]:
+    def stream(self, request: Request, planned: float | None) -> tuple[StreamRow, str]:
         headers = {"accept-encoding": "identity"}
-        if SETTINGS["session_header"]:  # empty: header-less traffic
-            headers[SETTINGS["session_header"]] = session
+        if SETTINGS["session_header"] and request.send_session:  # empty, or not sent: header-less traffic
+            headers[SETTINGS["session_header"]] = request.session
         # The request is built before the clock starts: TTFT counts the wire and the server, not JSON encoding.
-        prepared = self.http.prepare_request(requests.Request("POST", f"{self.host}{path}", json=body, headers=headers))
+        url = f"{self.host}{request.path}"
+        prepared = self.http.prepare_request(requests.Request("POST", url, json=request.body, headers=headers))
         sent = time.perf_counter()
-        row = StreamRow(SETTINGS["workload"], session, planned if planned is not None else sent, sent, worker=WORKER)
+        row = StreamRow(
+            SETTINGS["workload"], request.session, planned if planned is not None else sent, sent, worker=WORKER
+        )
         text = ""
         try:
             with self.http.send(prepared, stream=True, timeout=600) as response:
@@ -121,7 +125,7 @@ class StreamingUser(HttpUser):
         # Locust's own table counts each request with its TTFT (its default would be the time to the headers).
         events.request.fire(
             request_type="TTFT",
-            name=path,
+            name=request.path,
             response_time=(row.ttft_s or 0.0) * 1000,
             response_length=row.output_tokens,
             exception=None if row.ok else RuntimeError(f"{row.status} {row.reason or row.error}"),

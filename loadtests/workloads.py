@@ -1,8 +1,9 @@
 """The campaign workloads: what each simulated user sends, and when.
 
 `short_long`, `long_short`, `mixed` (closed loop), `bursts`, `step` (open loop), `multi_turn` (growing shared
-prefixes, one session header per conversation). Prompt lengths are exact in tokens of the served model's tokenizer.
-Each workload's shape: loadtests/README.md (workloads).
+prefixes, one session header per conversation), `shared_prefix` (a few long system prompts shared by every user, no
+session header) and `hot_prefix` (the same, one system prompt a session taking a third of the traffic). Prompt lengths
+are exact in tokens of the served model's tokenizer. Each workload's shape: loadtests/README.md (workloads).
 """
 
 from __future__ import annotations
@@ -15,11 +16,18 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-WORKLOADS = ("short_long", "long_short", "mixed", "bursts", "step", "multi_turn")
+WORKLOADS = ("short_long", "long_short", "mixed", "bursts", "step", "multi_turn", "shared_prefix", "hot_prefix")
 SHORT_PROMPT, LONG_DECODE = 16, 256
 LONG_PROMPT, SHORT_DECODE = 512, 8
 TURN_PROMPT, TURN_DECODE = 48, 32
 STEP_FACTORS = (1.0, 4.0, 1.0)
+# shared_prefix, hot_prefix: system prompt + question + answer stay well inside the tiny model's 1,024-token context,
+# and 384 is a whole number of 16- and 32-token KV blocks, so a perfect cache can hold every system-prompt token.
+SHARED_PREFIX_WORKLOADS = ("shared_prefix", "hot_prefix")
+SYSTEM_PROMPTS, SYSTEM_PROMPT_TOKENS = 4, 384
+QUESTION_PROMPT, ANSWER_DECODE = 32, 32
+# hot_prefix: the share of requests on the first system prompt, one session (the rest spread over the others).
+HOT_SHARE = 1 / 3
 
 
 class PromptMaker:
@@ -42,8 +50,10 @@ class PromptMaker:
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def prompt(self, tokens: int) -> str:
-        text = "".join(" " + self.random.choice(self.words) for _ in range(tokens))
+    def prompt(self, tokens: int, chooser: random.Random | None = None) -> str:
+        """`tokens` random words, drawn with `chooser` (default: this maker's own seeded generator)."""
+        chooser = chooser or self.random
+        text = "".join(" " + chooser.choice(self.words) for _ in range(tokens))
         if self.count(text) != tokens:
             raise ValueError(f"a {tokens}-token prompt encoded to {self.count(text)} tokens")
         return text
@@ -51,11 +61,18 @@ class PromptMaker:
 
 @dataclass
 class Request:
-    """One request a user sends: the OpenAI path and body, and the session it belongs to."""
+    """One request a user sends: the OpenAI path and body, and the session it belongs to (sent in the session header
+    unless `send_session` is off; the rows record it either way)."""
 
     path: str
     body: dict[str, Any]
     session: str
+    send_session: bool = True
+
+
+def system_prompt_key(session: str) -> str:
+    """The system prompt a `shared_prefix` or `hot_prefix` request used, from the session it was recorded under."""
+    return session.split("/", 1)[0]
 
 
 @dataclass
@@ -66,7 +83,11 @@ class Conversation:
 
 
 class Workload:
-    """Requests for one workload; `arrivals()` for open-loop workloads (planned offsets from the start, s)."""
+    """Requests for one workload; `arrivals()` for open-loop workloads (planned offsets from the start, s).
+
+    `seed` drives this process's choices and prompts; `prefix_seed` the shared system prompts, which every Locust
+    process of a campaign must draw alike (the campaign's seed: a new seed, new system prompts, so no campaign finds
+    the previous one's prompts in the replicas' prefix caches)."""
 
     def __init__(
         self,
@@ -78,12 +99,17 @@ class Workload:
         duration_s: float = 60.0,
         turns: int = 4,
         seed: int = 0,
+        system_prompts: int = SYSTEM_PROMPTS,
+        prefix_seed: int = 0,
     ) -> None:
         if name not in WORKLOADS:
             raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
+        if name == "hot_prefix" and system_prompts < 2:
+            raise ValueError("hot_prefix needs at least two system prompts: a hot one and the rest")
         self.name, self.model, self.prompts = name, model, prompts
         self.rate, self.burstiness, self.duration_s, self.turns = rate, burstiness, duration_s, turns
         self.random = random.Random(seed)
+        self.system_prompt_count, self.prefix_seed = system_prompts, prefix_seed
         self._sessions = 0
 
     @property
@@ -119,8 +145,40 @@ class Workload:
         }
         return Request("/v1/completions", body, self._session())
 
+    @cached_property
+    def system_prompts(self) -> list[str]:
+        chooser = random.Random(f"system-prompts-{self.prefix_seed}")
+        return [self.prompts.prompt(SYSTEM_PROMPT_TOKENS, chooser) for _ in range(self.system_prompt_count)]
+
+    def _shared_prefix(self) -> Request:
+        """A question under one of the shared system prompts: `shared_prefix` picks one uniformly and sends no
+        session header (a fresh session per request, named after its system prompt for the rows); `hot_prefix` sends
+        the system prompt's key as the session, the first one taking `HOT_SHARE` of the requests."""
+        hot = self.name == "hot_prefix"
+        if hot and self.random.random() < HOT_SHARE:
+            index = 0
+        else:
+            index = self.random.randrange(1 if hot else 0, len(self.system_prompts))
+        key = f"prompt{index}-seed{self.prefix_seed}"
+        body = {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": self.system_prompts[index]},
+                {"role": "user", "content": self.prompts.prompt(QUESTION_PROMPT)},
+            ],
+            "max_tokens": ANSWER_DECODE,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if hot:
+            return Request("/v1/chat/completions", body, key)
+        return Request("/v1/chat/completions", body, f"{key}/{self._session()}", send_session=False)
+
     def next_request(self, conversation: Conversation | None = None) -> Request:
         """The next request; a multi-turn user passes its conversation (updated here, one turn per call)."""
+        if self.name in SHARED_PREFIX_WORKLOADS:
+            return self._shared_prefix()
         if self.name == "multi_turn":
             assert conversation is not None
             conversation.messages.append({"role": "user", "content": self.prompts.prompt(TURN_PROMPT)})

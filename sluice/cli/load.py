@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from base.runtime import default_model_dir
+from loadtests.workloads import WORKLOADS
 from topologies import EMBEDDED_SPEC
 
 
@@ -82,7 +83,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def register(commands: Any) -> None:
     load = commands.add_parser("load", help="a Locust load campaign against a frontend (rows, summary, report)")
-    load.add_argument("workload", help="short_long, long_short, mixed, bursts, step, multi_turn, or the suite routing")
+    load.add_argument("workload", help=f"{', '.join(WORKLOADS)}, or the suite routing")
     load.add_argument("--target", help="the frontend's base URL, e.g. http://127.0.0.1:8000 (not for routing)")
     load.add_argument("--address", default="auto", help="routing: the Ray cluster to deploy the suite's stacks on")
     load.add_argument("--duration", type=float, default=60.0, help="seconds of load")

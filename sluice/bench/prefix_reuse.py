@@ -1,0 +1,194 @@
+"""The routing suite's prefix-reuse section: every policy on the same LLM replicas (only the router app is redeployed
+between policies), a `multi_turn` and a `shared_prefix` campaign each, and a `hot_prefix` campaign for the policies
+whose hot-session behaviour matters (sluice/bench/README.md, the routing suite).
+
+Per campaign: the prefix-cache hit rate from vLLM's own counters (read from every replica before and after), the
+ideal rate the workload allows (from the rows), TTFT p50 and p90, and each replica's in-flight requests over time
+(from the rows: send time, end-to-end latency, the replica that served). Each campaign has a seed of its own, so its
+prompts are new to the replicas' caches, which keep blocks from every earlier campaign.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtests.campaign import Campaign, run
+from loadtests.metrics import quantile
+from loadtests.report import prefix_cache_rates
+from loadtests.sse_timing import StreamRow
+from loadtests.workloads import SYSTEM_PROMPT_TOKENS, system_prompt_key
+
+PREFIX_WORKLOADS = ("multi_turn", "shared_prefix")
+HOT_WORKLOAD = "hot_prefix"
+# Closed-loop users per campaign: 2 per replica of 3 on this machine's 2 cores, as the suite's other campaigns.
+USERS = 6
+_PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} (\S+)$", re.M)
+
+
+def ideal_multi_turn_rate(rows: Sequence[StreamRow]) -> float:
+    """The prefix-cache hit rate a perfect cache allows: each turn may reuse the previous turn's prompt and answer."""
+    by_session: dict[str, list[StreamRow]] = {}
+    for row in sorted(rows, key=lambda r: r.sent_at):
+        if row.ok:
+            by_session.setdefault(row.session, []).append(row)
+    reusable = sum(
+        min(prev.prompt_tokens + prev.output_tokens, turn.prompt_tokens)
+        for turns in by_session.values()
+        for prev, turn in zip(turns, turns[1:], strict=False)
+    )
+    total = sum(row.prompt_tokens for turns in by_session.values() for row in turns)
+    return reusable / total if total else 0.0
+
+
+def ideal_shared_prefix_rate(rows: Sequence[StreamRow], system_prompt_tokens: int = SYSTEM_PROMPT_TOKENS) -> float:
+    """The hit rate of one perfect cache in front of every replica: each system prompt's first request misses, every
+    later one reuses the system prompt's tokens (`shared_prefix`, `hot_prefix`)."""
+    seen: set[str] = set()
+    reusable = total = 0
+    for row in sorted(rows, key=lambda r: r.sent_at):
+        if not row.ok:
+            continue
+        key = system_prompt_key(row.session)
+        reusable += min(system_prompt_tokens, row.prompt_tokens) if key in seen else 0
+        total += row.prompt_tokens
+        seen.add(key)
+    return reusable / total if total else 0.0
+
+
+IDEAL_RATES: dict[str, Callable[[Sequence[StreamRow]], float]] = {
+    "multi_turn": ideal_multi_turn_rate,
+    "shared_prefix": ideal_shared_prefix_rate,
+    HOT_WORKLOAD: ideal_shared_prefix_rate,
+}
+
+
+def in_flight(rows: Sequence[StreamRow], replicas: int) -> dict[str, Any]:
+    """Each replica's in-flight requests over the campaign (its ok rows, from the first send to the last end): the
+    peak per replica (`max`), the time average per replica (`mean`), the time average across all `replicas`
+    (`mean_all`: one that served nothing counts as idle), and the imbalance as the highest peak over `mean_all`
+    (`max_over_mean`) and the busiest replica's time average over `mean_all` (`busiest_over_mean`)."""
+    served = [r for r in rows if r.ok and r.replica and r.e2el_s is not None]
+    if not served:
+        return {"max": {}, "mean": {}, "mean_all": 0.0, "max_over_mean": 0.0, "busiest_over_mean": 0.0}
+    start = min(r.sent_at for r in served)
+    span = max(max(r.sent_at + (r.e2el_s or 0.0) for r in served) - start, 1e-9)
+    marks: dict[str, list[tuple[float, int]]] = {}
+    busy: dict[str, float] = {}
+    for row in served:
+        ended = row.sent_at + (row.e2el_s or 0.0)
+        marks.setdefault(row.replica, []).extend([(row.sent_at, 1), (ended, -1)])
+        busy[row.replica] = busy.get(row.replica, 0.0) + (row.e2el_s or 0.0)
+    peak: dict[str, int] = {}
+    for replica, steps in marks.items():
+        now = peak[replica] = 0
+        # At equal times an end (-1) sorts before a start (+1): back-to-back requests do not overlap.
+        for _, step in sorted(steps):
+            now += step
+            peak[replica] = max(peak[replica], now)
+    mean = {replica: seconds / span for replica, seconds in busy.items()}
+    mean_all = sum(busy.values()) / span / max(replicas, len(busy))
+    return {
+        "max": peak,
+        "mean": mean,
+        "mean_all": mean_all,
+        "max_over_mean": max(peak.values()) / mean_all,
+        "busiest_over_mean": max(mean.values()) / mean_all,
+    }
+
+
+def prefix_counters(plan: Any) -> tuple[float, float]:
+    """vLLM's prefix-cache hits and queries (tokens), summed over every replica of the plan's models."""
+    from services.serve_internals import list_replica_endpoints
+
+    hits = queries = 0.0
+    for model in plan.models:
+        for endpoint in asyncio.run(list_replica_endpoints(model.llm_app)):
+            text = httpx.get(f"{endpoint.url}/{model.llm_app}/metrics", timeout=30).text
+            for kind, value in _PREFIX.findall(text):
+                hits += float(value) if kind == "hits" else 0.0
+                queries += float(value) if kind == "queries" else 0.0
+    return hits, queries
+
+
+def campaign_rows(
+    plan: Any, workload: str, out: Path, tokenizer: Path, duration_s: float, seed: int
+) -> list[StreamRow]:
+    """One closed-loop campaign of `USERS` users against the plan's frontend; its rows."""
+    campaign = Campaign(
+        workload=workload, target=plan.url, out=out, tokenizer=tokenizer, duration_s=duration_s, users=USERS, seed=seed
+    )
+    run(campaign)
+    with (out / "rows.csv").open() as handle:
+        return [StreamRow.from_csv(row) for row in csv.DictReader(handle)]
+
+
+class PrefixReuse:
+    """The section's campaigns and figures; `measure` runs one policy's campaigns on the plan it is given."""
+
+    def __init__(self, out: Path, tokenizer: Path, duration_s: float, replicas: int, seed: int) -> None:
+        self.out, self.tokenizer, self.duration_s, self.replicas = out, tokenizer, duration_s, replicas
+        self.seed = seed
+        self.reuse: dict[str, dict[str, dict[str, Any]]] = {workload: {} for workload in PREFIX_WORKLOADS}
+        self.hot: dict[str, dict[str, Any]] = {}
+        self.rows: list[StreamRow] = []
+
+    def next_seed(self) -> int:
+        """A campaign's own seed, so its prompts are new to caches that hold every earlier campaign's blocks."""
+        self.seed += 1
+        return self.seed
+
+    def _campaign(self, plan: Any, workload: str, policy: str) -> dict[str, Any]:
+        before = prefix_counters(plan)
+        folder = self.out / f"{workload}-{policy}"
+        self.rows = campaign_rows(plan, workload, folder, self.tokenizer, self.duration_s, self.next_seed())
+        after = prefix_counters(plan)
+        queries = after[1] - before[1]
+        ttfts = [r.ttft_s * 1000 for r in self.rows if r.ok and r.ttft_s is not None]
+        return {
+            "requests": len(self.rows),
+            "ok": sum(r.ok for r in self.rows),
+            "hit_rate": (after[0] - before[0]) / queries if queries else 0.0,
+            "ideal_rate": IDEAL_RATES[workload](self.rows),
+            "ttft_p50_ms": quantile(ttfts, 0.5) if ttfts else None,
+            "ttft_p90_ms": quantile(ttfts, 0.9) if ttfts else None,
+            "in_flight": in_flight(self.rows, self.replicas),
+        }
+
+    def measure(self, plan: Any, policy: str, hot_session: bool) -> None:
+        """`policy`'s campaigns on `plan` (deployed with it): each prefix workload, then `hot_prefix` if asked."""
+        for workload in PREFIX_WORKLOADS:
+            self.reuse[workload][policy] = self._campaign(plan, workload, policy)
+        if hot_session:
+            self.hot[policy] = self._campaign(plan, HOT_WORKLOAD, policy)
+
+    def figures(self) -> dict[str, Any]:
+        """`prefix_reuse[workload][policy]`, `hot_session[policy]`, and the multi-turn hit and ideal rates per policy
+        under the suite's earlier keys."""
+        multi_turn = self.reuse["multi_turn"]
+        return {
+            "prefix_reuse": self.reuse,
+            "hot_session": self.hot,
+            "prefix_cache_hit_rate": {policy: found["hit_rate"] for policy, found in multi_turn.items()},
+            "prefix_cache_ideal_rate": {policy: found["ideal_rate"] for policy, found in multi_turn.items()},
+        }
+
+    def plots(self) -> list[Path]:
+        """The hit rate per policy against the ideal, one plot per workload (`prefix_cache.png`: multi_turn)."""
+        plots = []
+        for workload, by_policy in self.reuse.items():
+            rates = {policy: found["hit_rate"] for policy, found in by_policy.items()}
+            ideal = max(found["ideal_rate"] for found in by_policy.values())
+            # The plot function writes one fixed name: each workload's plot is drawn in a folder of its own first.
+            folder = self.out / f"plot-{workload}"
+            folder.mkdir(exist_ok=True)
+            name = "prefix_cache.png" if workload == "multi_turn" else f"prefix_cache_{workload}.png"
+            plots.append(prefix_cache_rates(rates, ideal, folder).rename(self.out / name))
+            folder.rmdir()
+        return plots

@@ -1,0 +1,68 @@
+"""The routing suite's prefix-reuse figures from hand-made rows: the ideal hit rates the workloads allow and each
+replica's in-flight requests over time."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtests.sse_timing import StreamRow
+from sluice.bench.prefix_reuse import ideal_multi_turn_rate, ideal_shared_prefix_rate, in_flight
+
+
+def _row(session: str, sent_at: float, e2el_s: float = 1.0, replica: str = "a", **fields: object) -> StreamRow:
+    row = StreamRow("test", session, sent_at, sent_at, status=200, e2el_s=e2el_s, replica=replica)
+    for name, value in fields.items():
+        setattr(row, name, value)
+    return row
+
+
+def test_a_perfect_shared_cache_misses_each_system_prompt_once_and_then_reuses_its_tokens() -> None:
+    rows = [
+        _row("prompt0-seed1/b", 2.0, prompt_tokens=440),
+        _row("prompt0-seed1/a", 1.0, prompt_tokens=440),  # the first use, though listed second
+        _row("prompt1-seed1/c", 3.0, prompt_tokens=440),
+        _row("prompt0-seed1/d", 4.0, prompt_tokens=440),
+        _row("prompt1-seed1/e", 5.0, prompt_tokens=440, status=503),  # failed: neither a use nor a reuse
+    ]
+    assert ideal_shared_prefix_rate(rows, system_prompt_tokens=384) == pytest.approx(2 * 384 / (4 * 440))
+    assert ideal_shared_prefix_rate([]) == 0.0
+
+
+def test_the_hot_prefix_session_is_its_system_prompts_key() -> None:
+    rows = [_row("prompt0-seed1", float(at), prompt_tokens=400) for at in range(4)]
+    assert ideal_shared_prefix_rate(rows, system_prompt_tokens=384) == pytest.approx(3 * 384 / 1600)
+
+
+def test_a_turn_may_reuse_the_previous_turns_prompt_and_answer() -> None:
+    rows = [
+        _row("s", 1.0, prompt_tokens=50, output_tokens=30),
+        _row("s", 2.0, prompt_tokens=130, output_tokens=30),
+        _row("t", 1.5, prompt_tokens=50, output_tokens=30),
+    ]
+    assert ideal_multi_turn_rate(rows) == pytest.approx(80 / 230)
+
+
+def test_in_flight_peaks_and_time_averages_per_replica_with_idle_replicas_counted() -> None:
+    rows = [
+        _row("1", 0.0, 2.0, "a"),
+        _row("2", 1.0, 2.0, "a"),
+        _row("3", 3.0, 1.0, "a"),  # starts as request 2 ends: not concurrent with it
+        _row("4", 0.0, 4.0, "b"),
+        _row("5", 0.5, 9.0, "b", status=503),  # failed: no load counted
+    ]
+    found = in_flight(rows, replicas=3)
+    assert found["max"] == {"a": 2, "b": 1}
+    assert found["mean"] == pytest.approx({"a": 5 / 4, "b": 1.0})
+    assert found["mean_all"] == pytest.approx(9 / 4 / 3)  # the third replica served nothing
+    assert found["max_over_mean"] == pytest.approx(2 / 0.75)
+    assert found["busiest_over_mean"] == pytest.approx(1.25 / 0.75)
+
+
+def test_perfectly_spread_load_has_a_ratio_of_one() -> None:
+    rows = [_row(str(i), float(i // 3), 1.0, "abc"[i % 3]) for i in range(30)]
+    found = in_flight(rows, replicas=3)
+    assert found["max_over_mean"] == pytest.approx(1.0) and found["busiest_over_mean"] == pytest.approx(1.0)
+
+
+def test_no_served_rows_give_zero_load() -> None:
+    assert in_flight([_row("1", 0.0, status=503)], replicas=3)["max_over_mean"] == 0.0
