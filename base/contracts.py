@@ -113,6 +113,8 @@ CANARY_CRITERIA = ("ratio_503", "ttft_p99_s", "stream_error_ratio", "replica_imb
 
 # Replica defaults.
 HEALTH_PATH = "/-/healthz"
+# Where a replica (under its app's route prefix) says where its engine publishes KV events (`KVEventSources`).
+KV_EVENTS_PATH = "/internal/kv-events"
 DEFAULT_BIND_HOST = "127.0.0.1"
 DEFAULT_MAX_ONGOING_REQUESTS = 32
 DEFAULT_DRAIN_GRACE_S = 30.0

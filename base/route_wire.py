@@ -1,5 +1,6 @@
 """Wire formats between the frontend and the router service: the route reply and refusal, and the membership a
-frontend publishes (docs/design.md §3). The Lua action reads the reply's fields as rendered from these models.
+frontend publishes (docs/design.md §3); and what a replica tells routers of its KV events (`KVEventSources`). The
+Lua action reads the reply's fields as rendered from these models.
 """
 
 from __future__ import annotations
@@ -57,3 +58,23 @@ class Membership(BaseModel):
 
     frontend: str
     replica_ids: list[str]
+
+
+class KVEventSource(BaseModel):
+    """One engine rank's vLLM KV event publisher: its ZMQ PUB endpoint, its replay (ROUTER) endpoint, its topic."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class KVEventSources(BaseModel):
+    """A replica's answer at `KV_EVENTS_PATH`: its engine's KV block size and a publisher per engine rank (none when
+    its KV events are off)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int
+    sources: dict[int, KVEventSource] = {}

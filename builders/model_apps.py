@@ -15,7 +15,7 @@ import json
 from builders.plan_types import PlannedModel, ServeApp, import_path, model_path
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import replica_backend, router_backend
-from routers.registry import policy_entry
+from routers.registry import handle_policy, policy_entry
 from services.legacy.ingress import LegacyIngressSettings, build_legacy_ingress_application
 from services.replica.llm_config import (
     DataParallelEngine,
@@ -38,13 +38,18 @@ from topologies.spec import (
 )
 
 ModelApps = tuple[list[ServeApp], AppRoute, PlannedModel]
+# vLLM binds this publisher endpoint to the node's address (`VLLM_HOST_IP`, set by the replica) at a port the OS
+# picks, not to every interface as `*` elsewhere would.
+KV_EVENTS_ANY_PORT = "tcp://*:0"
 
 
 def _deployment(scaling: Scaling, routing: Routing, gang_size: int | None = None) -> ReplicaDeploymentConfig:
-    """The LLM deployment's Serve options; the legacy ingress's handle calls route with the model's policy too."""
+    """The LLM deployment's Serve options; the legacy ingress's handle calls route with the model's policy too (one
+    that reads the prompt routes them by load: `routers.registry.handle_policy`)."""
+    policy, kwargs = handle_policy(routing.policy, routing.policy_kwargs)
     return ReplicaDeploymentConfig(
-        handle_policy=routing.policy,
-        handle_policy_kwargs=routing.policy_kwargs,
+        handle_policy=policy,
+        handle_policy_kwargs=kwargs,
         num_replicas=scaling.fixed_replicas,
         autoscaling=scaling.autoscaling.model_dump() if scaling.autoscaling else None,
         max_ongoing_requests=scaling.max_ongoing_requests,
@@ -118,10 +123,31 @@ def _planned(
     )
 
 
+def kv_events_config() -> str:
+    """vLLM's `--kv-events-config`: ZMQ publishers on this node's address (`VLLM_HOST_IP`) at ports the OS picks,
+    with a replay socket; the replica tells routers where (`KV_EVENTS_PATH`)."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": KV_EVENTS_ANY_PORT,
+        "replay_endpoint": KV_EVENTS_ANY_PORT,
+    }
+    return json.dumps(config, separators=(",", ":"), sort_keys=True)
+
+
+def _with_kv_events(engine: EngineConfig, routing: Routing) -> EngineConfig:
+    if not routing.publishes_kv_events:
+        return engine
+    return engine.model_copy(update={"extra_args": {**engine.extra_args, "kv_events_config": kv_events_config()}})
+
+
 def _router_settings(
-    llm_app: str, scaling: Scaling, routing: Routing, staging: bool, **extra: object
+    llm_app: str, model: ModelBase, scaling: Scaling, routing: Routing, staging: bool, **extra: object
 ) -> RouterSettings:
+    needs_prompt = policy_entry(routing.policy).needs_prompt
     return RouterSettings(
+        model_path=model_path(model.source) if needs_prompt else None,
+        target_route_prefix=f"/{llm_app}",
         fault_injection=staging,
         target_app=llm_app,
         target_capacity=scaling.max_ongoing_requests,
@@ -136,7 +162,7 @@ def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str
     """A model's LLM app and router app (data parallel when the model says so)."""
     llm_app, router_app, legacy_app = f"{stem}-llm", f"{stem}-router", f"{stem}-legacy"
     routing = spec.routing.overridden(model.routing)
-    engine = model.engine_config(model_path(model.source), gpus=model.resources.gpus > 0)
+    engine = _with_kv_events(model.engine_config(model_path(model.source), gpus=model.resources.gpus > 0), routing)
     data_parallel = None
     gang_size = None
     in_engine_ranks = 1
@@ -164,7 +190,7 @@ def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str
         _llm_serve_app(llm_app, llm),
         _router_serve_app(
             router_app,
-            _router_settings(llm_app, model, routing, spec.staging, data_parallel_size=in_engine_ranks),
+            _router_settings(llm_app, model, model, routing, spec.staging, data_parallel_size=in_engine_ranks),
             spec.frontend.routers,
         ),
     ]
@@ -205,7 +231,7 @@ def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeM
         prefill_decode=PrefillDecodeRole(role="prefill"),
     )
     decode = LLMAppConfig(
-        engine=_role_engine(model, "decode"),
+        engine=_with_kv_events(_role_engine(model, "decode"), decode_routing),
         deployment=_deployment(model.decode, decode_routing),
         prefill_decode=PrefillDecodeRole(
             role="decode",
@@ -221,7 +247,7 @@ def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeM
         policy=prefill_routing.policy,
         policy_kwargs=prefill_routing.policy_kwargs,
     )
-    router = _router_settings(decode_app, model.decode, decode_routing, spec.staging, prefill=target)
+    router = _router_settings(decode_app, model, model.decode, decode_routing, spec.staging, prefill=target)
     planned = _planned(
         spec,
         index,

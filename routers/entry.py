@@ -37,6 +37,8 @@ class PolicyContext:
     app: str = ""
     deployment: str = ""
     ledger: LedgerClient | None = None
+    # The served model's prompt tokens of a forwarded body (`routers.prompt_tokens`), for a policy that needs them.
+    tokenize: Callable[[bytes], list[int] | None] | None = None
 
 
 def _reads_no_body(settings: Any) -> tuple[str, str] | None:
@@ -60,10 +62,23 @@ class PolicyEntry:
     # policy cannot be built without a ledger (`build_stateless_policy` refuses it).
     needs_ledger: bool = False
     # May choose the prefill replica of a prefill/decode model. A policy with capacity tokens may not: a token is
-    # released by the replica it was taken for, and the decode replica's prefill call carries none.
+    # released by the replica it was taken for, and the decode replica's prefill call carries none. Nor may one fed
+    # by KV events: the router follows the decode replicas' events only.
     prefill_side: bool = True
     # (kwarg, what it reads) when these settings read the forwarded request body (the app must set forward_body).
     body_use: Callable[[Any], tuple[str, str] | None] = _reads_no_body
+    # Reads the prompt's tokens: the router loads the served model's tokenizer and chat template (`PolicyContext`).
+    # The handle path (the legacy ingress's calls) has no prompt to give it: it routes by `HANDLE_POLICY` instead.
+    needs_prompt: bool = False
+    # Scores replicas by their engines' KV events: the replicas publish them (vLLM's `--kv-events-config`).
+    kv_events: bool = False
+
+    @property
+    def prefill_refusal(self) -> str:
+        """Why this policy may not choose the prefill replica (for a policy that may not)."""
+        if self.needs_ledger:
+            return "the prefill side takes no capacity tokens (the decode replica calls it)"
+        return f"the prefill side cannot run {self.name} (the router follows the decode replicas' KV events only)"
 
     def __post_init__(self) -> None:
         if not NAME_PATTERN.match(self.name):

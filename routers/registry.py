@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
 
-from routers import capacity_queue, consistent_hash, power_of_two, round_robin
+from routers import capacity_queue, consistent_hash, kv_aware, power_of_two, round_robin
 from routers.core import RoutingPolicy
 from routers.entry import PolicyContext, PolicyEntry, PolicySettings
 
@@ -21,10 +21,13 @@ BUILT_IN: tuple[PolicyEntry, ...] = (
     power_of_two.ENTRY,
     consistent_hash.ENTRY,
     capacity_queue.ENTRY,
+    kv_aware.ENTRY,
 )
 # A stack's (and a router's) policy when none is set, and the prefill side's of prefill/decode.
 DEFAULT_POLICY = round_robin.NAME
 DEFAULT_PREFILL_POLICY = power_of_two.NAME
+# Where a policy that reads the prompt cannot run (DeploymentHandle calls carry no body to tokenize): by load.
+HANDLE_POLICY_WITHOUT_PROMPT = power_of_two.NAME
 
 _ENTRIES: dict[str, PolicyEntry] = {}
 
@@ -88,6 +91,13 @@ def build_policy(policy: str, kwargs: dict[str, Any], context: PolicyContext | N
     """The pure-core policy `policy` with `kwargs`, for the app and deployment of `context`."""
     settings = validate_settings(policy, kwargs)
     return policy_entry(policy).build(settings, context or PolicyContext())
+
+
+def handle_policy(policy: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The policy (and kwargs) DeploymentHandle calls to a deployment routed by `policy` use."""
+    if policy_entry(policy).needs_prompt:
+        return HANDLE_POLICY_WITHOUT_PROMPT, {}
+    return policy, kwargs
 
 
 def build_stateless_policy(policy: str, kwargs: dict[str, Any]) -> RoutingPolicy:

@@ -104,11 +104,18 @@ class Routing(Section):
     forward_body: bool = False
     body_buffer_bytes: int = Field(BODY_BUFFER_BYTES_DEFAULT, ge=1024, le=64 * 1024 * 1024)
     route_timeout_s: float = Field(ROUTE_TIMEOUT_S_DEFAULT, gt=0, le=60)
+    # The replicas publish vLLM's KV events: None, when the policy scores by them (kv_aware); true keeps them on
+    # under any policy (comparing policies on the same replicas), false turns them off (kv_aware then approximates).
+    kv_events: bool | None = None
 
     @field_validator("session_header")
     @classmethod
     def _session_header(cls, value: str) -> str:
         return session_header_name(value)
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.kv_events if self.kv_events is not None else policy_entry(self.policy).kv_events
 
     def overridden(self, override: RoutingOverride | None) -> Routing:
         """This routing with a model's overrides applied (a new policy starts from empty kwargs)."""

@@ -183,12 +183,12 @@ def _cross_field_problems(spec: StackBase) -> list[SpecProblem]:
             )
         if isinstance(model, PrefillDecodeModel):
             prefill_routing = spec.routing.overridden(model.routing).overridden(model.prefill.routing)
-            if not policy_entry(prefill_routing.policy).prefill_side:
+            prefill_entry = policy_entry(prefill_routing.policy)
+            if not prefill_entry.prefill_side:
                 problems.append(
                     SpecProblem(
                         f"models[{i}].prefill.routing.policy",
-                        "the prefill side takes no capacity tokens (the decode replica calls it): "
-                        f"set {prefill_policy_choices()}",
+                        f"{prefill_entry.prefill_refusal}: set {prefill_policy_choices()}",
                     )
                 )
     for path, routing in _routings(spec):

@@ -13,9 +13,12 @@ from typing import Any
 
 import httpx
 import ray
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
+from base.contracts import KV_EVENTS_PATH
+from base.route_wire import KVEventSource, KVEventSources
 from base.runtime import free_port
 from routers.ledger_actor import ledger_actor_name
 from services.replica.asgi_call import ResponseStart, stream_asgi
@@ -52,6 +55,7 @@ class LLMReplica:
         self._args = parse_engine_args(engine)
         self._engine = start_engine(self._args)
         self._app = await build_openai_app(self._serving_engine(), self._args)
+        self._app.add_api_route(KV_EVENTS_PATH, self.kv_event_sources, methods=["GET"])
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
         # outermost: the headers stamp, then the capacity release, then the remote prefill, then vLLM's.
         self._app.middleware_stack = None
@@ -94,6 +98,16 @@ class LLMReplica:
 
     async def __serve_build_asgi_app__(self) -> Any:
         return self._app
+
+    async def kv_event_sources(self) -> JSONResponse:
+        """Where this replica's engine ranks publish KV events (none when `--kv-events-config` is not set)."""
+        sources = {
+            rank: KVEventSource(endpoint=config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic)
+            for rank, config in self._engine.get_kv_event_sources().items()
+            if config.publisher == "zmq"
+        }
+        block_size = self._engine.vllm_config.cache_config.block_size
+        return JSONResponse(KVEventSources(block_size=block_size, sources=sources).model_dump(mode="json"))
 
     async def check_health(self) -> None:
         await self._engine.check_health()

@@ -9,7 +9,9 @@ Serve's endpoint list, narrowed per frontend. What it talks to, and why each int
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,13 +38,17 @@ from base.route_wire import Membership, RouteRefusal, RouteReply
 from infra.observability.targets import METRICS_PATH
 from routers.capacity_queue import CapacityQueue
 from routers.core import Decision, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
+from routers.kv_aware import KVAware
 from routers.metrics import LEDGER_METRICS
+from services.router.kv_subscriber import KVEventSubscriber
 from services.router.live_replicas import LiveReplicas
 from services.router.membership import FrontendMembership
 from services.router.route_listener import ROUTE_LISTENER_PATH, RouteListener
 from services.router.route_request import route_request_from
 from services.router.settings import RouterAppArgs, RouterSettings, build_policy, build_prefill_policy
-from services.serve_internals import list_replica_endpoints, with_rollout_version
+from services.serve_internals import REPLICA_LOGGER, list_replica_endpoints, with_rollout_version
+
+logger = logging.getLogger(REPLICA_LOGGER)
 
 ROUTER_DEPLOYMENT_NAME = "Router"
 # Serve counts route calls against this. A decision takes about a millisecond, but a call of a capacity-metered
@@ -204,11 +210,18 @@ def build_router_app(
 class RouterReplica:
     async def __init__(self, settings: dict[str, Any]) -> None:
         self._settings = RouterSettings.model_validate(settings)
-        policy = build_policy(self._settings)
+        self._policy = policy = build_policy(self._settings)
         self._replicas = self._live_replicas(
             self._settings.target_app, self._settings.target_capacity, self._settings.data_parallel_size
         )
         await self._replicas.start()
+        self._kv_events: KVEventSubscriber | None = None
+        if isinstance(policy, KVAware):
+            self._kv_events = KVEventSubscriber(
+                policy, self._settings.target_route_prefix, self._settings.data_parallel_size
+            )
+            await self._kv_events.sync(self._replicas.views())
+            self._kv_sync = asyncio.get_running_loop().create_task(self._follow_kv_events(self._kv_events))
         prefill = None
         if self._settings.prefill is not None:
             side = self._settings.prefill
@@ -227,17 +240,33 @@ class RouterReplica:
             lambda: list_replica_endpoints(app), capacity, self._settings.refresh_interval_s, ranks, what
         )
 
+    async def _follow_kv_events(self, subscriber: KVEventSubscriber) -> None:
+        while True:
+            await asyncio.sleep(self._settings.refresh_interval_s)
+            try:
+                await subscriber.sync(self._replicas.views())
+            except Exception:
+                logger.exception("following the replicas' KV events failed; trying again")
+
     async def __serve_build_asgi_app__(self) -> FastAPI:
         return self._app
 
     async def describe(self) -> dict[str, Any]:
-        """The policy this router runs (`sluice status` reports it, not the spec file's)."""
+        """The policy this router runs (`sluice status` reports it, not the spec file's), and for a policy fed by KV
+        events where each replica's scores come from (`events`, `approximate`, `lost`) and its indexed blocks."""
         prefill = self._settings.prefill
-        return {
+        described: dict[str, Any] = {
             "policy": self._settings.policy,
             "policy_kwargs": self._settings.policy_kwargs,
             "prefill_policy": prefill.policy if prefill is not None else None,
         }
+        if isinstance(self._policy, KVAware):
+            described["kv_events"] = {
+                view_id: {"source": str(source), "blocks": self._policy.index.blocks(view_id)}
+                for view_id, source in sorted(self._policy.sources.items())
+            }
+            described["decisions"] = dict(self._policy.counts.decisions)
+        return described
 
     def __del__(self) -> None:
         listener = getattr(self, "_listener", None)

@@ -61,7 +61,7 @@ class PrefillTarget(PolicyChoice):
     def _prefill_side(cls, value: str) -> str:
         # An unknown name is left to `_policy_kwargs`, which names the known ones.
         if value in policy_names() and not policy_entry(value).prefill_side:
-            raise ValueError(f"the prefill side takes no capacity tokens: choose {prefill_policy_choices()}")
+            raise ValueError(f"{policy_entry(value).prefill_refusal}: choose {prefill_policy_choices()}")
         return value
 
 
@@ -82,6 +82,10 @@ class RouterSettings(PolicyChoice):
     data_parallel_size: int = Field(1, ge=1)
     # Staging stacks only: `POST <prefix>/internal/fault {"seconds": s}` makes every route call fail for s seconds.
     fault_injection: bool = False
+    # The served model's files (its tokenizer and chat template), for a policy that reads the prompt's tokens.
+    model_path: str | None = None
+    # The target app's route prefix: where its replicas answer `KV_EVENTS_PATH` (a policy fed by KV events).
+    target_route_prefix: str = ""
 
     @field_validator("session_header")
     @classmethod
@@ -89,6 +93,12 @@ class RouterSettings(PolicyChoice):
         if not re.fullmatch(r"[A-Za-z0-9-]+", value):
             raise ValueError(f"invalid header name {value!r}")
         return value.lower()
+
+    @model_validator(mode="after")
+    def _prompt_source(self) -> RouterSettings:
+        if policy_entry(self.policy).needs_prompt and self.model_path is None:
+            raise ValueError(f"{self.policy} reads the prompt's tokens: give model_path (the served model's files)")
+        return self
 
 
 class RouterAppArgs(BaseModel):
@@ -105,7 +115,14 @@ class RouterAppArgs(BaseModel):
 def build_policy(settings: RouterSettings, ledger: LedgerClient | None = None) -> RoutingPolicy:
     """The policy the settings name. One that needs a capacity ledger uses `ledger`, else the target deployment's
     ledger actor."""
-    context = PolicyContext(app=settings.target_app, deployment=settings.target_deployment, ledger=ledger)
+    tokenize = None
+    if policy_entry(settings.policy).needs_prompt and settings.model_path is not None:
+        from routers.prompt_tokens import PromptTokens
+
+        tokenize = PromptTokens(settings.model_path)
+    context = PolicyContext(
+        app=settings.target_app, deployment=settings.target_deployment, ledger=ledger, tokenize=tokenize
+    )
     policy = build_registered_policy(settings.policy, settings.policy_kwargs, context)
     policy.tracker = InFlightTracker(forget_after_s=settings.forget_after_s)
     return policy

@@ -11,7 +11,7 @@ def test_each_policy_is_named_by_its_adapter() -> None:
     config = request_router_config("consistent_hash", num_fallback_replicas=1, load_factor=1.5)
     assert config.request_router_kwargs == {"num_fallback_replicas": 1, "load_factor": 1.5}
     assert "ConsistentHashRequestRouter" in str(config.request_router_class)
-    assert set(ADAPTERS) == {"round_robin", "power_of_two", "consistent_hash", "capacity_queue"}
+    assert set(ADAPTERS) == {"round_robin", "power_of_two", "consistent_hash", "capacity_queue", "kv_aware"}
     assert ADAPTERS["consistent_hash"] is ConsistentHashRequestRouter
 
 

@@ -1,0 +1,73 @@
+"""vLLM's KV event batches, decoded and applied to a `KVBlockIndex`; and the sequence rule of one publisher's stream.
+
+vLLM's ZMQ publisher (`--kv-events-config`) sends each batch as (topic, 8-byte big-endian sequence number, msgpack
+`KVEventBatch`): `[ts, [event, ...], data_parallel_rank]`, each event a map tagged `type`: `BlockStored` (new
+blocks, their parent and tokens), `BlockRemoved` (evicted blocks) or `AllBlocksCleared`. Its replay socket resends
+the batches it still buffers from a given sequence number, ending with sequence -1. Numbers rise by one per batch;
+a jump means batches were lost (ask the replay socket); a number already applied (a replay overlapping the live
+stream) is skipped. An engine that restarts publishes on a new port: a new stream, announced anew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+from routers.kv_index import KVBlockIndex
+
+END_OF_REPLAY = -1
+
+
+def sequence_number(frame: bytes) -> int:
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def sequence_frame(number: int) -> bytes:
+    return number.to_bytes(8, "big", signed=True)
+
+
+def apply_batch(index: KVBlockIndex, replica_id: str, payload: bytes) -> int:
+    """Apply one encoded batch to the index as `replica_id`'s; returns how many events it held. A batch that does not
+    decode raises `ValueError` (the stream is then resynchronized)."""
+    try:
+        decoded: Any = msgspec.msgpack.decode(payload)
+        events = decoded[1]
+    except (msgspec.DecodeError, IndexError, TypeError, KeyError) as error:
+        raise ValueError(f"not a KV event batch: {error}") from None
+    for event in events:
+        if not isinstance(event, dict) or event.get("group_idx") not in (None, 0):
+            continue  # a second KV cache group (hybrid models) has blocks of its own kind; group 0 decides
+        kind = event.get("type")
+        if kind == "BlockStored":
+            index.stored(
+                replica_id, event["block_hashes"], event["parent_block_hash"], event["token_ids"], event["block_size"]
+            )
+        elif kind == "BlockRemoved":
+            index.removed(replica_id, event["block_hashes"])
+        elif kind == "AllBlocksCleared":
+            index.cleared(replica_id)
+    return len(events)
+
+
+class Step(StrEnum):
+    APPLY = "apply"  # the next batch
+    SKIP = "skip"  # already applied (seen in a replay)
+    GAP = "gap"  # batches were lost: replay from `StreamPosition.expected`
+
+
+@dataclass
+class StreamPosition:
+    """Where one publisher's stream is: the next sequence number expected (None before the first)."""
+
+    expected: int | None = None
+
+    def step(self, number: int) -> Step:
+        if self.expected is None or number == self.expected:
+            return Step.APPLY
+        return Step.GAP if number > self.expected else Step.SKIP
+
+    def applied(self, number: int) -> None:
+        self.expected = number + 1

@@ -1,0 +1,182 @@
+"""Every target replica's KV events into a `kv_aware` policy's index: one ZMQ subscription per engine rank.
+
+On each refresh of the replica set, a new replica is asked where it publishes (`KV_EVENTS_PATH` under its app's
+prefix, a `KVEventSources`); the router subscribes to each publisher, then asks its replay socket for every batch it
+still buffers, so a router that starts late, or reconnects, knows what the engine already holds. Batches apply in
+sequence order (`routers.kv_events.StreamPosition`); a gap is replayed. A replica that publishes nothing, or that
+cannot be asked, is scored by what this router sent it (`ReplicaEvents.APPROXIMATE`); one whose connection drops
+(it died, or its node did) is cleared and marked `LOST` at once, before Serve's replica list catches up. A replica
+that leaves the set is forgotten. Publishers are only ever connected to at the address the replica announced: its
+node's own address (loopback on one machine, the stack's private network across nodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import httpx
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from base.contracts import KV_EVENTS_PATH
+from base.route_wire import KVEventSource, KVEventSources, endpoint_id, replica_of
+from routers.core import ReplicaView
+from routers.kv_aware import KVAware, ReplicaEvents
+from routers.kv_events import END_OF_REPLAY, Step, StreamPosition, apply_batch, sequence_frame, sequence_number
+from services.serve_internals import REPLICA_LOGGER
+
+logger = logging.getLogger(REPLICA_LOGGER)
+
+# A replica that has not answered where it publishes is asked again this often (it may still be starting).
+ANNOUNCE_RETRY_S = 5.0
+# How long a replay may take before the stream goes on without it (what it missed stays unknown).
+REPLAY_TIMEOUT_S = 2.0
+# ZMTP heartbeats: a publisher whose node vanished (no TCP reset) is noticed as lost within this.
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 1500
+
+
+class KVEventSubscriber:
+    """Keeps `policy`'s index and per-replica sources current for the replica views it is given."""
+
+    def __init__(self, policy: KVAware, route_prefix: str, ranks: int = 1) -> None:
+        self.policy = policy
+        self._route_prefix = route_prefix
+        self._ranks = ranks
+        self._context = zmq.asyncio.Context()
+        self._client = httpx.AsyncClient(timeout=5.0)
+        self._streams: dict[str, list[asyncio.Task]] = {}
+        self._asked_at: dict[str, float] = {}
+        self.batches = 0
+
+    async def sync(self, views: Sequence[ReplicaView]) -> None:
+        """Subscribe to replicas new in `views`, drop those gone from it."""
+        by_replica: dict[str, str] = {replica_of(view.replica_id): view.endpoint for view in views}
+        for replica in [r for r in self._streams if r not in by_replica]:
+            self._drop(replica)
+        now = asyncio.get_running_loop().time()
+        for replica, url in by_replica.items():
+            if replica in self._streams or now - self._asked_at.get(replica, -ANNOUNCE_RETRY_S) < ANNOUNCE_RETRY_S:
+                continue
+            self._asked_at[replica] = now
+            await self._subscribe(replica, url)
+
+    def _view_id(self, replica: str, rank: int) -> str:
+        return endpoint_id(replica, rank if self._ranks > 1 else None)
+
+    def _view_ids(self, replica: str) -> list[str]:
+        return [self._view_id(replica, rank) for rank in range(self._ranks)]
+
+    async def _subscribe(self, replica: str, url: str) -> None:
+        try:
+            response = await self._client.get(f"{url}{self._route_prefix}{KV_EVENTS_PATH}")
+            response.raise_for_status()
+            announced = KVEventSources.model_validate_json(response.content)
+        except (httpx.HTTPError, ValueError) as error:
+            logger.warning("replica %s does not say where it publishes KV events (%s): approximate", replica, error)
+            for view_id in self._view_ids(replica):
+                self.policy.sources[view_id] = ReplicaEvents.APPROXIMATE
+            return
+        self.policy.block_size = announced.block_size
+        tasks = []
+        for rank in range(self._ranks):
+            view_id = self._view_id(replica, rank)
+            source = announced.sources.get(rank if self._ranks > 1 else min(announced.sources, default=0))
+            if source is None:
+                self.policy.sources[view_id] = ReplicaEvents.APPROXIMATE
+                continue
+            self.policy.sources[view_id] = ReplicaEvents.EVENTS
+            tasks.append(asyncio.get_running_loop().create_task(self._stream(view_id, source)))
+        self._streams[replica] = tasks
+        logger.info("replica %s: KV events from %s", replica, [s.endpoint for s in announced.sources.values()])
+
+    def _drop(self, replica: str) -> None:
+        for task in self._streams.pop(replica, []):
+            task.cancel()
+        self._asked_at.pop(replica, None)
+        for view_id in self._view_ids(replica):
+            self.policy.replica_left(view_id)
+
+    async def _stream(self, view_id: str, source: KVEventSource) -> None:
+        subscriber = self._context.socket(zmq.SUB)
+        subscriber.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        subscriber.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        subscriber.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        monitor = subscriber.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        subscriber.connect(source.endpoint)
+        position = StreamPosition()
+        poller = zmq.asyncio.Poller()
+        poller.register(subscriber, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        logger.warning("KV events of %s: publisher lost; its blocks are dropped", view_id)
+                        self.policy.index.cleared(view_id)
+                        self.policy.sources[view_id] = ReplicaEvents.LOST
+                        position = StreamPosition()
+                    elif event == zmq.EVENT_CONNECTED:
+                        self.policy.sources[view_id] = ReplicaEvents.EVENTS
+                        await self._replay(view_id, source, position, 0)
+                if subscriber in ready:
+                    _, number_frame, payload = await subscriber.recv_multipart()
+                    number = sequence_number(number_frame)
+                    step = position.step(number)
+                    if step == Step.GAP:
+                        await self._replay(view_id, source, position, position.expected or 0)
+                        step = position.step(number)
+                    if step != Step.SKIP:
+                        self._apply(view_id, payload, position, number)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("KV events of %s stopped; its blocks are dropped", view_id)
+            self.policy.index.cleared(view_id)
+            self.policy.sources[view_id] = ReplicaEvents.LOST
+        finally:
+            subscriber.disable_monitor()
+            monitor.close(linger=0)
+            subscriber.close(linger=0)
+
+    def _apply(self, view_id: str, payload: bytes, position: StreamPosition, number: int) -> None:
+        try:
+            apply_batch(self.policy.index, view_id, payload)
+        except ValueError:
+            logger.warning("KV events of %s: batch %d does not decode; its blocks are dropped", view_id, number)
+            self.policy.index.cleared(view_id)
+        position.applied(number)
+        self.batches += 1
+
+    async def _replay(self, view_id: str, source: KVEventSource, position: StreamPosition, start: int) -> None:
+        """Apply every buffered batch from `start` that the stream has not applied yet."""
+        if source.replay_endpoint is None:
+            return
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.connect(source.replay_endpoint)
+        try:
+            await dealer.send_multipart([b"", sequence_frame(start)])
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
+                _, _, number_frame, payload = frames
+                number = sequence_number(number_frame)
+                if number == END_OF_REPLAY:
+                    return
+                if position.step(number) != Step.SKIP:
+                    self._apply(view_id, payload, position, number)
+        except TimeoutError:
+            logger.warning("KV events of %s: replay from %d timed out; going on without it", view_id, start)
+        finally:
+            dealer.close(linger=0)
+
+    async def close(self) -> None:
+        for replica in list(self._streams):
+            self._drop(replica)
+        await self._client.aclose()
+        with contextlib.suppress(Exception):
+            self._context.term()
