@@ -103,18 +103,29 @@ def in_flight(rows: Sequence[StreamRow], replicas: int) -> dict[str, Any]:
     }
 
 
-def prefix_counters(plan: Any) -> tuple[float, float]:
-    """vLLM's prefix-cache hits and queries (tokens), summed over every replica of the plan's models."""
+def prefix_counters(plan: Any) -> dict[str, tuple[float, float]]:
+    """vLLM's prefix-cache hits and queries (tokens) per live replica of the plan's models."""
     from services.serve_internals import list_replica_endpoints
 
-    hits = queries = 0.0
+    counters: dict[str, tuple[float, float]] = {}
     for model in plan.models:
         for endpoint in asyncio.run(list_replica_endpoints(model.llm_app)):
             text = httpx.get(f"{endpoint.url}/{model.llm_app}/metrics", timeout=30).text
-            for kind, value in _PREFIX.findall(text):
-                hits += float(value) if kind == "hits" else 0.0
-                queries += float(value) if kind == "queries" else 0.0
-    return hits, queries
+            found = {"hits": 0.0, "queries": 0.0}
+            for kind, value in _PREFIX.findall(text):  # one series per engine
+                found[kind] += float(value)
+            counters[endpoint.replica_id] = (found["hits"], found["queries"])
+    return counters
+
+
+def hit_rate(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float:
+    """Hits / queries between two readings, over the replicas live at the second (one started since counts from 0,
+    one stopped since is left out: its last counts are unknown)."""
+    hits = queries = 0.0
+    for replica, (now_hits, now_queries) in after.items():
+        then_hits, then_queries = before.get(replica, (0.0, 0.0))
+        hits, queries = hits + now_hits - then_hits, queries + now_queries - then_queries
+    return hits / queries if queries else 0.0
 
 
 def campaign_rows(
@@ -149,12 +160,11 @@ class PrefixReuse:
         folder = self.out / f"{workload}-{policy}"
         self.rows = campaign_rows(plan, workload, folder, self.tokenizer, self.duration_s, self.next_seed())
         after = prefix_counters(plan)
-        queries = after[1] - before[1]
         ttfts = [r.ttft_s * 1000 for r in self.rows if r.ok and r.ttft_s is not None]
         return {
             "requests": len(self.rows),
             "ok": sum(r.ok for r in self.rows),
-            "hit_rate": (after[0] - before[0]) / queries if queries else 0.0,
+            "hit_rate": hit_rate(before, after),
             "ideal_rate": IDEAL_RATES[workload](self.rows),
             "ttft_p50_ms": quantile(ttfts, 0.5) if ttfts else None,
             "ttft_p90_ms": quantile(ttfts, 0.9) if ttfts else None,

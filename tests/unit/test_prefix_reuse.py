@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loadtests.sse_timing import StreamRow
-from sluice.bench.prefix_reuse import ideal_multi_turn_rate, ideal_shared_prefix_rate, in_flight
+from sluice.bench.prefix_reuse import hit_rate, ideal_multi_turn_rate, ideal_shared_prefix_rate, in_flight
 
 
 def _row(session: str, sent_at: float, e2el_s: float = 1.0, replica: str = "a", **fields: object) -> StreamRow:
@@ -66,3 +66,10 @@ def test_perfectly_spread_load_has_a_ratio_of_one() -> None:
 
 def test_no_served_rows_give_zero_load() -> None:
     assert in_flight([_row("1", 0.0, status=503)], replicas=3)["max_over_mean"] == 0.0
+
+
+def test_the_hit_rate_counts_replicas_started_between_readings_from_zero_and_leaves_out_stopped_ones() -> None:
+    before = {"kept": (100.0, 400.0), "stopped": (50.0, 60.0)}
+    after = {"kept": (160.0, 500.0), "started": (30.0, 100.0)}
+    assert hit_rate(before, after) == pytest.approx((60 + 30) / (100 + 100))
+    assert hit_rate(before, before) == 0.0
