@@ -172,7 +172,12 @@ def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str
         engine = engine.model_copy(update={"extra_args": extra})
         gang_size = data_parallel.size if data_parallel.mode == "ranks" else None
         in_engine_ranks = data_parallel.size if data_parallel.mode == "in_engine" else 1
-    llm = LLMAppConfig(engine=engine, deployment=_deployment(model, routing, gang_size), data_parallel=data_parallel)
+    llm = LLMAppConfig(
+        engine=engine,
+        deployment=_deployment(model, routing, gang_size),
+        data_parallel=data_parallel,
+        fault_injection=spec.staging,
+    )
     planned = _planned(
         spec,
         index,

@@ -204,6 +204,10 @@ class LLMAppConfig(BaseModel):
         ),
     )
 
+    # Staging stacks only: `POST <prefix>/internal/fault {"kv_events": "off"}` makes the replica announce no KV event
+    # publisher (routers then score it by what they sent it), `"on"` undoes it.
+    fault_injection: bool = False
+
     @model_validator(mode="after")
     def _stand_in_alone(self) -> LLMAppConfig:
         # A decode replica needs the prefill replica's KV transfer parameters, which no stand-in produces.

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import ray
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
-from base.contracts import KV_EVENTS_PATH
+from base.contracts import FAULT_PATH, KV_EVENTS_PATH
 from base.route_wire import KVEventSource, KVEventSources
 from base.runtime import free_port
 from routers.ledger_actor import ledger_actor_name
@@ -29,6 +30,10 @@ from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
 from services.replica.rank_gang import RankGang
 from services.replica.vllm_app import build_openai_app, parse_engine_args, start_engine
 from services.serve_internals import with_rollout_version
+
+
+class ReplicaFault(BaseModel):
+    kv_events: Literal["on", "off"]
 
 
 @serve.ingress()
@@ -55,7 +60,10 @@ class LLMReplica:
         self._args = parse_engine_args(engine)
         self._engine = start_engine(self._args)
         self._app = await build_openai_app(self._serving_engine(), self._args)
+        self._kv_events_off = False
         self._app.add_api_route(KV_EVENTS_PATH, self.kv_event_sources, methods=["GET"])
+        if self._config.fault_injection:
+            self._app.add_api_route(FAULT_PATH, self.inject_fault, methods=["POST"], status_code=204)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
         # outermost: the headers stamp, then the capacity release, then the remote prefill, then vLLM's.
         self._app.middleware_stack = None
@@ -99,12 +107,16 @@ class LLMReplica:
     async def __serve_build_asgi_app__(self) -> Any:
         return self._app
 
+    async def inject_fault(self, fault: ReplicaFault) -> None:
+        """Staging only: announce no KV event publisher (`"off"`), or the engine's again (`"on"`)."""
+        self._kv_events_off = fault.kv_events == "off"
+
     async def kv_event_sources(self) -> JSONResponse:
         """Where this replica's engine ranks publish KV events (none when `--kv-events-config` is not set)."""
         sources = {
             rank: KVEventSource(endpoint=config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic)
             for rank, config in self._engine.get_kv_event_sources().items()
-            if config.publisher == "zmq"
+            if config.publisher == "zmq" and not self._kv_events_off
         }
         block_size = self._engine.vllm_config.cache_config.block_size
         return JSONResponse(KVEventSources(block_size=block_size, sources=sources).model_dump(mode="json"))

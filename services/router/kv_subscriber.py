@@ -31,8 +31,9 @@ from services.serve_internals import REPLICA_LOGGER
 
 logger = logging.getLogger(REPLICA_LOGGER)
 
-# A replica that has not answered where it publishes is asked again this often (it may still be starting).
-ANNOUNCE_RETRY_S = 5.0
+# Each replica is asked again this often where it publishes: one whose events were turned off (or on), or whose
+# engine restarted on other ports, is followed anew; one that did not answer is tried again.
+ANNOUNCE_REFRESH_S = 5.0
 # How long a replay may take before the stream goes on without it (what it missed stays unknown).
 REPLAY_TIMEOUT_S = 2.0
 # ZMTP heartbeats: a publisher whose node vanished (no TCP reset) is noticed as lost within this.
@@ -48,7 +49,8 @@ class KVEventSubscriber:
         self._ranks = ranks
         self._context = zmq.asyncio.Context()
         self._client = httpx.AsyncClient(timeout=5.0)
-        self._streams: dict[str, list[asyncio.Task]] = {}
+        # Per replica: what it announced last, and a stream task per publisher.
+        self._streams: dict[str, tuple[KVEventSources | None, list[asyncio.Task]]] = {}
         self._asked_at: dict[str, float] = {}
         self.batches = 0
 
@@ -59,10 +61,9 @@ class KVEventSubscriber:
             self._drop(replica)
         now = asyncio.get_running_loop().time()
         for replica, url in by_replica.items():
-            if replica in self._streams or now - self._asked_at.get(replica, -ANNOUNCE_RETRY_S) < ANNOUNCE_RETRY_S:
-                continue
-            self._asked_at[replica] = now
-            await self._subscribe(replica, url)
+            if now - self._asked_at.get(replica, -ANNOUNCE_REFRESH_S) >= ANNOUNCE_REFRESH_S:
+                self._asked_at[replica] = now
+                await self._follow(replica, url)
 
     def _view_id(self, replica: str, rank: int) -> str:
         return endpoint_id(replica, rank if self._ranks > 1 else None)
@@ -70,17 +71,27 @@ class KVEventSubscriber:
     def _view_ids(self, replica: str) -> list[str]:
         return [self._view_id(replica, rank) for rank in range(self._ranks)]
 
-    async def _subscribe(self, replica: str, url: str) -> None:
+    async def _follow(self, replica: str, url: str) -> None:
+        """Ask the replica where it publishes; (re)subscribe when that changed."""
         try:
             response = await self._client.get(f"{url}{self._route_prefix}{KV_EVENTS_PATH}")
             response.raise_for_status()
-            announced = KVEventSources.model_validate_json(response.content)
+            announced: KVEventSources | None = KVEventSources.model_validate_json(response.content)
         except (httpx.HTTPError, ValueError) as error:
-            logger.warning("replica %s does not say where it publishes KV events (%s): approximate", replica, error)
+            if replica not in self._streams:
+                logger.warning("replica %s does not say where it publishes KV events (%s)", replica, error)
+            announced = None
+        if replica in self._streams and self._streams[replica][0] == announced:
+            return
+        self._stop(replica)
+        if announced is not None:
+            self.policy.block_size = announced.block_size
+        if announced is None or not announced.sources:
+            logger.info("replica %s publishes no KV events: scored by what this router sent it", replica)
             for view_id in self._view_ids(replica):
                 self.policy.sources[view_id] = ReplicaEvents.APPROXIMATE
+            self._streams[replica] = (announced, [])
             return
-        self.policy.block_size = announced.block_size
         tasks = []
         for rank in range(self._ranks):
             view_id = self._view_id(replica, rank)
@@ -90,15 +101,20 @@ class KVEventSubscriber:
                 continue
             self.policy.sources[view_id] = ReplicaEvents.EVENTS
             tasks.append(asyncio.get_running_loop().create_task(self._stream(view_id, source)))
-        self._streams[replica] = tasks
+        self._streams[replica] = (announced, tasks)
         logger.info("replica %s: KV events from %s", replica, [s.endpoint for s in announced.sources.values()])
 
-    def _drop(self, replica: str) -> None:
-        for task in self._streams.pop(replica, []):
+    def _stop(self, replica: str) -> None:
+        """End the replica's streams and forget what they said."""
+        _, tasks = self._streams.pop(replica, (None, []))
+        for task in tasks:
             task.cancel()
-        self._asked_at.pop(replica, None)
         for view_id in self._view_ids(replica):
             self.policy.replica_left(view_id)
+
+    def _drop(self, replica: str) -> None:
+        self._stop(replica)
+        self._asked_at.pop(replica, None)
 
     async def _stream(self, view_id: str, source: KVEventSource) -> None:
         subscriber = self._context.socket(zmq.SUB)

@@ -51,6 +51,8 @@ from services.serve_internals import REPLICA_LOGGER, list_replica_endpoints, wit
 logger = logging.getLogger(REPLICA_LOGGER)
 
 ROUTER_DEPLOYMENT_NAME = "Router"
+# A kv_aware router's view of the replicas' KV caches (`kv_index_report`), for operators and tests.
+KV_INDEX_PATH = "/internal/kv-index"
 # Serve counts route calls against this. A decision takes about a millisecond, but a call of a capacity-metered
 # policy may wait up to its `max_wait_s`; Serve's default of 5 would queue every call behind 5 waiters.
 ROUTER_MAX_ONGOING_REQUESTS = 1024
@@ -109,6 +111,19 @@ class PrefillChooser:
                 return None
             raise NoReplicaAvailable(REASON_NO_PREFILL_REPLICA) from None
         return PrefillPick(replica_id=view.replica_id, url=view.endpoint + self._route_prefix)
+
+
+def kv_index_report(policy: KVAware) -> dict[str, Any]:
+    """Where each replica's scores come from (`events`, `approximate`, `lost`), its indexed blocks, and the decisions
+    by reason."""
+    return {
+        "block_size": policy.block_size,
+        "replicas": {
+            view_id: {"source": str(source), "blocks": policy.index.blocks(view_id)}
+            for view_id, source in sorted(policy.sources.items())
+        },
+        "decisions": dict(policy.counts.decisions),
+    }
 
 
 class InjectedFault:
@@ -174,6 +189,12 @@ def build_router_app(
         if port is None:
             return Response('{"detail": "no route listener"}', status_code=404, media_type=_JSON)
         return Response(json.dumps({"port": port}), media_type=_JSON)
+
+    if isinstance(policy, KVAware):
+
+        @app.get(KV_INDEX_PATH)
+        async def kv_index() -> dict[str, Any]:
+            return kv_index_report(policy)
 
     @app.post(MEMBERSHIP_PATH)
     async def publish_membership(request: Request) -> Response:
@@ -261,11 +282,7 @@ class RouterReplica:
             "prefill_policy": prefill.policy if prefill is not None else None,
         }
         if isinstance(self._policy, KVAware):
-            described["kv_events"] = {
-                view_id: {"source": str(source), "blocks": self._policy.index.blocks(view_id)}
-                for view_id, source in sorted(self._policy.sources.items())
-            }
-            described["decisions"] = dict(self._policy.counts.decisions)
+            described["kv_events"] = kv_index_report(self._policy)
         return described
 
     def __del__(self) -> None:

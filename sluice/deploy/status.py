@@ -110,7 +110,12 @@ def model_line(model: PlannedModel, routers: dict[str, Any] | None = None) -> st
         policy = f"policy {running['policy']}{kwargs}"
     if routers is None:
         policy += " (planned: no router answers)"
-    return f"  model {model.name}: {policy}, HAProxy backends {model.replica_backend} + {model.router_backend}"
+    line = f"  model {model.name}: {policy}, HAProxy backends {model.replica_backend} + {model.router_backend}"
+    kv_events = (routers or {}).get("kv_events")
+    if kv_events:
+        scored = ", ".join(f"{rid} {r['source']} ({r['blocks']} blocks)" for rid, r in kv_events["replicas"].items())
+        line += f"\n    KV events (block size {kv_events['block_size']}): {scored or 'no replica yet'}"
+    return line
 
 
 def prefill_pairs(metrics_text: str) -> dict[tuple[str, str], float]:
@@ -145,7 +150,7 @@ def _pairs_report(model: PlannedModel, endpoints: list[Any]) -> list[dict[str, A
     return served
 
 
-def _routers_policy(model: PlannedModel) -> dict[str, Any] | None:
+def routers_report(model: PlannedModel) -> dict[str, Any] | None:
     """The policy the model's running routers report (None: no router answers)."""
     from ray import serve
 
@@ -259,7 +264,7 @@ def status(target: str | None, address: str, as_json: bool = False) -> int:
             "replicas": [f"{e.replica_id} {e.host}:{e.port}" for e in endpoints_of[app.name]],
         }
     for model in plan.models:
-        report["models"][model.name] = {"routers": _routers_policy(model), "planned_policy": model.policy}
+        report["models"][model.name] = {"routers": routers_report(model), "planned_policy": model.policy}
         if model.prefill_app is not None:
             report["pairs"][model.name] = _pairs_report(model, endpoints_of[model.llm_app])
         if model.data_parallel == "ranks":

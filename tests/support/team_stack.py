@@ -31,11 +31,17 @@ class TeamStack:
 
 
 @contextmanager
-def team_stack(team_file: str, name: str, folder: Path) -> Iterator[TeamStack]:
+def team_stack(
+    team_file: str, name: str, folder: Path, staging: bool = False, routers: int | None = None
+) -> Iterator[TeamStack]:
+    """`staging`: the stack's fault endpoints on; `routers`: that many router replicas instead of the file's."""
     data = yaml.safe_load((TEAMS / team_file).read_text())
     port = free_port()
     data["name"] = name
+    data["staging"] = staging or data.get("staging", False)
     data["frontend"].update(port=port, metrics_port=free_port())
+    if routers is not None:
+        data["frontend"]["routers"] = routers
     path = folder / "stack.yaml"
     path.write_text(yaml.safe_dump(data))
     spec = load_spec(path)
