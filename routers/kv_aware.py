@@ -7,8 +7,9 @@ blocks it holds (`KVBlockIndex`, fed by every replica's vLLM KV events; a replic
 what this router itself sent there, `RoutedPrefixes`). Ranking, best first: more matched blocks, then fewer live
 in-flight requests, then a tie-break hashed from the prompt's first block and the replica id (the same in every
 router, and spreading different prompts over equally loaded replicas). The primary is the best replica that is not
-saturated: its live in-flight plus this request would pass `saturation_factor` times the mean (the bound of
-consistent hashing with bounded loads, Mirrokni et al. 2018), or reach its capacity. Fallbacks follow in rank order.
+saturated: its live in-flight plus this request would pass both `saturation_factor` times the mean (the bound of
+consistent hashing with bounded loads, Mirrokni et al. 2018) and `saturation_floor`, or its capacity. Fallbacks
+follow in rank order.
 
 A replica whose event stream was lost (its publisher went away: it died or restarted) holds nothing and ranks last
 until its stream is back. Reasons: `match`, `approximate_match`, `saturated`, `miss`, `no_index`, `no_prompt`,
@@ -32,6 +33,11 @@ NAME = "kv_aware"
 # Equal to the acceptance bound on hot sessions (no replica over 1.5x the mean in flight): below it a prefix stays on
 # the replica that caches it; past it a second replica warms up, at the price of one miss.
 DEFAULT_SATURATION_FACTOR = 1.5
+# Below this many live in-flight requests a replica is never saturated: at low load the mean is near 0 and the
+# factor's bound is 1, which would spill every second request of a prefix; a replica batches a few sequences at
+# little cost, while a spill costs a whole prefill elsewhere. (Live in-flight is the router's own decisions of the
+# last `forget_after_s`: about twice the requests really running when they take a second.)
+DEFAULT_SATURATION_FLOOR = 4
 # How long a replica without events is taken to keep a prefix this router sent it: a small cache under load turns
 # over in minutes; a longer guess sends conversations to blocks long evicted.
 DEFAULT_APPROXIMATE_TTL_S = 120.0
@@ -40,6 +46,7 @@ _TIE_SEED = 0x6B76
 
 class KVAwareSettings(PolicySettings):
     saturation_factor: float = Field(DEFAULT_SATURATION_FACTOR, ge=1.0)
+    saturation_floor: int = Field(DEFAULT_SATURATION_FLOOR, ge=1)
     approximate_ttl_s: float = Field(DEFAULT_APPROXIMATE_TTL_S, gt=0)
     num_fallback_replicas: int = Field(DEFAULT_NUM_FALLBACK_REPLICAS, ge=0)
 
@@ -68,6 +75,7 @@ class KVAware(RoutingPolicy):
         self,
         tokenize: Tokenize,
         saturation_factor: float = DEFAULT_SATURATION_FACTOR,
+        saturation_floor: int = DEFAULT_SATURATION_FLOOR,
         approximate_ttl_s: float = DEFAULT_APPROXIMATE_TTL_S,
         num_fallback_replicas: int = DEFAULT_NUM_FALLBACK_REPLICAS,
     ) -> None:
@@ -76,6 +84,7 @@ class KVAware(RoutingPolicy):
         super().__init__()
         self.tokenize = tokenize
         self.saturation_factor = saturation_factor
+        self.saturation_floor = saturation_floor
         self.num_fallback_replicas = num_fallback_replicas
         self.index = KVBlockIndex()
         self.routed_prefixes = RoutedPrefixes(approximate_ttl_s)
@@ -108,7 +117,9 @@ class KVAware(RoutingPolicy):
         ranked = sorted(replicas, key=order)
         best = ranked[0]
         loads = {view.replica_id: self.live_in_flight(view) for view in replicas}
-        bound = math.ceil(self.saturation_factor * (sum(loads.values()) + 1) / len(replicas))
+        bound = max(
+            self.saturation_floor, math.ceil(self.saturation_factor * (sum(loads.values()) + 1) / len(replicas))
+        )
         if reason is None:
             if matched[best.replica_id] == 0:
                 reason = "miss"
@@ -156,6 +167,7 @@ def _build(settings: KVAwareSettings, context: PolicyContext) -> KVAware:
     return KVAware(
         context.tokenize,
         saturation_factor=settings.saturation_factor,
+        saturation_floor=settings.saturation_floor,
         approximate_ttl_s=settings.approximate_ttl_s,
         num_fallback_replicas=settings.num_fallback_replicas,
     )

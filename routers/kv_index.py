@@ -126,6 +126,9 @@ class RoutedPrefixes:
         # (replica, chain key) -> when it expires, oldest first.
         self._expiry: OrderedDict[tuple[str, int], float] = OrderedDict()
 
+    def __len__(self) -> int:
+        return len(self._expiry)
+
     def routed(self, replica_id: str, keys: Sequence[int]) -> None:
         expires = self._clock() + self.ttl_s
         for key in keys:

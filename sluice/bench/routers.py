@@ -1,4 +1,5 @@
-"""`sluice bench routers`: decision time per policy, ring rebuild time, ledger round trips.
+"""`sluice bench routers`: decision time per policy, ring rebuild time, ledger round trips (kv_aware's rows, with
+its tokenizer: `sluice.bench.kv_decisions`).
 
 Aims (issue 3): ring lookup ≤ 5 µs and rebuild ≤ 50 ms at 1,024 replicas. Issue 13: a decision at 1,024 replicas
 ≤ 10 µs for round_robin, power_of_two and consistent_hash, ≤ 50 µs for capacity_queue, and no policy's cost

@@ -50,9 +50,14 @@ def _bench_paths(args: argparse.Namespace) -> int:
 
 
 def _bench_routers(args: argparse.Namespace) -> int:
+    from base.tiny_model import ensure_built
+    from sluice.bench.kv_decisions import run_kv_aware_bench
     from sluice.bench.routers import run_router_bench
 
     run_router_bench(with_actor=not args.no_actor)
+    print(f"{'kv_aware, tokenization included':<44}{'8 replicas':>12}   (µs per decision; goal at 1k: 1,000)")
+    for label, us in run_kv_aware_bench(ensure_built(Path(args.model))):
+        print(f"{label:<44}{us:>12.0f}")
     return 0
 
 
@@ -75,4 +80,5 @@ def register(commands: Any) -> None:
     paths.set_defaults(func=_bench_paths)
     routers = bench_commands.add_parser("routers", help="policy decision time, ring rebuild, ledger round trip")
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
+    routers.add_argument("--model", default=str(default_model_dir()), help="the model whose tokenizer kv_aware uses")
     routers.set_defaults(func=_bench_routers)

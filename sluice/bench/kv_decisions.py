@@ -1,0 +1,82 @@
+"""`sluice bench routers`, the kv_aware rows: the CPU of one decision, tokenization included, with the tiny model's
+real tokenizer and chat template (`PromptTokens`), at about 1k and 8k prompt tokens, 8 replicas whose index holds
+every prompt's shared part.
+
+Two shapes: every prompt new (nothing cached: the whole prompt is tokenized), and a shared system prompt of that size
+with a new 16-token question (what `shared_prefix` and multi-turn traffic look like: the router tokenizes the system
+prompt once and reuses its pieces). CPU time of this process, the best of `REPEATS` runs, as the other rows. Goal
+(issue 25): at most 1 ms at 1k tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from loadtests.workloads import PromptMaker
+from routers.core import ReplicaView, RouteRequest
+from routers.kv_aware import KVAware, ReplicaEvents
+from routers.kv_index import chain_keys
+from routers.prompt_tokens import PromptTokens
+
+PROMPT_SIZES = (1024, 8192)
+QUESTION_TOKENS = 16
+REPLICAS = 8
+REPEATS = 3
+BLOCK_SIZE = 32
+
+
+def _decisions(count: int, tokens: int) -> int:
+    """Fewer decisions for longer prompts: each run stays around a second."""
+    return max(20, count * 1024 // tokens)
+
+
+def _body(system: str, question: str) -> bytes:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return json.dumps({"model": "sluice-tiny", "messages": messages}).encode()
+
+
+def kv_aware_decision_us(model_dir: Path, tokens: int, shared: bool, count: int = 200) -> float:
+    prompts = PromptMaker(model_dir / "tokenizer.json", seed=tokens)
+    tokenize = PromptTokens(str(model_dir))
+    # The engines' side: their own tokenizer (this router's would cache every piece before the timed run).
+    engines_tokenize = PromptTokens(str(model_dir))
+    policy = KVAware(tokenize)
+    policy.block_size = BLOCK_SIZE
+    views = tuple(ReplicaView(replica_id=f"replica-{i:02d}", capacity=1_000_000) for i in range(REPLICAS))
+    for view in views:
+        policy.sources[view.replica_id] = ReplicaEvents.EVENTS
+    decisions = _decisions(count, tokens)
+    system = prompts.prompt(tokens)
+    runs = []
+    for run in range(REPEATS):
+        bodies = [
+            _body(system if shared else prompts.prompt(tokens), prompts.prompt(QUESTION_TOKENS))
+            for _ in range(decisions)
+        ]
+        # The index holds each prompt's system part on one replica, as the engines' events would say.
+        for i, body in enumerate(bodies):
+            prompt = engines_tokenize(body) or []
+            keys = len(chain_keys(prompt[: tokens // BLOCK_SIZE * BLOCK_SIZE], BLOCK_SIZE))
+            engine_hashes = [f"{run}-{i}-{k}" for k in range(keys)]
+            policy.index.stored(views[i % REPLICAS].replica_id, engine_hashes, None, prompt, BLOCK_SIZE)
+        tokenize(bodies[0])  # a shared system prompt's pieces are cached after the first request, as in a router
+        requests = [RouteRequest(request_id=f"{run}-{i}", body_prefix=body) for i, body in enumerate(bodies)]
+        start = time.process_time()
+        for request in requests:
+            policy.rank(views, request)
+            policy.on_completed(request.request_id, "")
+        runs.append((time.process_time() - start) / decisions * 1e6)
+    return min(runs)
+
+
+def run_kv_aware_bench(model_dir: Path) -> list[tuple[str, float]]:
+    """(label, µs per decision) of each shape and size."""
+    rows = []
+    for tokens in PROMPT_SIZES:
+        for shared in (False, True):
+            shape = "shared system prompt" if shared else "new prompt"
+            label = f"kv_aware {tokens // 1024}k tokens, {shape}"
+            rows.append((label, kv_aware_decision_us(model_dir, tokens, shared)))
+    return rows
