@@ -13,12 +13,13 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
 from fastapi import FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from ray.serve.deployment import Application
@@ -38,7 +39,7 @@ from base.route_wire import Membership, RouteRefusal, RouteReply
 from infra.observability.targets import METRICS_PATH
 from routers.capacity_queue import CapacityQueue
 from routers.core import Decision, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
-from routers.kv_aware import KVAware
+from routers.kv_aware import KVAware, ReplicaEvents
 from routers.metrics import LEDGER_METRICS
 from services.router.kv_subscriber import KVEventSubscriber
 from services.router.live_replicas import LiveReplicas
@@ -63,6 +64,11 @@ ROUTED_TOTAL = Counter("sluice_router_routed", "Route calls answered with a repl
 REFUSED_TOTAL = Counter("sluice_router_refused", "Route calls refused (503) by reason.", ["app", "policy", "reason"])
 TRUNCATED_TOTAL = Counter(
     "sluice_router_truncated_bodies", "Route calls whose forwarded body was cut at the buffer limit.", ["app"]
+)
+KV_REPLICAS = Gauge(
+    "sluice_router_kv_replicas",
+    "A kv_aware router's target replicas by where their scores come from (events, approximate, lost).",
+    ["app", "source"],
 )
 MEMBERSHIP_UPDATES_TOTAL = Counter(
     "sluice_router_membership_updates", "Frontend membership publications accepted (heartbeats included).", ["app"]
@@ -222,6 +228,10 @@ def build_router_app(
     async def metrics() -> Response:
         if isinstance(policy, CapacityQueue):
             LEDGER_METRICS.update(settings.target_app, await policy.ledger_snapshot())
+        if isinstance(policy, KVAware):
+            counted = Tally(policy.sources.values())
+            for source in ReplicaEvents:
+                KV_REPLICAS.labels(settings.target_app, str(source)).set(counted[source])
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -164,6 +164,8 @@ def test_a_replica_without_events_is_scored_by_what_the_router_sent_it(stack: Te
                 _route(router, model.router_app, _chat(system, "ka"), f"quiet-{round_}-{i}")
         decisions = httpx.get(f"{router.url}/{model.router_app}{KV_INDEX_PATH}", timeout=10).json()["decisions"]
         assert decisions.get("approximate_match", 0) >= 1, decisions
+        metrics = httpx.get(f"{router.url}/{model.router_app}/metrics", timeout=10).text
+        assert f'sluice_router_kv_replicas{{app="{model.llm_app}",source="approximate"}} 1.0' in metrics
         with httpx.Client(timeout=120) as client:
             statuses = [
                 client.post(f"{stack.url}/v1/chat/completions", json=_chat(system, "lo")).status_code
