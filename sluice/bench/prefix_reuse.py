@@ -1,6 +1,6 @@
-"""The routing suite's prefix-reuse section: every policy on the same LLM replicas (only the router app is redeployed
-between policies), a `multi_turn` and a `shared_prefix` campaign each, and a `hot_prefix` campaign for the policies
-whose hot-session behaviour matters (sluice/bench/README.md, the routing suite).
+"""The routing suite's prefix-reuse section: every policy on the same number of LLM replicas with the same engine
+settings, a `multi_turn` and a `shared_prefix` campaign each, and a `hot_prefix` campaign for the policies whose
+hot-session behaviour matters (sluice/bench/README.md, the routing suite).
 
 Per campaign: the prefix-cache hit rate from vLLM's own counters (read from every replica before and after), the
 ideal rate the workload allows (from the rows), TTFT p50 and p90, and each replica's in-flight requests over time

@@ -1,17 +1,16 @@
 """`sluice load routing --spec FILE`: the routing-semantics suite. It deploys the stack of FILE (the embedded default
 unless given) in the variants it needs, drives the scale changes itself, and reports: consistent-hash affinity,
-the remap fraction when scaling 2 -> 3 -> 2 (ideal 1/3), header-less uniformity under round robin, bodies over the
-forwarding buffer, `num_fallback_replicas` 2 versus 0 while a replica is killed, and prefix-cache reuse per policy
-against the ideal rate the workload allows (vLLM's own counters, read before and after).
+the remap fraction when scaling 2 -> 3 -> 2 (ideal 1/3), header-less uniformity under round robin, prefix reuse per
+policy on the same 3 replicas (`prefix_reuse.py`: hit rate against the ideal, TTFT, in-flight balance, and a hot
+session), bodies over the forwarding buffer, and `num_fallback_replicas` 2 versus 0 while a replica is killed.
 
-Writes `routing.json` and `report.html` (with the prefix-cache plot) into the output folder.
+Writes `routing.json` and `report.html` (with the prefix-cache plots) into the output folder.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import statistics
 import threading
 import time
@@ -23,28 +22,35 @@ import httpx
 import yaml
 
 from base.contracts import REPLICA_HEADER
-from loadtests.campaign import Campaign, run
 from loadtests.metrics import summarize
-from loadtests.report import prefix_cache_rates, write_report
+from loadtests.report import write_report
 from loadtests.sse_timing import StreamRow
 from routers.consistent_hash import NAME as CONSISTENT_HASH
+from routers.kv_aware import NAME as KV_AWARE
 from routers.round_robin import NAME as ROUND_ROBIN
+from sluice.bench.prefix_reuse import PrefixReuse, campaign_rows
 
 PROBES = 600
 REMAP_SESSIONS = 300
 PROBE_CONCURRENCY = 8
 FALLBACK_REQUESTS = 400
 OVER_BUFFER_BYTES = 1024
-_PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} (\S+)$", re.M)
+# Consistent hash last: the remap back to 2 replicas starts from its ring on the same 3 replicas.
+PREFIX_POLICIES = (ROUND_ROBIN, KV_AWARE, CONSISTENT_HASH)
+HOT_SESSION_POLICIES = (KV_AWARE, CONSISTENT_HASH)
 
 
 def _deploy(data: dict[str, Any], policy: str, replicas: int, **routing: Any) -> Any:
+    """The spec's stack with `policy` (its kwargs from the spec when the spec names it) and `routing` overrides; every
+    other routing field (body forwarding, KV events) as the spec has it, so a policy switch leaves the LLM replicas."""
     from builders.plan import build_plan
     from sluice.deploy.apply import apply_plan
     from topologies.spec import parse_spec
 
     variant = json.loads(json.dumps(data))
-    variant["routing"] = {**variant.get("routing", {}), "policy": policy, "policy_kwargs": {}, **routing}
+    spec_routing = variant.get("routing", {})
+    kwargs = spec_routing.get("policy_kwargs", {}) if spec_routing.get("policy") == policy else {}
+    variant["routing"] = {**spec_routing, "policy": policy, "policy_kwargs": kwargs, **routing}
     for model in variant["models"]:
         model.pop("autoscaling", None)
         model["replicas"] = replicas
@@ -123,19 +129,6 @@ def fallback_run(plan: Any, model: str) -> dict[str, Any]:
     }
 
 
-def _prefix_counters(plan: Any) -> tuple[float, float]:
-    from services.serve_internals import list_replica_endpoints
-
-    hits = queries = 0.0
-    for model in plan.models:
-        for endpoint in asyncio.run(list_replica_endpoints(model.llm_app)):
-            text = httpx.get(f"{endpoint.url}/{model.llm_app}/metrics", timeout=30).text
-            for kind, value in _PREFIX.findall(text):
-                hits += float(value) if kind == "hits" else 0.0
-                queries += float(value) if kind == "queries" else 0.0
-    return hits, queries
-
-
 def affinity(rows: list[StreamRow]) -> float:
     """Requests on their session's most used replica / requests, over sessions with at least two requests."""
     by_session: dict[str, Counter[str]] = {}
@@ -147,45 +140,25 @@ def affinity(rows: list[StreamRow]) -> float:
     return sum(max(c.values()) for c in several) / total if total else 0.0
 
 
-def ideal_prefix_rate(rows: list[StreamRow]) -> float:
-    """The prefix-cache hit rate a perfect cache allows: each turn may reuse the previous turn's prompt and answer."""
-    by_session: dict[str, list[StreamRow]] = {}
-    for row in sorted(rows, key=lambda r: r.sent_at):
-        if row.ok:
-            by_session.setdefault(row.session, []).append(row)
-    reusable = sum(
-        min(prev.prompt_tokens + prev.output_tokens, turn.prompt_tokens)
-        for turns in by_session.values()
-        for prev, turn in zip(turns, turns[1:], strict=False)
-    )
-    total = sum(row.prompt_tokens for turns in by_session.values() for row in turns)
-    return reusable / total if total else 0.0
-
-
 def cv(counts: list[int]) -> float:
     return statistics.pstdev(counts) / statistics.fmean(counts) if counts and sum(counts) else 0.0
-
-
-def _campaign(plan: Any, out: Path, tokenizer: Path, duration_s: float) -> list[StreamRow]:
-    campaign = Campaign(
-        workload="multi_turn", target=plan.url, out=out, tokenizer=tokenizer, duration_s=duration_s, users=6
-    )
-    run(campaign)
-    import csv
-
-    with (out / "rows.csv").open() as handle:
-        return [StreamRow.from_csv(row) for row in csv.DictReader(handle)]
 
 
 def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict[str, Any]:
     """Run the suite on the connected Ray cluster; returns (and writes) its figures."""
     data = yaml.safe_load(spec_path.read_text())
+    # kv_aware reads the prompt and scores by the replicas' KV events: both on under every policy, so a policy switch
+    # keeps the engine settings (a spec that sets either keeps its value).
+    data.setdefault("routing", {}).setdefault("forward_body", True)
+    data["routing"].setdefault("kv_events", True)
     out.mkdir(parents=True, exist_ok=True)
     model = data["models"][0]["name"]
     figures: dict[str, Any] = {}
+    # A seed per suite run, so no campaign finds an earlier run's prompts in replicas that outlived it.
+    reuse = PrefixReuse(out, tokenizer, duration_s, replicas=3, seed=time.time_ns() % 2**31)
     plan = _deploy(data, CONSISTENT_HASH, 2)
     try:
-        rows = _campaign(plan, out / "affinity", tokenizer, duration_s)
+        rows = campaign_rows(plan, "multi_turn", out / "affinity", tokenizer, duration_s, reuse.next_seed())
         figures["affinity"] = affinity(rows)
         sessions = [f"remap-{i}" for i in range(REMAP_SESSIONS)]
         on_two = asyncio.run(_probe(plan.url, model, sessions))
@@ -193,27 +166,21 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
         time.sleep(1)
         on_three = asyncio.run(_probe(plan.url, model, sessions))
         figures["remap_out_2_to_3"] = sum(a != b for a, b in zip(on_two, on_three, strict=True)) / len(sessions)
-        prefix: dict[str, float] = {}
-        ideal: dict[str, float] = {}
-        for policy in (CONSISTENT_HASH, ROUND_ROBIN):
+        # Every policy on 3 replicas with the same engine settings (KV events and body forwarding on for all).
+        for policy in PREFIX_POLICIES:
+            plan = _deploy(data, policy, 3)
             if policy == ROUND_ROBIN:
-                plan = _deploy(data, ROUND_ROBIN, 3)
                 served = asyncio.run(_probe(plan.url, model, [None] * PROBES))
                 figures["headerless_cv"] = cv(list(Counter(served).values()))
                 figures["headerless_per_replica"] = dict(Counter(served))
-            before = _prefix_counters(plan)
-            rows = _campaign(plan, out / f"prefix-{policy}", tokenizer, duration_s)
-            after = _prefix_counters(plan)
-            queries = after[1] - before[1]
-            prefix[policy] = (after[0] - before[0]) / queries if queries else 0.0
-            ideal[policy] = ideal_prefix_rate(rows)
-            if policy == CONSISTENT_HASH:
-                plan = _deploy(data, CONSISTENT_HASH, 2)
-                time.sleep(1)
-                back = asyncio.run(_probe(plan.url, model, sessions))
-                figures["remap_in_3_to_2"] = sum(a != b for a, b in zip(on_three, back, strict=True)) / len(sessions)
-        figures["prefix_cache_hit_rate"] = prefix
-        figures["prefix_cache_ideal_rate"] = ideal
+            reuse.measure(plan, policy, hot_session=policy in HOT_SESSION_POLICIES)
+        figures.update(reuse.figures())
+        rows = reuse.rows
+        on_three = asyncio.run(_probe(plan.url, model, sessions))  # the ring the scale-in starts from
+        plan = _deploy(data, CONSISTENT_HASH, 2)
+        time.sleep(1)
+        back = asyncio.run(_probe(plan.url, model, sessions))
+        figures["remap_in_3_to_2"] = sum(a != b for a, b in zip(on_three, back, strict=True)) / len(sessions)
         # Bodies over the forwarding buffer: routed by their session all the same (the router sees a cut body).
         plan = _deploy(data, CONSISTENT_HASH, 2, forward_body=True, body_buffer_bytes=OVER_BUFFER_BYTES)
         long_prompt = " ka lo mi" * (OVER_BUFFER_BYTES // 5)  # ~1.8 KB, within the model's context
@@ -236,6 +203,5 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
 
         delete_plan(plan)
     (out / "routing.json").write_text(json.dumps(figures, indent=2))
-    plot = prefix_cache_rates(figures["prefix_cache_hit_rate"], max(figures["prefix_cache_ideal_rate"].values()), out)
-    write_report("sluice load routing", summarize(rows), rows, out, extra_plots=[plot])
+    write_report("sluice load routing", summarize(rows), rows, out, extra_plots=reuse.plots())
     return figures

@@ -1,5 +1,6 @@
-"""The routing-semantics suite against the embedded default (its own name and ports): real vLLM replicas of the
-tiny model, the suite deploying the variants and driving the scale changes, Locust for the multi-turn campaigns."""
+"""The routing-semantics suite against the KV-aware team stack (its own name and ports): real vLLM replicas of the
+tiny model with KV events on, the suite deploying the variants and driving the scale changes, Locust for the
+campaigns. Timings are compared between policies on the same replicas, never against absolute limits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from routers.consistent_hash import NAME as CONSISTENT_HASH
+from routers.kv_aware import NAME as KV_AWARE
+from routers.round_robin import NAME as ROUND_ROBIN
 from sluice.bench.routing_suite import routing_suite
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
@@ -18,10 +22,10 @@ pytestmark = pytest.mark.integration
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 
 
-def test_the_routing_suite_measures_affinity_remapping_uniformity_buffers_fallbacks_and_prefix_cache_reuse(
+def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_buffers_and_fallbacks(
     ray_cluster: None, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    data = yaml.safe_load((TEAMS / "local-cpu.yaml").read_text())
+    data = yaml.safe_load((TEAMS / "kv-aware-cpu.yaml").read_text())
     port = free_port()
     data["name"] = "routing-suite"
     data["frontend"].update(port=port, metrics_port=free_port())
@@ -33,10 +37,32 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_buffers_fallba
     assert figures["affinity"] >= 0.99
     assert 0.2 <= figures["remap_out_2_to_3"] <= 0.45
     assert sum(figures["headerless_per_replica"].values()) >= 600 and figures["headerless_cv"] <= 0.15
-    rates = figures["prefix_cache_hit_rate"]
-    assert rates["consistent_hash"] >= rates["round_robin"] + 0.15
-    assert 0 < figures["prefix_cache_ideal_rate"]["consistent_hash"] <= 1
     assert figures["over_buffer"]["ok"] == figures["over_buffer"]["requests"] == 100
     assert figures["over_buffer"]["sessions_on_one_replica"] == 1.0
     assert {n: run["requests"] for n, run in figures["fallbacks"].items()} == {"2": 400, "0": 400}
-    assert (tmp_path / "out" / "prefix_cache.png").stat().st_size > 0 and (tmp_path / "out" / "report.html").exists()
+    out = tmp_path / "out"
+    assert (out / "prefix_cache.png").stat().st_size > 0 and (out / "prefix_cache_shared_prefix.png").stat().st_size
+    assert (out / "report.html").exists()
+
+    # Prefix reuse, every policy on 3 replicas with the same engine settings.
+    reuse = figures["prefix_reuse"]
+    for by_policy in reuse.values():
+        assert set(by_policy) == {ROUND_ROBIN, CONSISTENT_HASH, KV_AWARE}
+        assert all(
+            found["ok"] == found["requests"] > 0 and 0 < found["ideal_rate"] <= 1 for found in by_policy.values()
+        )
+    multi_turn = {policy: found["hit_rate"] for policy, found in reuse["multi_turn"].items()}
+    assert multi_turn == figures["prefix_cache_hit_rate"]
+    # Measured (2 cores): round robin 0.31, kv_aware 0.46, consistent hash 0.55 (ideal 0.68): a session's turns
+    # find their prefix on the replica that served the previous turn; kv_aware spills some past its saturation bound.
+    assert multi_turn[CONSISTENT_HASH] >= multi_turn[ROUND_ROBIN] + 0.15
+    assert multi_turn[KV_AWARE] >= multi_turn[ROUND_ROBIN] + 0.1
+    # A few system prompts fit every replica's cache, so every policy comes near the ideal here (measured 0.82-0.84
+    # of 0.85); TTFT is compared in the figures, not asserted: on 2 shared cores it is noise-bound at this scale.
+    shared = reuse["shared_prefix"][KV_AWARE]
+    assert shared["hit_rate"] >= 0.9 * shared["ideal_rate"]
+    # The hot session: kv_aware spreads it past the saturation bound and keeps its prefix hits (measured: busiest
+    # replica 1.10x the mean in flight, hit rate 0.85 of 0.86; consistent hash 1.39x, 0.86).
+    hot = figures["hot_session"][KV_AWARE]
+    assert hot["in_flight"]["busiest_over_mean"] <= 1.5
+    assert hot["hit_rate"] >= 0.9 * hot["ideal_rate"]
