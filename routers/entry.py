@@ -65,7 +65,8 @@ class PolicyEntry:
     # released by the replica it was taken for, and the decode replica's prefill call carries none. Nor may one fed
     # by KV events: the router follows the decode replicas' events only.
     prefill_side: bool = True
-    # (kwarg, what it reads) when these settings read the forwarded request body (the app must set forward_body).
+    # (kwarg, what it reads) when these settings read the forwarded request body (the app must set forward_body);
+    # kwarg "policy" when the policy reads it whatever its settings.
     body_use: Callable[[Any], tuple[str, str] | None] = _reads_no_body
     # Reads the prompt's tokens: the router loads the served model's tokenizer and chat template (`PolicyContext`).
     # The handle path (the legacy ingress's calls) has no prompt to give it: it routes by `HANDLE_POLICY` instead.

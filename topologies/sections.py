@@ -136,6 +136,8 @@ def policy_problem(routing: Routing) -> tuple[str, str] | None:
     body_use = policy_entry(routing.policy).body_use(settings)
     if body_use is not None and not routing.forward_body:
         kwarg, reads = body_use
+        if kwarg == "policy":  # the policy itself reads the body, whatever its kwargs
+            return "policy", f"{reads}: set routing.forward_body: true, or choose another policy"
         return f"policy_kwargs.{kwarg}", f"{reads}: set routing.forward_body: true, or drop {kwarg}"
     return None
 
