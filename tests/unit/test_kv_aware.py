@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from builders.plan import build_plan
 from routers.core import ReplicaView, RouteRequest
 from routers.entry import PolicyContext
 from routers.kv_aware import KVAware, ReplicaEvents
 from routers.kv_index import chain_keys
 from routers.registry import HANDLE_POLICY_WITHOUT_PROMPT, build_policy, handle_policy
-from services.router.settings import PrefillTarget, RouterSettings
+from services.replica.llm_config import LLMAppConfig
+from services.router.settings import PrefillTarget, RouterAppArgs, RouterSettings
 from topologies.spec import SpecError, parse_spec
 
 BLOCK = 4
@@ -153,3 +157,38 @@ def test_the_prefill_side_and_a_router_without_the_models_files_are_refused() ->
 def test_handle_calls_of_a_kv_aware_deployment_route_by_load() -> None:
     assert handle_policy("kv_aware", {"saturation_factor": 2.0}) == (HANDLE_POLICY_WITHOUT_PROMPT, {})
     assert handle_policy("consistent_hash", {"load_factor": 1.5}) == ("consistent_hash", {"load_factor": 1.5})
+
+
+TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
+
+
+def _apps(spec: dict) -> dict[str, dict]:
+    return {app.name: app.args for app in build_plan(parse_spec(spec)).apps}
+
+
+def test_the_plan_turns_on_the_replicas_events_and_gives_the_router_the_models_files() -> None:
+    data = yaml.safe_load((TEAMS / "kv-aware-cpu.yaml").read_text())
+    apps = _apps(data)
+    llm = LLMAppConfig.model_validate(apps["platform-kv-aware-cpu-llm"])
+    router = RouterAppArgs.model_validate(apps["platform-kv-aware-cpu-router"]).settings
+    assert json.loads(str(llm.engine.extra_args["kv_events_config"]))["endpoint"] == "tcp://*:0"
+    assert llm.deployment.handle_policy == HANDLE_POLICY_WITHOUT_PROMPT
+    assert router.model_path == llm.engine.model and router.target_route_prefix == "/platform-kv-aware-cpu-llm"
+    data["routing"].update(policy="round_robin", kv_events=True)
+    assert "kv_events_config" in LLMAppConfig.model_validate(_apps(data)["platform-kv-aware-cpu-llm"]).engine.extra_args
+    data["routing"].update(policy="kv_aware", kv_events=False)
+    assert "kv_events_config" not in _apps(data)["platform-kv-aware-cpu-llm"]["engine"]["extra_args"]
+
+
+def test_on_prefill_decode_the_decode_replicas_publish_and_the_prefill_side_may_not_run_it() -> None:
+    data = yaml.safe_load((TEAMS / "prefill-decode-cpu.yaml").read_text())
+    data["routing"] = {**data.get("routing", {}), "policy": "kv_aware", "forward_body": True}
+    data["models"][0]["prefill"]["routing"] = {"policy": "power_of_two"}
+    apps = _apps(data)
+    decode = next(args for name, args in apps.items() if name.endswith("-llm"))
+    prefill = next(args for name, args in apps.items() if name.endswith("-prefill"))
+    assert "kv_events_config" in decode["engine"]["extra_args"]
+    assert "kv_events_config" not in prefill["engine"]["extra_args"]
+    data["models"][0]["prefill"]["routing"] = {"policy": "kv_aware"}
+    with pytest.raises(SpecError, match="cannot run kv_aware"):
+        parse_spec(data)
