@@ -216,6 +216,9 @@ class LLMAppConfig(BaseModel):
         return self
 
     def rollout_version(self) -> str:
-        """Serve's version of the deployment: everything but `num_replicas`, and the sluice release.
-        Redeploying with another replica count only scales; any other change rolls the replicas."""
-        return config_version(self.model_dump(mode="json", exclude={"deployment": {"num_replicas"}}))
+        """Serve's version of the deployment: everything but `num_replicas` and the handle policy, and the sluice
+        release. Redeploying with another replica count only scales; another handle policy is Serve's
+        `request_router_config`, which it applies to running replicas (the routing happens in the callers); any
+        other change rolls the replicas."""
+        in_place = {"num_replicas", "handle_policy", "handle_policy_kwargs"}
+        return config_version(self.model_dump(mode="json", exclude={"deployment": in_place}))

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from base.contracts import KV_EVENTS_PATH
+from base.route_wire import KVEventSources
 from loadtests.campaign import Campaign, run
 from loadtests.metrics import quantile
 from loadtests.report import prefix_cache_rates
@@ -32,14 +34,20 @@ USERS = 6
 _PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} (\S+)$", re.M)
 
 
-def ideal_multi_turn_rate(rows: Sequence[StreamRow]) -> float:
-    """The prefix-cache hit rate a perfect cache allows: each turn may reuse the previous turn's prompt and answer."""
+def _whole_blocks(tokens: int, block_size: int) -> int:
+    """What a cache can hit of a shared prefix of `tokens`: whole blocks only (vLLM caches and counts full blocks)."""
+    return tokens // block_size * block_size
+
+
+def ideal_multi_turn_rate(rows: Sequence[StreamRow], block_size: int = 1) -> float:
+    """The prefix-cache hit rate a perfect cache allows: each turn may reuse the previous turn's prompt and answer,
+    in whole blocks of `block_size`."""
     by_session: dict[str, list[StreamRow]] = {}
     for row in sorted(rows, key=lambda r: r.sent_at):
         if row.ok:
             by_session.setdefault(row.session, []).append(row)
     reusable = sum(
-        min(prev.prompt_tokens + prev.output_tokens, turn.prompt_tokens)
+        _whole_blocks(min(prev.prompt_tokens + prev.output_tokens, turn.prompt_tokens), block_size)
         for turns in by_session.values()
         for prev, turn in zip(turns, turns[1:], strict=False)
     )
@@ -47,22 +55,25 @@ def ideal_multi_turn_rate(rows: Sequence[StreamRow]) -> float:
     return reusable / total if total else 0.0
 
 
-def ideal_shared_prefix_rate(rows: Sequence[StreamRow], system_prompt_tokens: int = SYSTEM_PROMPT_TOKENS) -> float:
+def ideal_shared_prefix_rate(
+    rows: Sequence[StreamRow], block_size: int = 1, system_prompt_tokens: int = SYSTEM_PROMPT_TOKENS
+) -> float:
     """The hit rate of one perfect cache in front of every replica: each system prompt's first request misses, every
-    later one reuses the system prompt's tokens (`shared_prefix`, `hot_prefix`)."""
+    later one reuses the system prompt's tokens, in whole blocks of `block_size` (`shared_prefix`, `hot_prefix`)."""
     seen: set[str] = set()
     reusable = total = 0
     for row in sorted(rows, key=lambda r: r.sent_at):
         if not row.ok:
             continue
         key = system_prompt_key(row.session)
-        reusable += min(system_prompt_tokens, row.prompt_tokens) if key in seen else 0
+        shared = _whole_blocks(min(system_prompt_tokens, row.prompt_tokens), block_size)
+        reusable += shared if key in seen else 0
         total += row.prompt_tokens
         seen.add(key)
     return reusable / total if total else 0.0
 
 
-IDEAL_RATES: dict[str, Callable[[Sequence[StreamRow]], float]] = {
+IDEAL_RATES: dict[str, Callable[[Sequence[StreamRow], int], float]] = {
     "multi_turn": ideal_multi_turn_rate,
     "shared_prefix": ideal_shared_prefix_rate,
     HOT_WORKLOAD: ideal_shared_prefix_rate,
@@ -101,6 +112,16 @@ def in_flight(rows: Sequence[StreamRow], replicas: int) -> dict[str, Any]:
         "max_over_mean": max(peak.values()) / mean_all,
         "busiest_over_mean": max(mean.values()) / mean_all,
     }
+
+
+def engine_block_size(plan: Any) -> int:
+    """The KV block size the first model's replicas run with, as they announce it."""
+    from services.serve_internals import list_replica_endpoints
+
+    model = plan.models[0]
+    endpoint = asyncio.run(list_replica_endpoints(model.llm_app))[0]
+    announced = httpx.get(f"{endpoint.url}/{model.llm_app}{KV_EVENTS_PATH}", timeout=30)
+    return KVEventSources.model_validate_json(announced.content).block_size
 
 
 def prefix_counters(plan: Any) -> dict[str, tuple[float, float]]:
@@ -165,7 +186,7 @@ class PrefixReuse:
             "requests": len(self.rows),
             "ok": sum(r.ok for r in self.rows),
             "hit_rate": hit_rate(before, after),
-            "ideal_rate": IDEAL_RATES[workload](self.rows),
+            "ideal_rate": IDEAL_RATES[workload](self.rows, engine_block_size(plan)),
             "ttft_p50_ms": quantile(ttfts, 0.5) if ttfts else None,
             "ttft_p90_ms": quantile(ttfts, 0.9) if ttfts else None,
             "in_flight": in_flight(self.rows, self.replicas),

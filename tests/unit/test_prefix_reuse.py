@@ -25,6 +25,7 @@ def test_a_perfect_shared_cache_misses_each_system_prompt_once_and_then_reuses_i
         _row("prompt1-seed1/e", 5.0, prompt_tokens=440, status=503),  # failed: neither a use nor a reuse
     ]
     assert ideal_shared_prefix_rate(rows, system_prompt_tokens=384) == pytest.approx(2 * 384 / (4 * 440))
+    assert ideal_shared_prefix_rate(rows, 100, system_prompt_tokens=384) == pytest.approx(2 * 300 / (4 * 440))
     assert ideal_shared_prefix_rate([]) == 0.0
 
 
@@ -40,6 +41,7 @@ def test_a_turn_may_reuse_the_previous_turns_prompt_and_answer() -> None:
         _row("t", 1.5, prompt_tokens=50, output_tokens=30),
     ]
     assert ideal_multi_turn_rate(rows) == pytest.approx(80 / 230)
+    assert ideal_multi_turn_rate(rows, block_size=32) == pytest.approx(64 / 230), "whole blocks only"
 
 
 def test_in_flight_peaks_and_time_averages_per_replica_with_idle_replicas_counted() -> None:

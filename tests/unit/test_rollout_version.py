@@ -15,6 +15,12 @@ def test_replica_count_alone_keeps_the_version_so_serve_scales_in_place() -> Non
     assert llm_deployment(_config(num_replicas=3)).version == pinned
 
 
+def test_another_handle_policy_keeps_the_version_so_comparing_policies_keeps_the_replicas() -> None:
+    base = _config(handle_policy="round_robin").rollout_version()
+    assert _config(handle_policy="consistent_hash", handle_policy_kwargs={"load_factor": 1.5}).rollout_version() == base
+    assert _config(handle_policy="round_robin", capacity_ledger=True).rollout_version() != base
+
+
 def test_any_other_change_is_a_new_version_so_serve_rolls_the_replicas() -> None:
     base = _config().rollout_version()
     assert _config(max_ongoing_requests=8).rollout_version() != base
