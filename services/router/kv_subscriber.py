@@ -78,8 +78,9 @@ class KVEventSubscriber:
             response.raise_for_status()
             announced: KVEventSources | None = KVEventSources.model_validate_json(response.content)
         except (httpx.HTTPError, ValueError) as error:
-            if replica not in self._streams:
-                logger.warning("replica %s does not say where it publishes KV events (%s)", replica, error)
+            if replica in self._streams and self._streams[replica][1]:
+                return  # a busy replica's slow answer is no reason to drop streams that flow
+            logger.warning("replica %s does not say where it publishes KV events (%s)", replica, error)
             announced = None
         if replica in self._streams and self._streams[replica][0] == announced:
             return
