@@ -136,10 +136,12 @@ def test_two_routers_rank_two_hundred_requests_alike(stack: TeamStack) -> None:
     first, second = _endpoints(app)
     bodies = [_chat(rng.choice(systems) if i % 4 else _text(rng, 60), _text(rng, 6)) for i in range(200)]
     rankings: list[tuple[list[str], list[str]]] = []
-    # In batches well inside the routers' in-flight window (2 s), after it emptied: both count the same decisions.
-    for batch in range(0, 200, 40):
-        time.sleep(2.5)
-        for i in range(batch, batch + 40):
+    # In batches well inside the routers' in-flight window (2 s; 20 route calls to each take about 0.5 s here), each
+    # after the window emptied: both count the same decisions (a batch outlasting the window would let one router
+    # forget a decision the other still counts).
+    for batch in range(0, 200, 20):
+        time.sleep(2.2)
+        for i in range(batch, batch + 20):
             rankings.append((_route(first, app, bodies[i], f"same-{i}"), _route(second, app, bodies[i], f"same-{i}")))
     assert all(a == b for a, b in rankings), [(i, a, b) for i, (a, b) in enumerate(rankings) if a != b][:5]
     assert len({a[0] for a, _ in rankings}) >= 2, "every request on one replica: the scores were never compared"
