@@ -107,16 +107,15 @@ class KVAware(RoutingPolicy):
         keys, reason = self._prompt_keys(request)
         matched = self._matched(keys, replicas)
         first = keys[0] if keys else mmh3.hash64(request.request_id, signed=False)[0]
-        lost = ReplicaEvents.LOST
+        loads = {view.replica_id: self.live_in_flight(view) for view in replicas}
 
         def order(view: ReplicaView) -> tuple[bool, int, int, int]:
             tie = self._tie_keys.get(view.replica_id) or _tie_key(view.replica_id)
-            lost_stream = self.sources.get(view.replica_id) == lost
-            return lost_stream, -matched[view.replica_id], self.live_in_flight(view), tie ^ first
+            lost_stream = self.sources.get(view.replica_id) == ReplicaEvents.LOST
+            return lost_stream, -matched[view.replica_id], loads[view.replica_id], tie ^ first
 
         ranked = sorted(replicas, key=order)
         best = ranked[0]
-        loads = {view.replica_id: self.live_in_flight(view) for view in replicas}
         bound = max(
             self.saturation_floor, math.ceil(self.saturation_factor * (sum(loads.values()) + 1) / len(replicas))
         )
