@@ -17,7 +17,7 @@ import requests
 from locust import HttpUser, events, task
 from locust.runners import MasterRunner
 
-from loadtests.sse_timing import CSV_FIELDS, StreamRow, record_stream
+from loadtests.sse_timing import CSV_FIELDS, StreamOutput, StreamRow, record_stream
 from loadtests.workloads import PromptMaker, Request, Workload
 
 SETTINGS = {
@@ -96,11 +96,11 @@ class StreamingUser(HttpUser):
         if self.conversation.turns_left <= 0:
             self.conversation = workload().new_conversation()
         request = workload().next_request(self.conversation)
-        _, text = self.stream(request, planned)
+        row, output = self.stream(request, planned)
         if workload().name == "multi_turn":
-            self.conversation.messages.append({"role": "assistant", "content": text})
+            row.reusable_tokens = self.conversation.answered(output)
 
-    def stream(self, request: Request, planned: float | None) -> tuple[StreamRow, str]:
+    def stream(self, request: Request, planned: float | None) -> tuple[StreamRow, StreamOutput]:
         headers = {"accept-encoding": "identity"}
         if SETTINGS["session_header"] and request.send_session:  # empty, or not sent: header-less traffic
             headers[SETTINGS["session_header"]] = request.session
@@ -111,14 +111,14 @@ class StreamingUser(HttpUser):
         row = StreamRow(
             SETTINGS["workload"], request.session, planned if planned is not None else sent, sent, worker=WORKER
         )
-        text = ""
+        output = StreamOutput()
         try:
             with self.http.send(prepared, stream=True, timeout=600) as response:
                 headers_at = time.perf_counter()
                 lines = (
                     (time.perf_counter(), line) for line in response.iter_lines(chunk_size=None, decode_unicode=True)
                 )
-                text = record_stream(row, response.status_code, dict(response.headers), headers_at, lines)
+                output = record_stream(row, response.status_code, dict(response.headers), headers_at, lines)
         except requests.RequestException as error:  # a refused connection or a cut stream is a row too
             row.error = type(error).__name__
         ROWS.append(row)
@@ -131,4 +131,4 @@ class StreamingUser(HttpUser):
             exception=None if row.ok else RuntimeError(f"{row.status} {row.reason or row.error}"),
             context={},
         )
-        return row, text
+        return row, output

@@ -31,6 +31,9 @@ class StreamRow:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # multi_turn: the leading tokens of this prompt that the session's previous turn computed (its prompt and its
+    # answer, as the engine ran them): the most any prefix cache can hit.
+    reusable_tokens: int = 0
     reason: str = ""
     path: str = ""
     replica: str = ""
@@ -69,6 +72,16 @@ class StreamRow:
 CSV_FIELDS = [spec.name for spec in fields(StreamRow)]
 
 
+@dataclass
+class StreamOutput:
+    """What a stream generated: its text and, when the request asked for them (vLLM's `return_token_ids`), the
+    prompt's and the answer's token ids as the engine ran them."""
+
+    text: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
 def _event_text(event: dict[str, object]) -> str:
     """The generated text an OpenAI stream event carries (chat delta content or tool-call arguments, or
     completion text)."""
@@ -83,9 +96,9 @@ def _event_text(event: dict[str, object]) -> str:
 
 def record_stream(
     row: StreamRow, status: int, headers: dict[str, str], headers_at: float, lines: Iterable[tuple[float, str]]
-) -> str:
+) -> StreamOutput:
     """Fill `row` from the response: its status and headers (received at `headers_at`) and its body lines, each
-    with the `perf_counter()` reading taken when it arrived. Returns the generated text."""
+    with the `perf_counter()` reading taken when it arrived. Returns what it generated."""
     row.status = status
     row.headers_s = headers_at - row.sent_at
     row.reason = headers.get(SERVE_REASON_HEADER, "")
@@ -93,6 +106,7 @@ def record_stream(
     row.replica = headers.get(REPLICA_HEADER, "")
     last_text_at: float | None = None
     ended_at = headers_at
+    output = StreamOutput()
     generated = []
     for at, line in lines:
         ended_at = at
@@ -111,6 +125,9 @@ def record_stream(
             row.output_tokens = int(usage.get("completion_tokens") or 0)
             row.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             row.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        output.prompt_token_ids.extend(event.get("prompt_token_ids") or [])
+        for choice in event.get("choices") or []:
+            output.token_ids.extend(choice.get("token_ids") or [])
         text = _event_text(event)
         if not text:
             continue
@@ -122,4 +139,5 @@ def record_stream(
             row.gaps_s.append(at - last_text_at)
         last_text_at = at
     row.e2el_s = ended_at - row.sent_at
-    return "".join(generated)
+    output.text = "".join(generated)
+    return output

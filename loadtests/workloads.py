@@ -16,6 +16,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from loadtests.sse_timing import StreamOutput
+
 WORKLOADS = ("short_long", "long_short", "mixed", "bursts", "step", "multi_turn", "shared_prefix", "hot_prefix")
 SHORT_PROMPT, LONG_DECODE = 16, 256
 LONG_PROMPT, SHORT_DECODE = 512, 8
@@ -80,6 +82,22 @@ class Conversation:
     session: str
     turns_left: int
     messages: list[dict[str, str]] = field(default_factory=list)
+    # The tokens the engine computed for the previous turn: its prompt, then its answer.
+    computed_token_ids: list[int] = field(default_factory=list)
+
+    def answered(self, output: StreamOutput) -> int:
+        """Take the turn's answer into the conversation; returns how many leading tokens of the turn's prompt the
+        previous turn computed (0 when the server sent no token ids). The last answer token is left out: it was
+        sampled, never run through the model, so no cache holds it."""
+        self.messages.append({"role": "assistant", "content": output.text})
+        earlier = self.computed_token_ids[:-1]
+        reusable = 0
+        for earlier_id, prompt_id in zip(earlier, output.prompt_token_ids, strict=False):
+            if earlier_id != prompt_id:
+                break
+            reusable += 1
+        self.computed_token_ids = output.prompt_token_ids + output.token_ids
+        return reusable
 
 
 class Workload:
@@ -190,6 +208,8 @@ class Workload:
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                # vLLM's: the prompt and answer token ids, so the campaign knows what a cache could reuse.
+                "return_token_ids": True,
             }
             return Request("/v1/chat/completions", body, conversation.session)
         short = self.name == "short_long" or (self.name != "long_short" and self.random.random() < 0.5)

@@ -40,19 +40,12 @@ def _whole_blocks(tokens: int, block_size: int) -> int:
 
 
 def ideal_multi_turn_rate(rows: Sequence[StreamRow], block_size: int = 1) -> float:
-    """The prefix-cache hit rate a perfect cache allows: each turn may reuse the previous turn's prompt and answer,
-    in whole blocks of `block_size`."""
-    by_session: dict[str, list[StreamRow]] = {}
-    for row in sorted(rows, key=lambda r: r.sent_at):
-        if row.ok:
-            by_session.setdefault(row.session, []).append(row)
-    reusable = sum(
-        _whole_blocks(min(prev.prompt_tokens + prev.output_tokens, turn.prompt_tokens), block_size)
-        for turns in by_session.values()
-        for prev, turn in zip(turns, turns[1:], strict=False)
-    )
-    total = sum(row.prompt_tokens for turns in by_session.values() for row in turns)
-    return reusable / total if total else 0.0
+    """The prefix-cache hit rate a perfect cache allows: each turn reuses what its session's previous turn computed
+    (`reusable_tokens`: its prompt, and its answer as far as the re-rendered answer tokenizes alike), in whole blocks
+    of `block_size`."""
+    ok = [row for row in rows if row.ok]
+    total = sum(row.prompt_tokens for row in ok)
+    return sum(_whole_blocks(row.reusable_tokens, block_size) for row in ok) / total if total else 0.0
 
 
 def ideal_shared_prefix_rate(

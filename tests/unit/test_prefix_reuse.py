@@ -34,14 +34,16 @@ def test_the_hot_prefix_session_is_its_system_prompts_key() -> None:
     assert ideal_shared_prefix_rate(rows, system_prompt_tokens=384) == pytest.approx(3 * 384 / 1600)
 
 
-def test_a_turn_may_reuse_the_previous_turns_prompt_and_answer() -> None:
+def test_a_turn_reuses_what_its_previous_turn_computed_in_whole_blocks() -> None:
     rows = [
         _row("s", 1.0, prompt_tokens=50, output_tokens=30),
-        _row("s", 2.0, prompt_tokens=130, output_tokens=30),
+        _row("s", 2.0, prompt_tokens=130, output_tokens=30, reusable_tokens=70),
         _row("t", 1.5, prompt_tokens=50, output_tokens=30),
+        _row("t", 2.5, prompt_tokens=130, reusable_tokens=120, status=503),  # failed: neither a use nor a reuse
     ]
-    assert ideal_multi_turn_rate(rows) == pytest.approx(80 / 230)
+    assert ideal_multi_turn_rate(rows) == pytest.approx(70 / 230)
     assert ideal_multi_turn_rate(rows, block_size=32) == pytest.approx(64 / 230), "whole blocks only"
+    assert ideal_multi_turn_rate([]) == 0.0
 
 
 def test_in_flight_peaks_and_time_averages_per_replica_with_idle_replicas_counted() -> None:
