@@ -17,6 +17,7 @@ from routers.core import RoutingPolicy
 
 if TYPE_CHECKING:
     from routers.capacity_queue import LedgerClient
+    from routers.prompt_tokens import Tokenize
 
 # A policy's name is a metric label, a spec value and (camel-cased) its Serve adapter's class name.
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
@@ -38,7 +39,7 @@ class PolicyContext:
     deployment: str = ""
     ledger: LedgerClient | None = None
     # The served model's prompt tokens of a forwarded body (`routers.prompt_tokens`), for a policy that needs them.
-    tokenize: Callable[[bytes], list[int] | None] | None = None
+    tokenize: Tokenize | None = None
 
 
 def _reads_no_body(settings: Any) -> tuple[str, str] | None:

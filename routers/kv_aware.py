@@ -19,7 +19,7 @@ until its stream is back. Reasons: `match`, `approximate_match`, `saturated`, `m
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from enum import StrEnum
 
 import mmh3
@@ -28,6 +28,7 @@ from pydantic import Field
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
 from routers.entry import PolicyContext, PolicyEntry, PolicySettings
 from routers.kv_index import KVBlockIndex, RoutedPrefixes, chain_keys
+from routers.prompt_tokens import Tokenize
 
 NAME = "kv_aware"
 # Equal to the acceptance bound on hot sessions (no replica over 1.5x the mean in flight): below it a prefix stays on
@@ -57,10 +58,6 @@ class ReplicaEvents(StrEnum):
     EVENTS = "events"  # its engine's KV events
     APPROXIMATE = "approximate"  # it publishes none: what this router sent it
     LOST = "lost"  # its stream went away; ranked last until it is back
-
-
-# The prompt tokens of a forwarded body, or None when it holds no prompt the router can render.
-Tokenize = Callable[[bytes], list[int] | None]
 
 
 def _tie_key(replica_id: str) -> int:
@@ -140,10 +137,19 @@ class KVAware(RoutingPolicy):
             return [], "no_index"
         if request.body_truncated:
             return [], "body_truncated"
-        tokens = self.tokenize(request.body_prefix)
+        # A replica scored by what this router sent it learns the whole prompt: tokenize all of it then.
+        approximate = ReplicaEvents.APPROXIMATE in self.sources.values()
+        tokens = self.tokenize(request.body_prefix, None if approximate else self._held)
         if tokens is None:
             return [], "no_prompt"
         return chain_keys(tokens, self.block_size), None
+
+    def _held(self, tokens: Sequence[int]) -> bool:
+        """Whether some replica's index holds the last whole block of these leading prompt tokens (True while
+        there is none): once no replica does, no replica can match further."""
+        assert self.block_size is not None
+        keys = chain_keys(tokens, self.block_size)
+        return not keys or self.index.held(keys[-1])
 
     def _matched(self, keys: list[int], replicas: list[ReplicaView]) -> dict[str, int]:
         ids = [view.replica_id for view in replicas]

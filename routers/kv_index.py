@@ -102,6 +102,10 @@ class KVBlockIndex:
             if not holders:
                 del self._holders[key]
 
+    def held(self, key: int) -> bool:
+        """Whether any replica holds the block of this chain key."""
+        return key in self._holders
+
     def matched_blocks(self, keys: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """How many leading blocks of `keys` each of `replica_ids` holds (0 when none)."""
         matched = dict.fromkeys(replica_ids, 0)

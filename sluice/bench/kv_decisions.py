@@ -2,10 +2,11 @@
 real tokenizer and chat template (`PromptTokens`), at about 1k and 8k prompt tokens, 8 replicas whose index holds
 every prompt's shared part.
 
-Two shapes: every prompt new (nothing cached: the whole prompt is tokenized), and a shared system prompt of that size
-with a new 16-token question (what `shared_prefix` and multi-turn traffic look like: the router tokenizes the system
-prompt once and reuses its pieces). CPU time of this process, the best of `REPEATS` runs, as the other rows. Goal
-(issue 25): at most 1 ms at 1k tokens.
+Three shapes: a prompt no replica holds (the router tokenizes its first blocks, finds no holder and stops), a prompt
+new to this router that a replica holds (another router sent it there: the whole prompt is tokenized, the worst case),
+and a shared system prompt of that size with a new 16-token question (what `shared_prefix` and multi-turn traffic look
+like: the router tokenizes the system prompt once and reuses its pieces). CPU time of this process, the best of
+`REPEATS` runs, as the other rows. Goal (issue 25): at most 1 ms at 1k tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def _body(system: str, question: str) -> bytes:
     return json.dumps({"model": "sluice-tiny", "messages": messages}).encode()
 
 
-def kv_aware_decision_us(model_dir: Path, tokens: int, shared: bool, count: int = 200) -> float:
+SHAPES = ("new prompt", "new to this router, held by a replica", "shared system prompt")
+
+
+def kv_aware_decision_us(model_dir: Path, tokens: int, shape: str, count: int = 200) -> float:
     prompts = PromptMaker(model_dir / "tokenizer.json", seed=tokens)
     tokenize = PromptTokens(str(model_dir))
     # The engines' side: their own tokenizer (this router's would cache every piece before the timed run).
@@ -49,6 +53,7 @@ def kv_aware_decision_us(model_dir: Path, tokens: int, shared: bool, count: int 
         policy.sources[view.replica_id] = ReplicaEvents.EVENTS
     decisions = _decisions(count, tokens)
     system = prompts.prompt(tokens)
+    shared = shape == "shared system prompt"
     runs = []
     for run in range(REPEATS):
         bodies = [
@@ -56,7 +61,7 @@ def kv_aware_decision_us(model_dir: Path, tokens: int, shared: bool, count: int 
             for _ in range(decisions)
         ]
         # The index holds each prompt's system part on one replica, as the engines' events would say.
-        for i, body in enumerate(bodies):
+        for i, body in enumerate(bodies if shape != "new prompt" else ()):
             prompt = engines_tokenize(body) or []
             keys = len(chain_keys(prompt[: tokens // BLOCK_SIZE * BLOCK_SIZE], BLOCK_SIZE))
             engine_hashes = [f"{run}-{i}-{k}" for k in range(keys)]
@@ -75,8 +80,7 @@ def run_kv_aware_bench(model_dir: Path) -> list[tuple[str, float]]:
     """(label, µs per decision) of each shape and size."""
     rows = []
     for tokens in PROMPT_SIZES:
-        for shared in (False, True):
-            shape = "shared system prompt" if shared else "new prompt"
+        for shape in SHAPES:
             label = f"kv_aware {tokens // 1024}k tokens, {shape}"
-            rows.append((label, kv_aware_decision_us(model_dir, tokens, shared)))
+            rows.append((label, kv_aware_decision_us(model_dir, tokens, shape)))
     return rows

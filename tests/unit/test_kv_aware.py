@@ -26,7 +26,7 @@ BLOCK = 4
 VIEWS = tuple(ReplicaView(replica_id=r, capacity=64) for r in ("a", "b", "c"))
 
 
-def _tokens(body: bytes) -> list[int] | None:
+def _tokens(body: bytes, held: object = None) -> list[int] | None:
     """The unit tests' prompt: the body is the token list itself (the real tokenizer is tested on vLLM replicas)."""
     parsed = json.loads(body)
     return parsed if isinstance(parsed, list) else None
