@@ -6,12 +6,18 @@ Per campaign: the prefix-cache hit rate from vLLM's own counters (read from ever
 ideal rate the workload allows (from the rows), TTFT p50 and p90, and each replica's in-flight requests over time
 (from the rows: send time, end-to-end latency, the replica that served). Each campaign has a seed of its own, so its
 prompts are new to the replicas' caches, which keep blocks from every earlier campaign.
+
+Every replica runs with a small KV cache (`small_cache`): a quarter more than one full-length request, about three
+of the workloads' conversations or system prompts. A cache that holds every prefix of the campaign (vLLM's CPU
+backend gives the tiny model about a million tokens) lets every sticky policy hit alike; a production cache holds far
+fewer prefixes than its traffic has, and that is where placement decides the hit rate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import csv
+import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,12 +32,32 @@ from loadtests.metrics import quantile
 from loadtests.report import prefix_cache_rates
 from loadtests.sse_timing import StreamRow
 from loadtests.workloads import SYSTEM_PROMPT_TOKENS, system_prompt_key
+from services.replica.llm_config import EngineConfig
 
 PREFIX_WORKLOADS = ("multi_turn", "shared_prefix")
 HOT_WORKLOAD = "hot_prefix"
 # Closed-loop users per campaign: 2 per replica of 3 on this machine's 2 cores, as the suite's other campaigns.
 USERS = 6
 _PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} (\S+)$", re.M)
+
+
+# vLLM's block size on CPUs when a spec sets none.
+VLLM_CPU_BLOCK_SIZE = 128
+# The section's cache in full-length requests: vLLM needs one (and a block it keeps in reserve); a quarter more
+# holds about three of the workloads' prefixes (a conversation's last turn or a system prompt is ~400 tokens), so a
+# replica with two live conversations keeps them and one with four evicts (measured at exactly one request's worth:
+# even two evicted each other, and every policy fell short of the ideal alike).
+SMALL_CACHE_REQUESTS = 1.25
+
+
+def small_cache(engine: dict[str, Any]) -> dict[str, Any]:
+    """`engine` (a spec model's engine arguments) with the section's KV cache (`SMALL_CACHE_REQUESTS` requests of
+    `max_model_len` tokens, in whole blocks) and each response's cached-token count (`prompt_tokens_details`), so
+    every row says what its request hit. A spec that sizes the cache keeps its size."""
+    block_size = int(engine.get("block_size", VLLM_CPU_BLOCK_SIZE))
+    max_model_len = int(engine.get("max_model_len", EngineConfig.model_fields["max_model_len"].default))
+    blocks = math.ceil(SMALL_CACHE_REQUESTS * max_model_len / block_size)
+    return {"num_gpu_blocks_override": blocks, "enable_prompt_tokens_details": True, **engine}
 
 
 def _whole_blocks(tokens: int, block_size: int) -> int:

@@ -28,7 +28,7 @@ from loadtests.sse_timing import StreamRow
 from routers.consistent_hash import NAME as CONSISTENT_HASH
 from routers.kv_aware import NAME as KV_AWARE
 from routers.round_robin import NAME as ROUND_ROBIN
-from sluice.bench.prefix_reuse import PrefixReuse, campaign_rows
+from sluice.bench.prefix_reuse import PrefixReuse, campaign_rows, small_cache
 
 PROBES = 600
 REMAP_SESSIONS = 300
@@ -151,6 +151,8 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
     # keeps the engine settings (a spec that sets either keeps its value).
     data.setdefault("routing", {}).setdefault("forward_body", True)
     data["routing"].setdefault("kv_events", True)
+    for spec_model in data["models"]:
+        spec_model["engine"] = small_cache(spec_model.get("engine", {}))
     out.mkdir(parents=True, exist_ok=True)
     model = data["models"][0]["name"]
     figures: dict[str, Any] = {}

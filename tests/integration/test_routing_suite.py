@@ -53,16 +53,24 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_b
         )
     multi_turn = {policy: found["hit_rate"] for policy, found in reuse["multi_turn"].items()}
     assert multi_turn == figures["prefix_cache_hit_rate"]
-    # Measured on 2 cores, two runs: round robin 0.31 and 0.31, kv_aware 0.46 (a busy machine) and 0.55, consistent
-    # hash 0.55 and 0.55, of an ideal 0.68: a turn finds its prefix on the replica that served the previous turn.
-    assert multi_turn[CONSISTENT_HASH] >= multi_turn[ROUND_ROBIN] + 0.15
-    assert multi_turn[KV_AWARE] >= multi_turn[ROUND_ROBIN] + 0.1
-    # A few system prompts fit every replica's cache, so every policy comes near the ideal here (measured 0.82-0.85
-    # of 0.85-0.86); TTFT is in the figures, not asserted: on 2 shared cores it is noise-bound at this scale.
-    shared = reuse["shared_prefix"][KV_AWARE]
-    assert shared["hit_rate"] >= 0.9 * shared["ideal_rate"]
-    # The hot session: kv_aware spreads it past the saturation bound and keeps its prefix hits (measured: busiest
-    # replica 1.10x and 1.02x the mean in flight, hit rate 0.85 of 0.86; consistent hash 1.39x and 1.70x, 0.86).
-    hot = figures["hot_session"][KV_AWARE]
-    assert hot["in_flight"]["busiest_over_mean"] <= 1.5
-    assert hot["hit_rate"] >= 0.9 * hot["ideal_rate"]
+    # Each replica's cache holds about three conversations (`small_cache`). A turn finds its prefix where the previous
+    # turn ran: both sticky policies reach most of the ideal, round robin a third. Measured on 2 cores, 3 runs:
+    # round robin 0.30 / 0.27 / 0.30, consistent hash 0.53 / 0.54 / 0.51, kv_aware 0.47 / 0.52 / 0.54 of an ideal
+    # 0.55 (which of the two sticky ones leads follows how evenly the hash spread that run's conversations).
+    ideal = reuse["multi_turn"][KV_AWARE]["ideal_rate"]
+    assert multi_turn[KV_AWARE] >= 0.8 * ideal
+    assert min(multi_turn[KV_AWARE], multi_turn[CONSISTENT_HASH]) >= multi_turn[ROUND_ROBIN] + 0.1
+    # Four system prompts, about three per cache, no session header: round robin and consistent hash bring every
+    # prompt to every replica and evict; kv_aware keeps each on its replica (measured: hit rate 0.54 / 0.54 / 0.56
+    # round robin and 0.83 / 0.84 / 0.84 kv_aware of 0.86; TTFT p90 278 / 205 / 205 ms and 115 / 136 / 113 ms).
+    shared = reuse["shared_prefix"]
+    assert shared[KV_AWARE]["hit_rate"] >= 0.9 * shared[KV_AWARE]["ideal_rate"]
+    assert (
+        shared[KV_AWARE]["hit_rate"] >= max(shared[ROUND_ROBIN]["hit_rate"], shared[CONSISTENT_HASH]["hit_rate"]) + 0.2
+    )
+    # The hot session: kv_aware spreads the load within the saturation bound and keeps its prefix hits (measured:
+    # busiest replica 1.06 / 1.10 / 1.08x the mean, hit rate 0.84 / 0.85 / 0.84 of 0.86; consistent hash 2.56 /
+    # 1.83 / 1.31x, 0.71 / 0.86 / 0.86).
+    hot = figures["hot_session"]
+    assert hot[KV_AWARE]["in_flight"]["busiest_over_mean"] <= 1.5
+    assert hot[KV_AWARE]["hit_rate"] >= 0.9 * hot[KV_AWARE]["ideal_rate"]

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from loadtests.sse_timing import StreamRow
-from sluice.bench.prefix_reuse import hit_rate, ideal_multi_turn_rate, ideal_shared_prefix_rate, in_flight
+from sluice.bench.prefix_reuse import (
+    hit_rate,
+    ideal_multi_turn_rate,
+    ideal_shared_prefix_rate,
+    in_flight,
+    small_cache,
+)
 
 
 def _row(session: str, sent_at: float, e2el_s: float = 1.0, replica: str = "a", **fields: object) -> StreamRow:
@@ -77,3 +83,14 @@ def test_the_hit_rate_counts_replicas_started_between_readings_from_zero_and_lea
     after = {"kept": (160.0, 500.0), "started": (30.0, 100.0)}
     assert hit_rate(before, after) == pytest.approx((60 + 30) / (100 + 100))
     assert hit_rate(before, before) == 0.0
+
+
+def test_the_sections_cache_holds_a_quarter_more_than_a_full_length_request_unless_the_spec_sizes_it() -> None:
+    assert small_cache({"block_size": 32}) == {
+        "num_gpu_blocks_override": 40,
+        "enable_prompt_tokens_details": True,
+        "block_size": 32,
+    }
+    assert small_cache({"block_size": 16, "max_model_len": 1000})["num_gpu_blocks_override"] == 79
+    assert small_cache({})["num_gpu_blocks_override"] == 10, "vLLM's CPU block size (128) when unset"
+    assert small_cache({"num_gpu_blocks_override": 99})["num_gpu_blocks_override"] == 99
