@@ -99,7 +99,8 @@ class InFlightTracker:
 
     A request is counted on its primary *at decision time*, so a burst of simultaneous decisions
     sees each earlier one (scraped counts would lag and herd the burst onto one replica). A request
-    whose completion is never reported is forgotten after `forget_after_s`. `on_count_changed`, when set, is
+    whose completion is never reported is forgotten once `forget_after_s` old, exactly: `expire()` before
+    each ranking, so two routers that placed the same requests count alike. `on_count_changed`, when set, is
     told (replica id, old count, new count) on every change, so a policy can keep a sum over the counts
     current in O(1) instead of adding them up per decision.
     """
@@ -107,20 +108,18 @@ class InFlightTracker:
     def __init__(self, forget_after_s: float = 900.0, clock=time.monotonic) -> None:
         self.forget_after_s = forget_after_s
         self._clock = clock
+        # In placement order (the clock is monotonic and a placed id is re-inserted), so expiring stops early.
         self._placements: dict[str, _Placement] = {}
         self._counts: dict[str, int] = {}
-        self._next_prune = 0.0
         self.on_count_changed: Callable[[str, int, int], None] | None = None
 
     def count(self, replica_id: str) -> int:
         return self._counts.get(replica_id, 0)
 
     def place(self, request_id: str, ranked_ids: tuple[str, ...]) -> None:
-        now = self._clock()
-        if now >= self._next_prune:
-            self._prune(now)
+        self.expire()
         self.finish(request_id)
-        self._placements[request_id] = _Placement(ranked_ids[0], ranked_ids, now)
+        self._placements[request_id] = _Placement(ranked_ids[0], ranked_ids, self._clock())
         self._add(ranked_ids[0], 1)
 
     def move(self, request_id: str, replica_id: str) -> int | None:
@@ -145,10 +144,13 @@ class InFlightTracker:
         if self.on_count_changed is not None:
             self.on_count_changed(replica_id, old, old + delta)
 
-    def _prune(self, now: float) -> None:
-        self._next_prune = now + 1.0
-        cutoff = now - self.forget_after_s
-        for request_id in [k for k, p in self._placements.items() if p.placed_at < cutoff]:
+    def expire(self) -> None:
+        """Forget the placements `forget_after_s` old or older."""
+        cutoff = self._clock() - self.forget_after_s
+        while self._placements:
+            request_id, placement = next(iter(self._placements.items()))
+            if placement.placed_at > cutoff:
+                return
             self.finish(request_id)
 
 
@@ -184,6 +186,7 @@ class RoutingPolicy(ABC):
         if not routable:
             self.counts.record(REASON_NO_REPLICA)
             raise NoReplicaAvailable(REASON_NO_REPLICA)
+        self.tracker.expire()
         ranking, reason = self._rank(routable, request)
         self.counts.record(reason)
         self.tracker.place(request.request_id, _ranked_ids(ranking))

@@ -27,7 +27,7 @@ from pydantic import Field
 
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
 from routers.entry import PolicyContext, PolicyEntry, PolicySettings
-from routers.kv_index import KVBlockIndex, RoutedPrefixes, chain_keys
+from routers.kv_index import KVBlockIndex, PromptChain, RoutedPrefixes
 from routers.prompt_tokens import Tokenize
 
 NAME = "kv_aware"
@@ -139,17 +139,18 @@ class KVAware(RoutingPolicy):
             return [], "body_truncated"
         # A replica scored by what this router sent it learns the whole prompt: tokenize all of it then.
         approximate = ReplicaEvents.APPROXIMATE in self.sources.values()
-        tokens = self.tokenize(request.body_prefix, None if approximate else self._held)
+        chain = PromptChain(self.block_size)
+        tokens = self.tokenize(request.body_prefix, None if approximate else lambda part: self._read_on(chain, part))
         if tokens is None:
             return [], "no_prompt"
-        return chain_keys(tokens, self.block_size), None
+        return chain.extended(tokens), None
 
-    def _held(self, tokens: Sequence[int]) -> bool:
-        """Whether some replica's index holds the last whole block of these leading prompt tokens (True while
-        there is none): once no replica does, no replica can match further."""
-        assert self.block_size is not None
-        keys = chain_keys(tokens, self.block_size)
-        return not keys or self.index.held(keys[-1])
+    def _read_on(self, chain: PromptChain, leading_tokens: Sequence[int]) -> bool:
+        """Whether the prompt past these leading tokens can change the ranking: while they hold no whole block, or
+        while two or more replicas hold the last one. A replica that lacks block k matches fewer than k blocks
+        whatever follows, so once one replica or none holds it, every replica's order is settled."""
+        keys = chain.extended(leading_tokens)
+        return not keys or self.index.holder_count(keys[-1]) >= 2
 
     def _matched(self, keys: list[int], replicas: list[ReplicaView]) -> dict[str, int]:
         ids = [view.replica_id for view in replicas]

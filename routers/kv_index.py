@@ -33,6 +33,20 @@ def chain_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY
     return keys
 
 
+class PromptChain:
+    """The chain keys of a prompt read in growing leading parts: each part's keys extend the previous part's, so
+    no block is hashed twice. Every part must begin with the one before it."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.keys: list[int] = []
+
+    def extended(self, token_ids: Sequence[int]) -> list[int]:
+        done = len(self.keys) * self.block_size
+        self.keys.extend(chain_keys(token_ids[done:], self.block_size, self.keys[-1] if self.keys else ROOT_KEY))
+        return self.keys
+
+
 class KVBlockIndex:
     """Chain key -> replicas holding that block, from each replica's stored / removed / cleared events."""
 
@@ -102,9 +116,9 @@ class KVBlockIndex:
             if not holders:
                 del self._holders[key]
 
-    def held(self, key: int) -> bool:
-        """Whether any replica holds the block of this chain key."""
-        return key in self._holders
+    def holder_count(self, key: int) -> int:
+        """How many replicas hold the block of this chain key."""
+        return len(self._holders.get(key, ()))
 
     def matched_blocks(self, keys: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """How many leading blocks of `keys` each of `replica_ids` holds (0 when none)."""

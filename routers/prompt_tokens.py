@@ -13,10 +13,10 @@ tokens (`<|im_start|>`, ...), and the text between them is tokenized on its own 
 pieces are cached: a shared system prompt or a conversation's earlier turns are tokenized once per router. Only for
 tokenizers whose added tokens strip no neighbouring spaces, where the split is exact; others encode the whole text.
 
-A caller that only needs the prompt as far as some cache may hold it passes `held(tokens)`: before a new piece is
-tokenized, and after the first `HEAD_CHARS` of a long new piece, a prefix no replica holds ends the work (the rest
-cannot match), so a new 1k-token prompt costs its first few blocks, not its whole length (and when the head is
-held, the rest is encoded from the cut on: no token twice). The head is cut before a
+A caller that only needs the prompt as far as it can change its decision passes `read_on(tokens)`: before a new
+piece is tokenized, and after the first `HEAD_CHARS` of a long new piece, a leading part it has no use beyond ends the
+work (for kv_aware: one no replica holds, or only one does), so a new 1k-token prompt costs its first few blocks, not
+its whole length (and when it reads on, the rest is encoded from the cut: no token twice). The head is cut before a
 space that follows a non-space, where a tokenizer that splits words at spaces first (byte-level BPE, Metaspace,
 whitespace) gives exactly the leading tokens of the whole piece; for any other tokenizer every piece is encoded whole.
 """
@@ -32,16 +32,16 @@ from typing import Any
 # Pieces of rendered chats kept per router: a few hundred system prompts and live conversations' turns.
 PIECE_CACHE_SIZE = 4096
 # The head of a long new piece tokenized first: about 200 tokens of English, more than one KV block of any common
-# size (16-128 tokens), so `held` can answer after it. Only pieces over twice this long are cut.
+# size (16-128 tokens), so `read_on` can answer after it. Only pieces over twice this long are cut.
 HEAD_CHARS = 1024
 # Pre-tokenizers that split words at spaces before the model merges anything: a cut before " word" is exact.
-_SPLIT_AT_SPACES = {"ByteLevel", "Metaspace", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
+_SPLIT_AT_SPACES = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
 
-# Whether some replica may hold a prompt prefix of these tokens (True while it has no whole block).
-Held = Callable[[Sequence[int]], bool]
-# The prompt tokens of a forwarded body, or None when it holds no prompt the router can render; given `Held`,
-# possibly only up to the first whole block no replica holds (`PromptTokens.tokens`).
-Tokenize = Callable[[bytes, Held | None], list[int] | None]
+# Whether the prompt past these leading tokens can still change a decision (some cache may match further).
+ReadOn = Callable[[Sequence[int]], bool]
+# The prompt tokens of a forwarded body, or None when it holds no prompt the router can render; given `ReadOn`,
+# possibly only their leading part (`PromptTokens.tokens`).
+Tokenize = Callable[[bytes, ReadOn | None], list[int] | None]
 
 
 def _splits_at_spaces(pre_tokenizer: dict[str, Any] | None) -> bool:
@@ -86,12 +86,12 @@ class PromptTokens:
         # A completion's special tokens all lead (BOS): its head, encoded with them, begins the whole prompt's tokens.
         self._specials_lead = self._encode("x ka", specials=True)[-2:] == self._encode("x ka")[-2:]
 
-    def __call__(self, body: bytes, held: Held | None = None) -> list[int] | None:
-        return self.tokens(body, held)
+    def __call__(self, body: bytes, read_on: ReadOn | None = None) -> list[int] | None:
+        return self.tokens(body, read_on)
 
-    def tokens(self, body: bytes, held: Held | None = None) -> list[int] | None:
-        """The prompt's token ids, or None; given `held`, possibly only their leading part: up to the first whole
-        block no replica holds (what any prefix match needs)."""
+    def tokens(self, body: bytes, read_on: ReadOn | None = None) -> list[int] | None:
+        """The prompt's token ids, or None; given `read_on`, possibly only their leading part: up to where
+        `read_on` said no more."""
         try:
             parsed = json.loads(body)
         except (ValueError, RecursionError):
@@ -100,17 +100,17 @@ class PromptTokens:
             return None
         try:
             if "messages" in parsed:
-                return self._chat(parsed, held)
-            return self._completion(parsed.get("prompt"), held)
+                return self._chat(parsed, read_on)
+            return self._completion(parsed.get("prompt"), read_on)
         except Exception:  # a template that refuses these messages: vLLM answers 400; route by load here
             return None
 
-    def _completion(self, prompt: Any, held: Held | None) -> list[int] | None:
+    def _completion(self, prompt: Any, read_on: ReadOn | None) -> list[int] | None:
         if isinstance(prompt, str):
-            cut = head_cut(prompt) if held is not None and self._cuts_heads and self._specials_lead else None
+            cut = head_cut(prompt) if read_on is not None and self._cuts_heads and self._specials_lead else None
             if cut is not None:
                 head = self._encode(prompt[:cut], specials=True)
-                if not held(head):
+                if not read_on(head):
                     return head
                 return head + self._encode(prompt[cut:])
             return self._encode(prompt, specials=True)
@@ -118,7 +118,7 @@ class PromptTokens:
             return prompt
         return None
 
-    def _chat(self, body: dict[str, Any], held: Held | None) -> list[int] | None:
+    def _chat(self, body: dict[str, Any], read_on: ReadOn | None) -> list[int] | None:
         messages = body["messages"]
         if not isinstance(messages, list):
             return None
@@ -147,13 +147,13 @@ class PromptTokens:
             if added is not None:
                 tokens.append(added)
                 continue
-            if held is not None and piece not in self._pieces:
-                if not held(tokens):
+            if read_on is not None and piece not in self._pieces:
+                if not read_on(tokens):
                     return tokens
                 cut = head_cut(piece) if self._cuts_heads else None
                 if cut is not None:
                     head = self._encode(piece[:cut])
-                    if not held(tokens + head):
+                    if not read_on(tokens + head):
                         return tokens + head
                     tokens.extend(self._remember(piece, head + self._encode(piece[cut:])))
                     continue

@@ -2,10 +2,11 @@
 real tokenizer and chat template (`PromptTokens`), at about 1k and 8k prompt tokens, 8 replicas whose index holds
 every prompt's shared part.
 
-Three shapes: a prompt no replica holds (the router tokenizes its first blocks, finds no holder and stops), a prompt
-new to this router that a replica holds (another router sent it there: the whole prompt is tokenized, the worst case),
-and a shared system prompt of that size with a new 16-token question (what `shared_prefix` and multi-turn traffic look
-like: the router tokenizes the system prompt once and reuses its pieces). CPU time of this process, the best of
+Four shapes: a prompt no replica holds (the router tokenizes its first blocks, finds no holder and stops), a prompt
+new to this router that one replica holds (another router sent it there: past the first blocks only that replica can
+match, so the router stops there too), one that two replicas hold (the ranking between them needs the whole prompt:
+the worst case), and a shared system prompt of that size with a new 16-token question (what `shared_prefix` and
+multi-turn traffic look like: the router tokenizes the system prompt once and reuses its pieces). CPU time of this process, the best of
 `REPEATS` runs, as the other rows. Goal (issue 25): at most 1 ms at 1k tokens.
 """
 
@@ -38,7 +39,12 @@ def _body(system: str, question: str) -> bytes:
     return json.dumps({"model": "sluice-tiny", "messages": messages}).encode()
 
 
-SHAPES = ("new prompt", "new to this router, held by a replica", "shared system prompt")
+SHAPES = (
+    "new prompt",
+    "new to this router, held by one replica",
+    "new to this router, held by two replicas",
+    "shared system prompt",
+)
 
 
 def kv_aware_decision_us(model_dir: Path, tokens: int, shape: str, count: int = 200) -> float:
@@ -60,12 +66,15 @@ def kv_aware_decision_us(model_dir: Path, tokens: int, shape: str, count: int = 
             _body(system if shared else prompts.prompt(tokens), prompts.prompt(QUESTION_TOKENS))
             for _ in range(decisions)
         ]
-        # The index holds each prompt's system part on one replica, as the engines' events would say.
+        # The index holds each prompt's system part on one replica (two), as the engines' events would say.
+        holders = 2 if "two replicas" in shape else 1
         for i, body in enumerate(bodies if shape != "new prompt" else ()):
             prompt = engines_tokenize(body) or []
             keys = len(chain_keys(prompt[: tokens // BLOCK_SIZE * BLOCK_SIZE], BLOCK_SIZE))
-            engine_hashes = [f"{run}-{i}-{k}" for k in range(keys)]
-            policy.index.stored(views[i % REPLICAS].replica_id, engine_hashes, None, prompt, BLOCK_SIZE)
+            for holder in range(holders):
+                engine_hashes = [f"{run}-{i}-{holder}-{k}" for k in range(keys)]
+                replica_id = views[(i + holder) % REPLICAS].replica_id
+                policy.index.stored(replica_id, engine_hashes, None, prompt, BLOCK_SIZE)
         tokenize(bodies[0])  # a shared system prompt's pieces are cached after the first request, as in a router
         requests = [RouteRequest(request_id=f"{run}-{i}", body_prefix=body) for i, body in enumerate(bodies)]
         start = time.process_time()

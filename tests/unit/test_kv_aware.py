@@ -5,6 +5,7 @@ the registry's rules around it (forwarded bodies, the prefill side, the model's 
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from routers.core import ReplicaView, RouteRequest
 from routers.entry import PolicyContext
 from routers.kv_aware import KVAware, ReplicaEvents
 from routers.kv_index import chain_keys
+from routers.prompt_tokens import ReadOn
 from routers.registry import HANDLE_POLICY_WITHOUT_PROMPT, build_policy, handle_policy
 from services.replica.llm_config import LLMAppConfig
 from services.router.settings import PrefillTarget, RouterAppArgs, RouterSettings
@@ -134,6 +136,56 @@ def test_two_policies_given_the_same_index_and_requests_rank_alike() -> None:
     requests = [_request(PROMPT if i % 3 else [7] * 12 + [i], i) for i in range(200)]
     ids = [[[t[0].replica_id for t in p.rank(VIEWS, r)] for r in requests] for p in (first, second)]
     assert ids[0] == ids[1]
+
+
+class _BlockwiseTokens:
+    """The unit tests' prompt read a block at a time, asking `read_on` before each further block (as the real
+    tokenizer asks before each new piece); `read` is how many tokens the last call handed out."""
+
+    def __init__(self) -> None:
+        self.read = 0
+
+    def __call__(self, body: bytes, read_on: ReadOn | None = None) -> list[int] | None:
+        tokens = _tokens(body)
+        if tokens is None or read_on is None:
+            return tokens
+        end = 0
+        while end < len(tokens) and read_on(tokens[:end]):
+            end += BLOCK
+        self.read = min(end, len(tokens))
+        return tokens[: self.read]
+
+
+def test_once_one_replica_or_none_holds_a_block_the_rest_of_the_prompt_is_not_read() -> None:
+    tokenize = _BlockwiseTokens()
+    policy = KVAware(tokenize)
+    policy.block_size = BLOCK
+    for view in VIEWS:
+        policy.sources[view.replica_id] = ReplicaEvents.EVENTS
+    _store(policy, "b", PROMPT[:12])
+    assert policy.rank(VIEWS, _request(PROMPT, 0))[0][0].replica_id == "b"
+    assert tokenize.read == BLOCK, "only b holds the first block: no block after it can change the order"
+    _store(policy, "a", PROMPT[:8])
+    assert policy.rank(VIEWS, _request(PROMPT, 1))[0][0].replica_id == "b"
+    assert tokenize.read == 3 * BLOCK, "a and b hold two blocks: read on to the third, which only b holds"
+
+
+def test_reading_a_prompt_only_as_far_as_it_can_change_the_ranking_ranks_as_reading_it_all() -> None:
+    rng = random.Random(4)
+    prompts = [[rng.randrange(50) for _ in range(6 * BLOCK)] for _ in range(5)]
+    whole, partial = _policy(), KVAware(_BlockwiseTokens())
+    partial.block_size = BLOCK
+    partial.sources = dict(whole.sources)
+    for step in range(300):
+        if step % 3 == 0:
+            replica, prompt = rng.choice("abc"), rng.choice(prompts)
+            stored = prompt[: BLOCK * rng.randrange(1, 7)]
+            for policy in (whole, partial):
+                _store(policy, replica, stored)
+        request = _request(rng.choice(prompts)[: BLOCK * rng.randrange(1, 7) + 1], step)
+        ranked = [[tier[0].replica_id for tier in policy.rank(VIEWS, request)] for policy in (whole, partial)]
+        assert ranked[0] == ranked[1], step
+        assert whole.counts.last_reason == partial.counts.last_reason
 
 
 def test_the_policy_reads_the_body_so_the_spec_must_forward_it() -> None:

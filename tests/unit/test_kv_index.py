@@ -8,7 +8,7 @@ import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from routers.kv_events import Step, StreamPosition, apply_batch, sequence_frame, sequence_number
-from routers.kv_index import KVBlockIndex, RoutedPrefixes, chain_keys
+from routers.kv_index import KVBlockIndex, PromptChain, RoutedPrefixes, chain_keys
 
 BLOCK = 4
 
@@ -103,3 +103,10 @@ def test_routed_prefixes_stay_bounded() -> None:
     routed.routed("a", keys)
     assert routed.matched_blocks(keys, "a") == 0, "the oldest keys (the prefix's start) went first"
     assert len(routed) == 3
+
+
+def test_a_prompt_chain_read_in_parts_has_the_whole_prompts_keys() -> None:
+    tokens = list(range(50))
+    chain = PromptChain(block_size=4)
+    for end in (0, 3, 9, 9, 24, 50):
+        assert chain.extended(tokens[:end]) == chain_keys(tokens[:end], 4)

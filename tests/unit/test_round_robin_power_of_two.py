@@ -98,3 +98,26 @@ def test_unreported_completions_are_forgotten() -> None:
     now[0] = policy.tracker.forget_after_s + 2
     policy.rank(_views(1), RouteRequest(request_id="next"))
     assert policy.tracker.count("replica-000") == 1
+
+
+class _CountSeeing(PowerOfTwo):
+    """Power of two that records the first replica's in-flight count each ranking saw."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.seen: list[int] = []
+
+    def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
+        self.seen.append(self.tracker.count(replicas[0].replica_id))
+        return super()._rank(replicas, request)
+
+
+def test_a_ranking_counts_exactly_the_placements_younger_than_forget_after_s() -> None:
+    now = [0.0]
+    policy = _CountSeeing()
+    policy.tracker = InFlightTracker(forget_after_s=2.0, clock=lambda: now[0])
+    for at in (0.0, 0.5, 1.5, 2.0, 2.6):
+        now[0] = at
+        policy.rank(_views(1), RouteRequest(request_id=f"at-{at}"))
+    # The placements of the last 2 s, none kept into a later second.
+    assert policy.seen == [0, 1, 2, 2, 2]
