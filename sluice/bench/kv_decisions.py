@@ -6,8 +6,8 @@ Four shapes: a prompt no replica holds (the router tokenizes its first blocks, f
 new to this router that one replica holds (another router sent it there: past the first blocks only that replica can
 match, so the router stops there too), one that two replicas hold (the ranking between them needs the whole prompt:
 the worst case), and a shared system prompt of that size with a new 16-token question (what `shared_prefix` and
-multi-turn traffic look like: the router tokenizes the system prompt once and reuses its pieces). CPU time of this process, the best of
-`REPEATS` runs, as the other rows. Goal (issue 25): at most 1 ms at 1k tokens.
+multi-turn traffic look like: the router tokenizes the system prompt once and reuses its pieces). CPU time of this
+process, the best of `REPEATS` runs, as the other rows. Goal (issue 25): at most 1 ms at 1k tokens.
 """
 
 from __future__ import annotations
