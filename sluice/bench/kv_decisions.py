@@ -39,12 +39,13 @@ def _body(system: str, question: str) -> bytes:
     return json.dumps({"model": "sluice-tiny", "messages": messages}).encode()
 
 
-SHAPES = (
-    "new prompt",
-    "new to this router, held by one replica",
-    "new to this router, held by two replicas",
-    "shared system prompt",
-)
+# Each shape and how many replicas the index says hold each prompt's system part.
+SHAPES = {
+    "new prompt": 0,
+    "new to this router, held by one replica": 1,
+    "new to this router, held by two replicas": 2,
+    "shared system prompt": 1,
+}
 
 
 def kv_aware_decision_us(model_dir: Path, tokens: int, shape: str, count: int = 200) -> float:
@@ -66,12 +67,11 @@ def kv_aware_decision_us(model_dir: Path, tokens: int, shape: str, count: int = 
             _body(system if shared else prompts.prompt(tokens), prompts.prompt(QUESTION_TOKENS))
             for _ in range(decisions)
         ]
-        # The index holds each prompt's system part on one replica (two), as the engines' events would say.
-        holders = 2 if "two replicas" in shape else 1
-        for i, body in enumerate(bodies if shape != "new prompt" else ()):
+        # The index holds each prompt's system part on the shape's replicas, as the engines' events would say.
+        for i, body in enumerate(bodies if SHAPES[shape] else ()):
             prompt = engines_tokenize(body) or []
             keys = len(chain_keys(prompt[: tokens // BLOCK_SIZE * BLOCK_SIZE], BLOCK_SIZE))
-            for holder in range(holders):
+            for holder in range(SHAPES[shape]):
                 engine_hashes = [f"{run}-{i}-{holder}-{k}" for k in range(keys)]
                 replica_id = views[(i + holder) % REPLICAS].replica_id
                 policy.index.stored(replica_id, engine_hashes, None, prompt, BLOCK_SIZE)
