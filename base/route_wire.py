@@ -52,12 +52,14 @@ class Membership(BaseModel):
     """What one frontend can route to, published by its syncer to every router replica.
 
     `replica_ids`: the replicas in the frontend's server set that are UP and not leaving. A router ranks only
-    these for that frontend's route calls."""
+    these for that frontend's route calls. `in_flight`: each of them's open requests through this frontend when the
+    set was read (its HAProxy server's current sessions), the live load a router adds up over the frontends."""
 
     model_config = ConfigDict(extra="forbid")
 
     frontend: str
     replica_ids: list[str]
+    in_flight: dict[str, int] = {}
 
 
 class KVEventSource(BaseModel):

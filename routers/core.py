@@ -32,6 +32,9 @@ class ReplicaView:
     capacity: int = 1
     healthy: bool = True
     draining: bool = False
+    # `in_flight` is a sample of the replica's open requests (its frontends' HAProxy counts), taken when this router
+    # last called `InFlightTracker.sampled()`, rather than a count the caller keeps.
+    in_flight_sampled: bool = False
 
     @property
     def routable(self) -> bool:
@@ -92,6 +95,8 @@ class _Placement:
     replica_id: str
     ranked_ids: tuple[str, ...]
     placed_at: float
+    # The sample of open requests current when placed (`InFlightTracker.sampled`).
+    sample: int
 
 
 class InFlightTracker:
@@ -102,7 +107,8 @@ class InFlightTracker:
     whose completion is never reported is forgotten once `forget_after_s` old, exactly: `expire()` before
     each ranking, so two routers that placed the same requests count alike. `on_count_changed`, when set, is
     told (replica id, old count, new count) on every change, so a policy can keep a sum over the counts
-    current in O(1) instead of adding them up per decision.
+    current in O(1) instead of adding them up per decision. `placed_since_sample(replica)` counts the placements
+    made since the last `sampled()` (a new sample of the replicas' open requests), which the sample cannot hold yet.
     """
 
     def __init__(self, forget_after_s: float = 900.0, clock=time.monotonic) -> None:
@@ -112,23 +118,34 @@ class InFlightTracker:
         self._placements: dict[str, _Placement] = {}
         self._counts: dict[str, int] = {}
         self.on_count_changed: Callable[[str, int, int], None] | None = None
+        self._sample = 0
+        self._since_sample: dict[str, int] = {}
 
     def count(self, replica_id: str) -> int:
         return self._counts.get(replica_id, 0)
 
+    def sampled(self) -> None:
+        """A new sample of the replicas' open requests arrived: the placements before now are in it."""
+        self._sample += 1
+        self._since_sample.clear()
+
+    def placed_since_sample(self, replica_id: str) -> int:
+        return self._since_sample.get(replica_id, 0)
+
     def place(self, request_id: str, ranked_ids: tuple[str, ...]) -> None:
         self.expire()
         self.finish(request_id)
-        self._placements[request_id] = _Placement(ranked_ids[0], ranked_ids, self._clock())
-        self._add(ranked_ids[0], 1)
+        self._placements[request_id] = _Placement(ranked_ids[0], ranked_ids, self._clock(), self._sample)
+        self._add(ranked_ids[0], 1, since_sample=True)
 
     def move(self, request_id: str, replica_id: str) -> int | None:
         """Re-count the request on the replica it actually went to; return that replica's rank."""
         placement = self._placements.get(request_id)
         if placement is None or placement.replica_id == replica_id:
             return 0 if placement is not None else None
-        self._add(placement.replica_id, -1)
-        self._add(replica_id, 1)
+        since_sample = placement.sample == self._sample
+        self._add(placement.replica_id, -1, since_sample)
+        self._add(replica_id, 1, since_sample)
         placement.replica_id = replica_id
         ranked = placement.ranked_ids
         return ranked.index(replica_id) if replica_id in ranked else None
@@ -136,9 +153,11 @@ class InFlightTracker:
     def finish(self, request_id: str) -> None:
         placement = self._placements.pop(request_id, None)
         if placement is not None:
-            self._add(placement.replica_id, -1)
+            self._add(placement.replica_id, -1, placement.sample == self._sample)
 
-    def _add(self, replica_id: str, delta: int) -> None:
+    def _add(self, replica_id: str, delta: int, since_sample: bool) -> None:
+        if since_sample:
+            self._since_sample[replica_id] = self._since_sample.get(replica_id, 0) + delta
         old = self._counts.get(replica_id, 0)
         self._counts[replica_id] = old + delta
         if self.on_count_changed is not None:

@@ -100,6 +100,13 @@ class KVAware(RoutingPolicy):
         self.routed_prefixes.forget(replica_id)
         self.sources.pop(replica_id, None)
 
+    def live_in_flight(self, view: ReplicaView) -> int:
+        """A replica's open requests as its frontends last counted them, plus what this router sent it since; with
+        no count published, the base rule (this router's decisions of the last `forget_after_s`)."""
+        if view.in_flight_sampled:
+            return view.in_flight + self.tracker.placed_since_sample(view.replica_id)
+        return super().live_in_flight(view)
+
     def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
         keys, reason = self._prompt_keys(request)
         matched = self._matched(keys, replicas)

@@ -51,6 +51,7 @@ class HAProxySyncer:
         sources: list[AppSources],
         drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
+        publish_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if len(sources) != len(settings.apps):
             raise ValueError(f"{len(sources)} endpoint sources for {len(settings.apps)} apps")
@@ -64,6 +65,9 @@ class HAProxySyncer:
         self._adopted = False
         self._publish_failing: set[str] = set()
         self._refused_logged: set[str] = set()
+        # The kept-open publication client while `run` runs; a lone `sync_once` opens one for its pass.
+        self._client: httpx.AsyncClient | None = None
+        self._publish_transport = publish_transport
 
     async def sync_once(self) -> SyncReport:
         """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is and its
@@ -77,20 +81,28 @@ class HAProxySyncer:
             for app in self.apps
         ]
         report = await asyncio.to_thread(self._sync, endpoints)
-        for app, routable in zip(self.apps, report.routable_by_app, strict=True):
-            await self._publish(app, tuple(routable))
+        for app, routable, in_flight in zip(self.apps, report.routable_by_app, report.in_flight_by_app, strict=True):
+            await self._publish(
+                app, Membership(frontend=self.settings.frontend_id, replica_ids=routable, in_flight=in_flight)
+            )
         return report
 
     async def run(self, interval_s: float = SYNC_INTERVAL_S) -> None:
-        """Reconcile every `interval_s` until cancelled; a failed pass is logged and retried."""
-        while True:
+        """Reconcile every `interval_s` until cancelled; a failed pass is logged and retried. The publications go
+        over one kept-open client (a new client costs tens of ms of CPU: its TLS context)."""
+        async with self._publish_client() as client:
+            self._client = client
             try:
-                report = await self.sync_once()
-                if report.changed:
-                    logger.info("haproxy sync: %s", report)
-            except Exception:
-                logger.exception("haproxy sync pass failed; retrying in %.2f s", interval_s)
-            await asyncio.sleep(interval_s)
+                while True:
+                    try:
+                        report = await self.sync_once()
+                        if report.changed:
+                            logger.info("haproxy sync: %s", report)
+                    except Exception:
+                        logger.exception("haproxy sync pass failed; retrying in %.2f s", interval_s)
+                    await asyncio.sleep(interval_s)
+            finally:
+                self._client = None
 
     # Blocking part (runs in a worker thread; the runtime API is a unix socket round trip per command).
     def _sync(self, endpoints: Endpoints) -> SyncReport:
@@ -105,13 +117,13 @@ class HAProxySyncer:
                 self._sync_pool(pool, wanted, stats, report if pool is not app.router_targets else SyncReport())
             # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
             backend = app.replicas.backend
-            report.routable_by_app.append(
-                sorted(
-                    name
-                    for name in app.replicas.live
-                    if (stat := stats.get((backend, name))) is not None and stat.confirmed_up
-                )
-            )
+            routable = {
+                name: stat.scur
+                for name in sorted(app.replicas.live)
+                if (stat := stats.get((backend, name))) is not None and stat.confirmed_up
+            }
+            report.routable_by_app.append(list(routable))
+            report.in_flight_by_app.append(routable)
         return report
 
     def _sync_pool(
@@ -212,22 +224,24 @@ class HAProxySyncer:
             if pool.members:
                 logger.info("adopted %s servers: %s", pool.backend, sorted(pool.members))
 
-    async def _publish(self, app: AppPools, routable: tuple[str, ...]) -> None:
-        """Send the app's routable set to every live router of the app that lacks it or is due a heartbeat."""
+    async def _publish(self, app: AppPools, membership: Membership) -> None:
+        """Send the app's routable set and open requests to every live router of the app that lacks them or is due
+        a heartbeat."""
         now = self.clock()
         live = app.routers.live
-        due = [endpoint for name, endpoint in live.items() if self._due(app, name, routable, now)]
+        due = [endpoint for name, endpoint in live.items() if self._due(app, name, membership, now)]
         for name in app.published.keys() - live.keys():
             del app.published[name]
         if not due:
             return
-        body = Membership(frontend=self.settings.frontend_id, replica_ids=list(routable)).model_dump_json()
+        body = membership.model_dump_json()
         url_path = app.app.router_route_prefix + MEMBERSHIP_PATH
-        async with httpx.AsyncClient(timeout=PUBLISH_TIMEOUT_S) as client:
-            results = await asyncio.gather(
-                *(self._publish_to(client, f"{endpoint.url}{url_path}", body) for endpoint in due),
-                return_exceptions=True,
-            )
+        urls = [f"{endpoint.url}{url_path}" for endpoint in due]
+        if self._client is not None:
+            results = await self._post_all(self._client, urls, body)
+        else:
+            async with self._publish_client() as client:
+                results = await self._post_all(client, urls, body)
         for endpoint, result in zip(due, results, strict=True):
             name = endpoint.replica_id
             if isinstance(result, BaseException):
@@ -236,18 +250,24 @@ class HAProxySyncer:
                 self._publish_failing.add(name)
                 continue
             self._publish_failing.discard(name)
-            app.published[name] = (routable, now)
+            app.published[name] = (membership, now)
 
     def published_replicas(self) -> int:
         """The fewest replicas any app's live routers have all been told about (0 while one has been told nothing)."""
         return min(app.published_replicas() for app in self.apps)
 
     @staticmethod
-    def _due(app: AppPools, router: str, routable: tuple[str, ...], now: float) -> bool:
+    def _due(app: AppPools, router: str, membership: Membership, now: float) -> bool:
         last = app.published.get(router)
-        return last is None or last[0] != routable or now - last[1] >= PUBLISH_HEARTBEAT_S
+        return last is None or last[0] != membership or now - last[1] >= PUBLISH_HEARTBEAT_S
+
+    def _publish_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=PUBLISH_TIMEOUT_S, transport=self._publish_transport)
 
     @staticmethod
-    async def _publish_to(client: httpx.AsyncClient, url: str, body: str) -> None:
-        response = await client.post(url, content=body, headers={"content-type": "application/json"})
-        response.raise_for_status()
+    async def _post_all(client: httpx.AsyncClient, urls: list[str], body: str) -> list[None | BaseException]:
+        async def post(url: str) -> None:
+            response = await client.post(url, content=body, headers={"content-type": "application/json"})
+            response.raise_for_status()
+
+        return await asyncio.gather(*(post(url) for url in urls), return_exceptions=True)

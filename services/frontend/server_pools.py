@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from base.route_wire import Membership
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import legacy_backend
 from infra.haproxy.config import HAProxySettings, replica_backend, router_backend
@@ -33,6 +34,8 @@ class SyncReport:
     refused: list[str] = field(default_factory=list)  # ids that cannot name an HAProxy server
     # Per app (in the settings' order): the replica ids published to its routers.
     routable_by_app: list[list[str]] = field(default_factory=list)
+    # Per app: each routable replica's open requests (its server's current sessions) when the pass read them.
+    in_flight_by_app: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def routable(self) -> list[str]:
@@ -84,8 +87,8 @@ class AppPools:
         self.legacy = ServerPool(legacy_backend(index), legacy_server_options(settings))
         # The routers' Serve addresses, for the metrics discovery only.
         self.router_targets = ServerPool(router_targets_backend(index), [], checked=False)
-        # Router id -> (the set last published to it, when).
-        self.published: dict[str, tuple[tuple[str, ...], float]] = {}
+        # Router id -> (what was last published to it, when).
+        self.published: dict[str, tuple[Membership, float]] = {}
 
     def pools(
         self, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint], legacy: list[ReplicaEndpoint]
@@ -104,7 +107,7 @@ class AppPools:
         live = self.routers.live
         if not live or any(name not in self.published for name in live):
             return 0
-        return min(len(self.published[name][0]) for name in live)
+        return min(len(self.published[name][0].replica_ids) for name in live)
 
 
 def same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:

@@ -2,13 +2,15 @@
 
 Serve's replica list is the candidate set; a frontend that published (`Membership`) gets the views in its latest
 set, an unnamed or silent one the views every publishing frontend can route to, and with no publication at all
-every view. The result may be empty (the policy refuses with `no_replica`). The rule and why:
+every view. The result may be empty (the policy refuses with `no_replica`). A view whose replica the publications
+count open requests for carries their sum over the frontends (`in_flight_sampled`). The rule and why:
 services/router/README.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from base.route_wire import Membership, replica_of
 from routers.core import ReplicaView
@@ -23,19 +25,31 @@ class FrontendMembership:
 
     def __init__(self) -> None:
         self._sets: dict[str, frozenset[str]] = {}
+        # Per frontend: its open requests per replica; and their sum over the frontends.
+        self._in_flight: dict[str, dict[str, int]] = {}
+        self._in_flight_sum: dict[str, int] = {}
         # The ids every publishing frontend can route to; None while nothing was published.
         self._common: frozenset[str] | None = None
         # Key: a publishing frontend, or None for the common set. Value: (views seen, views filtered).
         self._cache: dict[str | None, tuple[Sequence[ReplicaView], tuple[ReplicaView, ...]]] = {}
 
-    def publish(self, membership: Membership) -> None:
-        """Replace `membership.frontend`'s set; an unchanged set (a heartbeat) keeps the cache."""
+    def publish(self, membership: Membership) -> bool:
+        """Replace `membership.frontend`'s set and open requests; an unchanged publication (a heartbeat) keeps the
+        cache. Returns whether the open requests changed: a new sample."""
         ids = frozenset(membership.replica_ids)
-        if self._sets.get(membership.frontend) == ids:
-            return
-        self._sets[membership.frontend] = ids
+        frontend = membership.frontend
+        new_sample = self._in_flight.get(frontend) != membership.in_flight
+        if self._sets.get(frontend) == ids and not new_sample:
+            return False
+        self._sets[frontend] = ids
+        self._in_flight[frontend] = membership.in_flight
         self._common = frozenset.intersection(*self._sets.values())
+        self._in_flight_sum = {}
+        for counts in self._in_flight.values():
+            for replica_id, count in counts.items():
+                self._in_flight_sum[replica_id] = self._in_flight_sum.get(replica_id, 0) + count
         self._cache.clear()
+        return new_sample
 
     def routable(self, views: Sequence[ReplicaView], frontend: str | None) -> Sequence[ReplicaView]:
         """The views `frontend` (None: unnamed) may be offered, by the rule of the module docstring."""
@@ -47,6 +61,12 @@ class FrontendMembership:
         if cached is not None and cached[0] is views:
             return cached[1]
         allowed = self._common if key is None else self._sets[key]
-        filtered = tuple(view for view in views if replica_of(view.replica_id) in allowed)
+        filtered = tuple(self._sampled(view) for view in views if replica_of(view.replica_id) in allowed)
         self._cache[key] = (views, filtered)
         return filtered
+
+    def _sampled(self, view: ReplicaView) -> ReplicaView:
+        """The view with its replica's open requests, when published (an engine rank's view of a data-parallel
+        replica has none of its own: HAProxy counts the replica's)."""
+        count = self._in_flight_sum.get(view.replica_id)
+        return view if count is None else replace(view, in_flight=count, in_flight_sampled=True)

@@ -210,7 +210,8 @@ def build_router_app(
             # Invalid JSON is a ValidationError too; the context may hold exceptions, which json cannot dump.
             detail = error.errors(include_url=False, include_input=False, include_context=False)
             return Response(json.dumps({"detail": detail}), status_code=422, media_type=_JSON)
-        membership.publish(published)
+        if membership.publish(published):
+            policy.tracker.sampled()
         membership_updates.inc()
         return Response(status_code=204)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import re
 import stat
@@ -17,19 +16,14 @@ from infra.haproxy import config_file as haproxy_config
 from infra.haproxy import protection as frontend_protection
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import (
-    REPLICA_BACKEND,
     RETRY_SERVERS,
-    ROUTER_BACKEND,
     HAProxySettings,
 )
 from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
 from infra.haproxy.protection import ClientLimits, FrontendProtection
-from infra.haproxy.runtime_api import RuntimeAPIError, ServerStat
 from infra.haproxy.servers import replica_server_options
-from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
-from services.serve_internals import ReplicaEndpoint
 
 
 def settings(tmp_path: Path, **app: object) -> HAProxySettings:
@@ -303,146 +297,3 @@ def test_binary_search_names_what_it_tried(tmp_path: Path) -> None:
     with pytest.raises(HAProxyNotFoundError, match=r"2\.4\.22 < 2\.6"):
         find_haproxy_binary(old)
     assert find_haproxy_binary().is_file()
-
-
-# The syncer's server bookkeeping against an in-memory runtime API.
-class FakeRuntime:
-    def __init__(self) -> None:
-        self.servers: dict[tuple[str, str], dict[str, object]] = {}
-        self.commands: list[str] = []
-
-    def show_stat(self) -> dict[tuple[str, str], ServerStat]:
-        status = {"ready": "UP", "maint": "MAINT"}
-        return {
-            key: ServerStat(key[0], key[1], status[v["state"]], v["scur"], v["addr"])  # type: ignore[arg-type]
-            for key, v in self.servers.items()
-        }
-
-    def add_server(self, backend: str, server: str, host: str, port: int, options: list[str]) -> None:
-        self.commands.append(f"add {server}")
-        self.servers[(backend, server)] = {"addr": f"{host}:{port}", "state": "maint", "scur": 0, "options": options}
-
-    def enable_health(self, backend: str, server: str) -> None:
-        assert (backend, server) in self.servers
-
-    def set_server_health_down(self, backend: str, server: str) -> None:
-        self.commands.append(f"health down {server}")
-
-    def set_server_addr(self, backend: str, server: str, host: str, port: int) -> None:
-        self.commands.append(f"addr {server} {port}")
-        self.servers[(backend, server)]["addr"] = f"{host}:{port}"
-
-    def set_server_check_port(self, backend: str, server: str, port: int) -> None:
-        self.servers[(backend, server)]["check_port"] = port
-
-    def set_server_state(self, backend: str, server: str, state: str) -> None:
-        self.commands.append(f"{server} {state}")
-        self.servers[(backend, server)]["state"] = state
-
-    def shutdown_sessions(self, backend: str, server: str) -> None:
-        self.commands.append(f"shutdown {server}")
-        self.servers[(backend, server)]["scur"] = 0
-
-    def del_server(self, backend: str, server: str) -> None:
-        entry = self.servers[(backend, server)]
-        if entry["state"] != "maint" or entry["scur"]:
-            raise RuntimeAPIError(f"del server {backend}/{server}", "Server still has connections attached to it")
-        self.commands.append(f"del {server}")
-        del self.servers[(backend, server)]
-
-
-def endpoint(replica_id: str, port: int) -> ReplicaEndpoint:
-    return ReplicaEndpoint(replica_id=replica_id, deployment="d", host="127.0.0.1", port=port)
-
-
-def make_syncer(
-    tmp_path: Path, runtime: FakeRuntime, live: list, routers: list, now: list[float], grace: float = 30
-) -> HAProxySyncer:
-    s = settings(tmp_path)
-    sources = AppSources(replicas=lambda: _value(list(live)), routers=lambda: _value(list(routers)))
-    return HAProxySyncer(runtime, s, [sources], drain_grace_s=grace, clock=lambda: now[0])
-
-
-def test_syncer_adds_retires_and_deletes_servers_by_replica_id(tmp_path: Path) -> None:
-    runtime = FakeRuntime()
-    live = [endpoint("a", 1001), endpoint("b", 1002)]
-    now = [0.0]
-    syncer = make_syncer(tmp_path, runtime, live, [], now)
-
-    def sync() -> object:
-        return asyncio.run(syncer.sync_once())
-
-    report = sync()
-    assert report.added == ["a", "b"] and report.routable == []  # routable only once HAProxy has them UP
-    assert runtime.servers[(REPLICA_BACKEND, "a")]["addr"] == "127.0.0.1:1001"
-    assert runtime.servers[(REPLICA_BACKEND, "a")]["options"] == replica_server_options(settings(tmp_path))
-    now[0] = 0.25
-    assert sync().routable == ["a", "b"]
-    # `a` leaves while it still streams; `c` arrives: `a` goes to maintenance at once and leaves the routable set.
-    runtime.servers[(REPLICA_BACKEND, "a")]["scur"] = 3
-    live[:] = [endpoint("b", 1002), endpoint("c", 1003)]
-    now[0] = 1.0
-    report = sync()
-    assert report.left == ["a"] and report.added == ["c"] and report.routable == ["b"]
-    assert runtime.servers[(REPLICA_BACKEND, "a")]["state"] == "maint"
-    now[0] = 2.0
-    assert sync().deleted == []
-    # Its streams end: deleted on the next pass.
-    runtime.servers[(REPLICA_BACKEND, "a")]["scur"] = 0
-    now[0] = 3.0
-    report = sync()
-    assert report.deleted == ["a"] and (REPLICA_BACKEND, "a") not in runtime.servers
-    assert report.routable == ["b", "c"]
-
-
-def test_syncer_drain_grace_moved_replica_and_adoption(tmp_path: Path) -> None:
-    runtime = FakeRuntime()
-    live = [endpoint("a", 1001)]
-    routers = [endpoint("r", 2001)]
-    now = [0.0]
-    syncer = make_syncer(tmp_path, runtime, live, routers, now, grace=5)
-    asyncio.run(syncer.sync_once())
-    assert runtime.servers[(ROUTER_BACKEND, "r")]["state"] == "ready"
-    # Same id on a new port: moved in place.
-    live[:] = [endpoint("a", 1009)]
-    now[0] = 1.0
-    assert asyncio.run(syncer.sync_once()).moved == ["a"]
-    assert runtime.servers[(REPLICA_BACKEND, "a")]["addr"] == "127.0.0.1:1009"
-    # A leaving replica whose streams never end is cut after the grace, then deleted.
-    runtime.servers[(REPLICA_BACKEND, "a")]["scur"] = 1
-    live[:] = []
-    now[0] = 2.0
-    assert asyncio.run(syncer.sync_once()).left == ["a"]
-    now[0] = 6.5
-    assert asyncio.run(syncer.sync_once()).deleted == []
-    now[0] = 7.0
-    assert asyncio.run(syncer.sync_once()).deleted == ["a"]
-    assert runtime.commands[-2:] == ["shutdown a", "del a"]
-    # A fresh syncer (e.g. after a restart) adopts what it finds instead of starting over.
-    live[:] = [endpoint("b", 1002)]
-    asyncio.run(syncer.sync_once())
-    again = make_syncer(tmp_path, runtime, live, routers, [8.0])
-    report = asyncio.run(again.sync_once())
-    assert not report.changed and report.routable == ["b"]
-    assert set(again.apps[0].replicas.live) == {"b"} and set(again.apps[0].routers.live) == {"r"}
-
-
-def test_syncer_adds_again_a_live_replica_deleted_behind_its_back(tmp_path: Path) -> None:
-    runtime = FakeRuntime()
-    live = [endpoint("a", 1001), endpoint("b", 1002)]
-    syncer = make_syncer(tmp_path, runtime, live, [], [0.0])
-    asyncio.run(syncer.sync_once())
-    del runtime.servers[(REPLICA_BACKEND, "a")]
-    report = asyncio.run(syncer.sync_once())
-    assert report.added == ["a"] and runtime.servers[(REPLICA_BACKEND, "a")]["addr"] == "127.0.0.1:1001"
-
-
-def test_syncer_refuses_ids_that_cannot_name_a_server(tmp_path: Path) -> None:
-    runtime = FakeRuntime()
-    live = [endpoint("ok-1", 1001), endpoint("_retry1", 1002), endpoint("bad id", 1003)]
-    report = asyncio.run(make_syncer(tmp_path, runtime, live, [], [0.0]).sync_once())
-    assert report.added == ["ok-1"] and sorted(report.refused) == ["_retry1", "bad id"]
-
-
-async def _value(value: list[ReplicaEndpoint]) -> list[ReplicaEndpoint]:
-    return value

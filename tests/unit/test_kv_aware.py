@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,19 @@ def test_below_the_saturation_floor_a_prefix_stays_on_its_replica() -> None:
     _store(policy, "b", PROMPT)
     primaries = [policy.rank(VIEWS, _request(PROMPT, i))[0][0].replica_id for i in range(5)]
     assert primaries == ["b"] * 4 + [primaries[4]] and primaries[4] != "b"
+
+
+def test_live_load_is_the_frontends_count_of_open_requests_plus_what_this_router_sent_since() -> None:
+    policy = _policy(saturation_floor=4)
+    _store(policy, "b", PROMPT)
+    primaries = [policy.rank(VIEWS, _request(PROMPT, i))[0][0].replica_id for i in range(5)]
+    assert primaries[:4] == ["b"] * 4 and primaries[4] != "b"  # this router's decisions alone: b is saturated
+    # The frontends count one request open on b (the others ended): b takes the prefix again, up to the floor.
+    policy.tracker.sampled()
+    sampled = tuple(replace(view, in_flight=int(view.replica_id == "b"), in_flight_sampled=True) for view in VIEWS)
+    primaries = [policy.rank(sampled, _request(PROMPT, 10 + i))[0][0].replica_id for i in range(4)]
+    assert primaries == ["b"] * 3 + [primaries[3]] and primaries[3] != "b"
+    assert policy.counts.last_reason == "saturated"
 
 
 def test_misses_go_to_the_least_loaded_replica_and_spread() -> None:

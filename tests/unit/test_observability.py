@@ -45,7 +45,7 @@ from services.router.service import METRICS_PATH
 from services.router.settings import RouterSettings
 from services.serve_internals import ReplicaEndpoint
 from tests.support.router_service_client import REPLICA_IDS, route, router, unique_app, views
-from tests.unit.test_haproxy_config import FakeRuntime, endpoint, make_syncer
+from tests.support.syncer_fakes import FakeRuntime, endpoint, make_syncer
 
 ROOT = Path(__file__).resolve().parents[2]
 

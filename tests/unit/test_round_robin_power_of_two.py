@@ -121,3 +121,23 @@ def test_a_ranking_counts_exactly_the_placements_younger_than_forget_after_s() -
         policy.rank(_views(1), RouteRequest(request_id=f"at-{at}"))
     # The placements of the last 2 s, none kept into a later second.
     assert policy.seen == [0, 1, 2, 2, 2]
+
+
+def test_placements_since_the_last_sample_are_counted_until_they_end_or_a_new_sample_holds_them() -> None:
+    now = [0.0]
+    tracker = InFlightTracker(forget_after_s=2.0, clock=lambda: now[0])
+    tracker.place("before", ("a", "b"))
+    tracker.sampled()
+    tracker.place("x", ("a", "b"))
+    tracker.place("y", ("a", "b"))
+    assert (tracker.placed_since_sample("a"), tracker.count("a")) == (2, 3)
+    tracker.move("y", "b")  # went to its fallback
+    tracker.finish("before")  # placed before the sample: the sample held it, nothing since changes
+    assert (tracker.placed_since_sample("a"), tracker.placed_since_sample("b")) == (1, 1)
+    now[0] = 2.0
+    tracker.expire()  # forgotten after forget_after_s
+    assert (tracker.placed_since_sample("a"), tracker.placed_since_sample("b")) == (0, 0)
+    tracker.place("z", ("a",))
+    tracker.sampled()  # the new sample holds z
+    tracker.finish("z")
+    assert tracker.placed_since_sample("a") == 0 and tracker.count("a") == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from infra.haproxy.config import ROUTER_BACKEND
 from services.router.route_listener import MAX_HEAD_BYTES, RouteListener
-from tests.unit.test_haproxy_config import FakeRuntime, endpoint, make_syncer
+from tests.support.syncer_fakes import FakeRuntime, endpoint, make_syncer
 
 LOOPBACK = "127.0.0.1"
 

@@ -10,6 +10,7 @@ from base.contracts import (
 )
 from base.route_wire import Membership, RouteRefusal
 from routers.consistent_hash import ConsistentHash
+from routers.core import ReplicaView
 from services.router.membership import FrontendMembership
 from services.router.settings import RouterSettings
 from tests.support.router_service_client import (
@@ -188,3 +189,19 @@ def test_membership_caches_the_filtered_views_until_the_views_or_a_publication_c
     assert [v.replica_id for v in membership.routable(second, None)] == REPLICA_IDS[3:]
     assert [v.replica_id for v in membership.routable(second, "fe-b")] == REPLICA_IDS[2:]
     assert [v.replica_id for v in membership.routable(second, "fe-a")] == REPLICA_IDS[3:]
+
+
+def test_views_carry_the_open_requests_summed_over_the_frontends_and_only_a_changed_count_is_a_new_sample() -> None:
+    membership = FrontendMembership()
+    ids = REPLICA_IDS[:3]
+    assert membership.publish(Membership(frontend="fe-a", replica_ids=ids, in_flight={ids[0]: 2, ids[1]: 0}))
+    assert membership.publish(Membership(frontend="fe-b", replica_ids=ids, in_flight={ids[0]: 1, ids[1]: 3}))
+    offered = membership.routable(tuple(views(ids)), "fe-a")
+    assert [(v.in_flight, v.in_flight_sampled) for v in offered] == [(3, True), (3, True), (0, False)]
+    # A heartbeat (same set, same counts) is no new sample; a changed count is.
+    assert not membership.publish(Membership(frontend="fe-b", replica_ids=ids, in_flight={ids[0]: 1, ids[1]: 3}))
+    assert membership.publish(Membership(frontend="fe-b", replica_ids=ids, in_flight={ids[0]: 0, ids[1]: 3}))
+    assert [v.in_flight for v in membership.routable(tuple(views(ids)), None)] == [2, 3, 0]
+    # An engine rank of a data-parallel replica has no count of its own: HAProxy counts the replica's.
+    ranked = membership.routable((ReplicaView(replica_id=f"{ids[0]}:0"),), "fe-a")
+    assert [(v.in_flight, v.in_flight_sampled) for v in ranked] == [(0, False)]
