@@ -1,6 +1,8 @@
 """The routing suite's prefix-reuse section: every policy on the same number of LLM replicas with the same engine
-settings, a `multi_turn` and a `shared_prefix` campaign each, and a `hot_prefix` campaign for the policies whose
-hot-session behaviour matters (sluice/bench/README.md, the routing suite).
+settings, a `multi_turn` campaign with the session header and one without it (`multi_turn_headerless`: the same
+conversations, which only a policy reading the prompt can keep together), a `shared_prefix` campaign each, and a
+`hot_prefix` campaign for the policies whose hot-session behaviour matters (sluice/bench/README.md, the routing
+suite).
 
 Per campaign: the prefix-cache hit rate from vLLM's own counters (read from every replica before and after), the
 ideal rate the workload allows (from the rows), TTFT p50 and p90, and each replica's in-flight requests over time
@@ -34,7 +36,13 @@ from loadtests.sse_timing import StreamRow
 from loadtests.workloads import SYSTEM_PROMPT_TOKENS, system_prompt_key
 from services.replica.llm_config import EngineConfig
 
-PREFIX_WORKLOADS = ("multi_turn", "shared_prefix")
+# Each prefix case: its workload and whether its requests carry the session header.
+PREFIX_CASES: dict[str, tuple[str, bool]] = {
+    "multi_turn": ("multi_turn", True),
+    "multi_turn_headerless": ("multi_turn", False),
+    "shared_prefix": ("shared_prefix", True),
+}
+SESSION_HEADER = Campaign.model_fields["session_header"].default
 HOT_WORKLOAD = "hot_prefix"
 # Closed-loop users per campaign: 2 per replica of 3 on this machine's 2 cores, as the suite's other campaigns.
 USERS = 6
@@ -169,11 +177,19 @@ def hit_rate(before: dict[str, tuple[float, float]], after: dict[str, tuple[floa
 
 
 def campaign_rows(
-    plan: Any, workload: str, out: Path, tokenizer: Path, duration_s: float, seed: int
+    plan: Any, workload: str, out: Path, tokenizer: Path, duration_s: float, seed: int, session_header: bool = True
 ) -> list[StreamRow]:
-    """One closed-loop campaign of `USERS` users against the plan's frontend; its rows."""
+    """One closed-loop campaign of `USERS` users against the plan's frontend (without the session header unless
+    `session_header`); its rows."""
     campaign = Campaign(
-        workload=workload, target=plan.url, out=out, tokenizer=tokenizer, duration_s=duration_s, users=USERS, seed=seed
+        workload=workload,
+        target=plan.url,
+        out=out,
+        tokenizer=tokenizer,
+        duration_s=duration_s,
+        users=USERS,
+        seed=seed,
+        session_header=SESSION_HEADER if session_header else "",
     )
     run(campaign)
     with (out / "rows.csv").open() as handle:
@@ -186,7 +202,7 @@ class PrefixReuse:
     def __init__(self, out: Path, tokenizer: Path, duration_s: float, replicas: int, seed: int) -> None:
         self.out, self.tokenizer, self.duration_s, self.replicas = out, tokenizer, duration_s, replicas
         self.seed = seed
-        self.reuse: dict[str, dict[str, dict[str, Any]]] = {workload: {} for workload in PREFIX_WORKLOADS}
+        self.reuse: dict[str, dict[str, dict[str, Any]]] = {case: {} for case in PREFIX_CASES}
         self.hot: dict[str, dict[str, Any]] = {}
         self.rows: list[StreamRow] = []
 
@@ -195,10 +211,13 @@ class PrefixReuse:
         self.seed += 1
         return self.seed
 
-    def _campaign(self, plan: Any, workload: str, policy: str) -> dict[str, Any]:
+    def _campaign(self, plan: Any, case: str, policy: str) -> dict[str, Any]:
+        workload, session_header = PREFIX_CASES.get(case, (case, True))
         before = prefix_counters(plan)
-        folder = self.out / f"{workload}-{policy}"
-        self.rows = campaign_rows(plan, workload, folder, self.tokenizer, self.duration_s, self.next_seed())
+        folder = self.out / f"{case}-{policy}"
+        self.rows = campaign_rows(
+            plan, workload, folder, self.tokenizer, self.duration_s, self.next_seed(), session_header
+        )
         after = prefix_counters(plan)
         ttfts = [r.ttft_s * 1000 for r in self.rows if r.ok and r.ttft_s is not None]
         return {
@@ -212,9 +231,9 @@ class PrefixReuse:
         }
 
     def measure(self, plan: Any, policy: str, hot_session: bool) -> None:
-        """`policy`'s campaigns on `plan` (deployed with it): each prefix workload, then `hot_prefix` if asked."""
-        for workload in PREFIX_WORKLOADS:
-            self.reuse[workload][policy] = self._campaign(plan, workload, policy)
+        """`policy`'s campaigns on `plan` (deployed with it): each prefix case, then `hot_prefix` if asked."""
+        for case in PREFIX_CASES:
+            self.reuse[case][policy] = self._campaign(plan, case, policy)
         if hot_session:
             self.hot[policy] = self._campaign(plan, HOT_WORKLOAD, policy)
 

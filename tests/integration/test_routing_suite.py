@@ -54,12 +54,14 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_b
     multi_turn = {policy: found["hit_rate"] for policy, found in reuse["multi_turn"].items()}
     assert multi_turn == figures["prefix_cache_hit_rate"]
     # Each replica's cache holds about three conversations (`small_cache`). A turn finds its prefix where the previous
-    # turn ran: both sticky policies reach most of the ideal, round robin a third. Measured on 2 cores, 3 runs:
-    # round robin 0.30 / 0.27 / 0.30, consistent hash 0.53 / 0.54 / 0.51, kv_aware 0.47 / 0.52 / 0.54 of an ideal
-    # 0.55 (which of the two sticky ones leads follows how evenly the hash spread that run's conversations).
+    # turn ran: both sticky policies reach most of the ideal, round robin a third; without the session header only
+    # kv_aware keeps a conversation together. Measured on 2 cores: see the README's KV-cache-aware routing table.
     ideal = reuse["multi_turn"][KV_AWARE]["ideal_rate"]
-    assert multi_turn[KV_AWARE] >= 0.8 * ideal
+    assert multi_turn[KV_AWARE] >= 0.9 * ideal
     assert min(multi_turn[KV_AWARE], multi_turn[CONSISTENT_HASH]) >= multi_turn[ROUND_ROBIN] + 0.1
+    headerless = {policy: found["hit_rate"] for policy, found in reuse["multi_turn_headerless"].items()}
+    assert headerless[KV_AWARE] >= 0.9 * reuse["multi_turn_headerless"][KV_AWARE]["ideal_rate"]
+    assert headerless[KV_AWARE] >= max(headerless[CONSISTENT_HASH], headerless[ROUND_ROBIN]) + 0.1
     # Four system prompts, about three per cache, no session header: round robin and consistent hash bring every
     # prompt to every replica and evict; kv_aware keeps each on its replica (measured: hit rate 0.54 / 0.54 / 0.56
     # round robin and 0.83 / 0.84 / 0.84 kv_aware of 0.86; TTFT p90 278 / 205 / 205 ms and 115 / 136 / 113 ms).
