@@ -14,6 +14,9 @@ REPLICA_HEADER = "x-serve-replica"
 SESSION_HEADER_DEFAULT = "x-session-id"
 CAPACITY_TOKEN_HEADER = "x-sluice-capacity-token"
 BODY_TRUNCATED_HEADER = "x-body-truncated"
+# `x-body-truncated: <have>/<total>`; the total of a chunked body HAProxy did not hold to its end is unknown: `*`
+# (as in HTTP's Content-Range).
+BODY_TOTAL_UNKNOWN = "*"
 SERVE_REASON_HEADER = "x-serve-reason"
 SERVE_FALLBACK_HEADER = "x-serve-fallback"
 # Set on a response served by the replica at rank k >= 1 of the router's ranked list (0 = the primary).

@@ -5,7 +5,8 @@ The router turns the forwarded body into the prompt tokens vLLM will compute (`P
 tokenizer and chat template), cuts them into the engine's KV blocks and scores each replica by how many leading
 blocks it holds (`KVBlockIndex`, fed by every replica's vLLM KV events; a replica that publishes none is scored by
 what this router itself sent there, `RoutedPrefixes`). Ranking, best first: more matched blocks, then fewer live
-in-flight requests, then a tie-break hashed from the prompt's first block and the replica id (the same in every
+in-flight requests (`live_in_flight`: the open requests its frontends last counted, plus this router's decisions
+since), then a tie-break hashed from the prompt's first block and the replica id (the same in every
 router, and spreading different prompts over equally loaded replicas). The primary is the best replica that is not
 saturated: its live in-flight plus this request would pass both `saturation_factor` times the mean (the bound of
 consistent hashing with bounded loads, Mirrokni et al. 2018) and `saturation_floor`, or its capacity. Fallbacks
@@ -36,8 +37,7 @@ NAME = "kv_aware"
 DEFAULT_SATURATION_FACTOR = 1.5
 # Below this many live in-flight requests a replica is never saturated: at low load the mean is near 0 and the
 # factor's bound is 1, which would spill every second request of a prefix; a replica batches a few sequences at
-# little cost, while a spill costs a whole prefill elsewhere. (Live in-flight is the router's own decisions of the
-# last `forget_after_s`: about twice the requests really running when they take a second.)
+# little cost, while a spill costs a whole prefill elsewhere.
 DEFAULT_SATURATION_FLOOR = 4
 # How long a replica without events is taken to keep a prefix this router sent it: a small cache under load turns
 # over in minutes; a longer guess sends conversations to blocks long evicted.

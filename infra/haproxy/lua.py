@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from base.contracts import (
     APP_HEADER,
+    BODY_TOTAL_UNKNOWN,
     BODY_TRUNCATED_HEADER,
     CANARY_CRITERIA,
     CAPACITY_TOKEN_HEADER,
@@ -189,6 +190,7 @@ def render_lua(settings: HAProxySettings) -> str:
         frontend_header=_lua_str(FRONTEND_HEADER),
         request_id_header=_lua_str(REQUEST_ID_HEADER),
         body_truncated_header=_lua_str(BODY_TRUNCATED_HEADER),
+        body_total_unknown=_lua_str(BODY_TOTAL_UNKNOWN),
         capacity_token_header=_lua_str(CAPACITY_TOKEN_HEADER),
         prefill_replica_header=_lua_str(PREFILL_REPLICA_HEADER),
         prefill_url_header=_lua_str(PREFILL_URL_HEADER),

@@ -21,7 +21,8 @@ _FIELD_PATTERNS = {name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*"((?:[^"\
 
 
 def body_truncated(value: str | None) -> bool:
-    """`have/total` from HAProxy: cut when have < total; a malformed value still says it was cut."""
+    """`have/total` from HAProxy: cut when have < total or the total is unknown (a chunked body); a malformed value
+    still says it was cut."""
     if value is None:
         return False
     have, _, total = value.partition("/")

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from base.contracts import (
+    BODY_TOTAL_UNKNOWN,
     BODY_TRUNCATED_HEADER,
     REASON_NO_PREFILL_REPLICA,
     REQUEST_ID_HEADER,
@@ -139,12 +140,14 @@ def test_truncated_or_invalid_bodies_never_fail_and_truncation_is_counted() -> N
             cut = {BODY_TRUNCATED_HEADER: "16384/70000"}
             replies += [await route(client, body=body, **cut) for body in BAD_BODIES]
             replies.append(await route(client, body=BAD_BODIES[0], **{BODY_TRUNCATED_HEADER: "garbled"}))
+            chunked = {BODY_TRUNCATED_HEADER: f"16384/{BODY_TOTAL_UNKNOWN}"}
+            replies.append(await route(client, body=BAD_BODIES[0], **chunked))
             replies.append(await route(client, body=b'{"model": "m"}', **{BODY_TRUNCATED_HEADER: "14/14"}))
             return replies
 
     replies = asyncio.run(run())
     assert [r.status_code for r in replies] == [200] * len(replies)
-    assert sample("sluice_router_truncated_bodies_total", app=app) == len(BAD_BODIES) + 1
+    assert sample("sluice_router_truncated_bodies_total", app=app) == len(BAD_BODIES) + 2
 
 
 @pytest.mark.parametrize(
@@ -189,6 +192,9 @@ def test_the_route_request_carries_headers_and_body() -> None:
     assert route_request_from(headers, body, "x-team-session") == RouteRequest(
         request_id="req-1", session_id="s-9", model="sluice-tiny", user="u-1", body_prefix=body, body_truncated=True
     )
+    # A chunked body cut at the buffer (its total unknown) is read the same way: its fields from the prefix.
+    chunked = route_request_from({BODY_TRUNCATED_HEADER: f"45/{BODY_TOTAL_UNKNOWN}"}, body, "x-team-session")
+    assert chunked.body_truncated and chunked.user == "u-1" and chunked.model == "sluice-tiny"
     fresh = route_request_from({"x-team-session": ""}, b"", "x-team-session")
     assert fresh.session_id is None and len(fresh.request_id) == 32 and fresh.model is None
 

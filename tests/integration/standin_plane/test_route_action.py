@@ -20,6 +20,7 @@ import pytest
 
 from base.contracts import (
     APP_HEADER,
+    BODY_TOTAL_UNKNOWN,
     BODY_TRUNCATED_HEADER,
     CAPACITY_TOKEN_HEADER,
     DATA_PARALLEL_RANK_HEADER,
@@ -282,6 +283,18 @@ def test_body_forwarding_and_truncation(env: Env, client: httpx.Client) -> None:
     assert call.header(BODY_TRUNCATED_HEADER) == f"{BODY_BUFFER_BYTES}/{len(big)}"
     assert call.body == big[:BODY_BUFFER_BYTES]
     assert first_event(response)["body_len"] == len(big)
+    # The same body chunked (no Content-Length): cut alike, its total unknown to the router.
+    response = client.post(CHAT_PATH, content=iter([big[:50_000], big[50_000:]]), headers=session)
+    assert_pinned(response, env.behavior)
+    _, call = env.behavior.calls[-1]
+    assert call.header(BODY_TRUNCATED_HEADER) == f"{BODY_BUFFER_BYTES}/{BODY_TOTAL_UNKNOWN}"
+    assert call.body == big[:BODY_BUFFER_BYTES]
+    assert first_event(response)["body_len"] == len(big)
+    # A chunked body within the buffer reaches the router whole, uncut.
+    response = client.post(CHAT_PATH, content=iter([small[:50], small[50:]]), headers=session)
+    assert_pinned(response, env.behavior)
+    _, call = env.behavior.calls[-1]
+    assert call.body == small and call.header(BODY_TRUNCATED_HEADER) is None
 
 
 def test_route_call_overhead(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
