@@ -1,10 +1,11 @@
 """CapacityLedger: one central count of in-flight requests per replica against its capacity. No Ray import.
 
 `acquire` grants a token on the least-loaded candidate with room, or queues the caller FIFO until a slot is handed
-to it; `release` is exactly-once (repeats, unknown and late releases are counted no-ops); `reap` takes back tokens
-older than `token_ttl_s`. A decision costs the same at any replica count. State is in memory only: after a restart
-at most 2 x capacity is admitted per replica until older requests finish (THE RESTART BOUND). Algorithm, cost,
-constants and why: routers/README.md#the-capacity-ledger.
+to it; `release` is exactly-once (repeats, unknown and late releases are counted no-ops); `reject` gives back the
+token of a request its replica refused and holds that replica full until it reports room (THE REJECTION RULE);
+`reap` takes back tokens older than `token_ttl_s`. A decision costs the same at any replica count. State is in
+memory only: after a restart at most 2 x capacity is admitted per replica until older requests finish (THE RESTART
+BOUND). Algorithm, cost, constants and why: routers/README.md#the-capacity-ledger.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ DEFAULT_TOKEN_TTL_S = 600.0
 # Finished token ids remembered to tell a double release from an unknown one (~10-20 MB).
 RELEASED_MEMORY = 100_000
 DEFAULT_REAP_INTERVAL_S = 10.0
+# How long a replica that refused a request is held full when none of its tokens ends first: its room was taken by
+# requests the ledger does not meter (another caller's), and those of an LLM run for seconds.
+DEFAULT_REJECT_HOLD_S = 5.0
 # Registered candidate sets (one per router view, per narrowed frontend set), least recently used dropped first.
 MAX_CANDIDATE_SETS = 16
 
@@ -114,13 +118,17 @@ class CapacityLedger:
         token_ttl_s: float = DEFAULT_TOKEN_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
+        reject_hold_s: float = DEFAULT_REJECT_HOLD_S,
     ) -> None:
         self.token_ttl_s = token_ttl_s
+        self.reject_hold_s = reject_hold_s
         self._clock = clock
         self._rng = random.Random(seed)
         self._capacity: dict[str, int] = {}
         self._in_flight: dict[str, int] = {}
         self._open = 0  # replicas with room
+        # Replicas held full since they refused a request, until when (THE REJECTION RULE).
+        self._held_full: dict[str, float] = {}
         # Least recently used first. A plain dict: iterating an OrderedDict's values hashes every key, and a
         # tuple's hash is O(len) each time.
         self._sets: dict[tuple[str, ...], _CandidateSet] = {}
@@ -138,12 +146,14 @@ class CapacityLedger:
         self.unknown_releases = 0
         self.late_releases = 0
         self.reaped = 0
+        self.rejected = 0
 
     def set_replicas(self, capacities: dict[str, int]) -> None:
         """Replace the replica set. Replicas left out get no new tokens; their tokens stay until
         released or reaped (and still count if the replica comes back)."""
         self._capacity = {replica_id: max(capacity, 0) for replica_id, capacity in capacities.items()}
-        self._open = sum(self.in_flight(r) < capacity for r, capacity in self._capacity.items())
+        self._held_full = {r: until for r, until in self._held_full.items() if r in self._capacity}
+        self._open = sum(self.in_flight(r) < self._room(r) for r in self._capacity)
         for candidates in self._sets.values():
             candidates.alive = False
         self._sets.clear()
@@ -156,6 +166,8 @@ class CapacityLedger:
         Raises `UnknownReplicas` when none of the candidates is a current replica. Pass the same tuple
         each time the set is the same: it is then matched in O(1). `request_id` is part of the
         `LedgerClient` call; the ledger does not keep it."""
+        if self._held_full:
+            self._end_holds(self._clock())
         candidates = self._candidate_set(replica_ids)
         if not candidates.members:
             raise UnknownReplicas(f"none of {len(replica_ids)} replicas is known to the ledger")
@@ -179,13 +191,28 @@ class CapacityLedger:
                 self.unknown_releases += 1
             return False
         self.released += 1
+        if grant.replica_id in self._held_full:  # a request ended there: it has room
+            self._set_held(grant.replica_id, None)
         self._finish(token_id, grant, _RELEASED)
         self._dispatch()
         return True
 
+    def reject(self, token_id: str) -> bool:
+        """The token's replica refused its request: give the token back and hold the replica full until one of its
+        tokens is released or `reject_hold_s` passed. True the first time; an unknown token is a release no-op."""
+        grant = self._grants.pop(token_id, None)
+        if grant is None:
+            return self.release(token_id)
+        self.rejected += 1
+        self._set_held(grant.replica_id, self._clock() + self.reject_hold_s)
+        self._finish(token_id, grant, _RELEASED)
+        return True
+
     def reap(self, now: float | None = None) -> int:
         """Take back every token older than `token_ttl_s`; return how many."""
-        cutoff = (self._clock() if now is None else now) - self.token_ttl_s
+        now = self._clock() if now is None else now
+        self._end_holds(now)
+        cutoff = now - self.token_ttl_s
         expired = []
         for token_id, grant in self._grants.items():
             if grant.issued_at >= cutoff:
@@ -222,13 +249,17 @@ class CapacityLedger:
             "unknown_releases": self.unknown_releases,
             "late_releases": self.late_releases,
             "reaped": self.reaped,
+            "rejected": self.rejected,
+            "held_full": sorted(self._held_full),
         }
 
     def _candidate_set(self, replica_ids: Sequence[str]) -> _CandidateSet:
         if replica_ids is self._last_ids and self._last_set is not None:
             return self._last_set
         key = replica_ids if isinstance(replica_ids, tuple) else tuple(replica_ids)
-        candidates = self._sets.pop(key, None) or _CandidateSet(key, self._capacity, self._in_flight)
+        candidates = self._sets.pop(key, None)
+        if candidates is None:
+            candidates = _CandidateSet(key, {r: self._room(r) for r in self._capacity}, self._in_flight)
         self._sets[key] = candidates
         if len(self._sets) > MAX_CANDIDATE_SETS:
             self._sets.pop(next(iter(self._sets))).alive = False
@@ -239,7 +270,7 @@ class CapacityLedger:
 
     def _count(self, replica_id: str, delta: int) -> None:
         """Change a replica's in-flight count and keep the open count and every registered set current."""
-        capacity = self._capacity.get(replica_id, 0)
+        capacity = self._room(replica_id)
         before = self.in_flight(replica_id)
         after = before + delta
         if after or replica_id in self._capacity:
@@ -249,6 +280,27 @@ class CapacityLedger:
         self._open += (after < capacity) - (before < capacity)
         for candidates in self._sets.values():
             candidates.move(replica_id, after, capacity)
+
+    def _room(self, replica_id: str) -> int:  # its capacity, or 0 while it is held full
+        return 0 if replica_id in self._held_full else self._capacity.get(replica_id, 0)
+
+    def _set_held(self, replica_id: str, until: float | None) -> None:
+        """Hold a replica full until `until`, or end its hold (None); the open count and the sets follow."""
+        had_room = self.in_flight(replica_id) < self._room(replica_id)
+        if until is None:
+            self._held_full.pop(replica_id, None)
+        else:
+            self._held_full[replica_id] = until
+        room = self._room(replica_id)
+        self._open += (self.in_flight(replica_id) < room) - had_room
+        for candidates in self._sets.values():
+            candidates.move(replica_id, self.in_flight(replica_id), room)
+
+    def _end_holds(self, now: float) -> None:
+        for replica_id in (ended := [r for r, until in self._held_full.items() if until <= now]):
+            self._set_held(replica_id, None)
+        if ended:
+            self._dispatch()
 
     def _grant(self, replica_id: str) -> CapacityToken:
         token = CapacityToken(token_id=uuid.uuid4().hex, replica_id=replica_id)

@@ -53,6 +53,8 @@ class LedgerClient(Protocol):
 
     async def release(self, token_id: str) -> bool: ...
 
+    async def reject(self, token_id: str) -> bool: ...
+
     async def set_replicas(self, capacities: dict[str, int]) -> None: ...
 
     async def snapshot(self) -> dict: ...
@@ -69,6 +71,9 @@ class LocalLedgerClient:
 
     async def release(self, token_id: str) -> bool:
         return self.ledger.release(token_id)
+
+    async def reject(self, token_id: str) -> bool:
+        return self.ledger.reject(token_id)
 
     async def set_replicas(self, capacities: dict[str, int]) -> None:
         self.ledger.set_replicas(capacities)
@@ -146,6 +151,15 @@ class CapacityQueue(RoutingPolicy):
     async def release(self, token: CapacityToken) -> bool:
         try:
             return await self.ledger.release(token.token_id)
+        except Exception:
+            self.counts.event("release_fault")
+            return False
+
+    async def reject(self, token: CapacityToken) -> bool:
+        """The token's replica refused the request: the ledger holds it full until it reports room (THE REJECTION
+        RULE, routers/README.md#the-capacity-ledger)."""
+        try:
+            return await self.ledger.reject(token.token_id)
         except Exception:
             self.counts.event("release_fault")
             return False

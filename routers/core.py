@@ -220,6 +220,10 @@ class RoutingPolicy(ABC):
         """Give back a capacity token; policies without tokens have nothing to release."""
         return False
 
+    async def reject(self, token: CapacityToken) -> bool:
+        """Give back the token of a request its replica refused; a policy that learns nothing from it releases it."""
+        return await self.release(token)
+
     def on_routed(self, request: RouteRequest, replica_id: str) -> None:
         """The request was sent to `replica_id`; count a fallback when it is not the primary."""
         rank = self.tracker.move(request.request_id, replica_id)

@@ -39,6 +39,9 @@ class CapacityLedgerActor:
     async def release(self, token_id: str) -> bool:
         return self._ledger.release(token_id)
 
+    async def reject(self, token_id: str) -> bool:
+        return self._ledger.reject(token_id)
+
     async def set_replicas(self, capacities: dict[str, int]) -> None:
         self._ledger.set_replicas(capacities)
 
@@ -85,6 +88,9 @@ class ActorLedgerClient:
 
     async def release(self, token_id: str) -> bool:
         return await asyncio.wait_for(self.handle.release.remote(token_id), self.call_timeout_s)
+
+    async def reject(self, token_id: str) -> bool:
+        return await asyncio.wait_for(self.handle.reject.remote(token_id), self.call_timeout_s)
 
     async def set_replicas(self, capacities: dict[str, int]) -> None:
         await asyncio.wait_for(self.handle.set_replicas.remote(capacities), self.call_timeout_s)

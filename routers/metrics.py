@@ -56,6 +56,7 @@ LEDGER_EVENTS = {
     "double_releases": "double_release",
     "unknown_releases": "unknown_release",
     "late_releases": "late_release",
+    "rejected": "rejected",
 }
 
 

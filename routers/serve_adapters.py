@@ -68,10 +68,10 @@ class SluiceRequestRouter(RequestRouter):
             for replica_id, replica in by_id.items()
         ]
         request = route_request_from(pending_request)
-        # Serve asks again for the same request when every ranked replica rejected it.
+        # Serve asks again for the same request when every ranked replica rejected it, the token's one included.
         stale = self._tokens.pop(request.request_id, None)
         if stale is not None:
-            await self.policy.release(stale)
+            await self.policy.reject(stale)
         try:
             decision = await self.policy.decide(views, request)
         except NoReplicaAvailable:

@@ -248,6 +248,7 @@ def test_the_ledger_metrics_export_tokens_held_and_free_per_replica() -> None:
         "double_release": 1,
         "unknown_release": 0,
         "late_release": 0,
+        "rejected": 0,
     }
     metrics.update("llm", None)  # the ledger did not answer this scrape: nothing stale is exported
     assert list(metrics.collect()) == []
