@@ -2,8 +2,11 @@
 
 A token goes to the least-loaded replica with room; when all are full the request waits in the ledger's FIFO (up
 to `max_wait_s`). After `fault_limit` (3) ledger faults, with backoff, a request falls back to PowerOfTwo without a
-token. The caller releases a token exactly once; the ledger's reaper takes back lost ones. Algorithm, faults,
-constants and THE RESTART BOUND: routers/README.md#capacity_queue.
+token. The caller releases a token exactly once; the ledger's reaper takes back lost ones. A replica that refuses a
+request gets its token back through `reject`, and the ledger holds it full until it reports room (a release of one
+of its tokens) or a short hold passed: the effect Ray gets by leaking the token until the TTL, without a refusing
+replica staying one slot short for the whole TTL (THE REJECTION RULE). Algorithm, faults, constants and THE RESTART
+BOUND: routers/README.md#capacity_queue.
 """
 
 from __future__ import annotations
