@@ -258,8 +258,10 @@ class HAProxySyncer:
 
     @staticmethod
     def _due(app: AppPools, router: str, membership: Membership, now: float) -> bool:
+        """New to the router, a heartbeat due, or open requests: counted afresh at every pass while any are open."""
         last = app.published.get(router)
-        return last is None or last[0] != membership or now - last[1] >= PUBLISH_HEARTBEAT_S
+        stale = last is None or last[0] != membership or now - last[1] >= PUBLISH_HEARTBEAT_S
+        return stale or any(membership.in_flight.values())
 
     def _publish_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(timeout=PUBLISH_TIMEOUT_S, transport=self._publish_transport)

@@ -35,12 +35,14 @@ class FrontendMembership:
 
     def publish(self, membership: Membership) -> bool:
         """Replace `membership.frontend`'s set and open requests; an unchanged publication (a heartbeat) keeps the
-        cache. Returns whether the open requests changed: a new sample."""
+        cache. Returns whether it is a new sample of open requests: counts that changed, or any open request (counted
+        again at this pass, however equal the counts: the requests behind them may be new)."""
         ids = frozenset(membership.replica_ids)
         frontend = membership.frontend
-        new_sample = self._in_flight.get(frontend) != membership.in_flight
-        if self._sets.get(frontend) == ids and not new_sample:
-            return False
+        changed = self._in_flight.get(frontend) != membership.in_flight
+        new_sample = changed or any(membership.in_flight.values())
+        if self._sets.get(frontend) == ids and not changed:
+            return new_sample
         self._sets[frontend] = ids
         self._in_flight[frontend] = membership.in_flight
         self._common = frozenset.intersection(*self._sets.values())

@@ -198,10 +198,13 @@ def test_views_carry_the_open_requests_summed_over_the_frontends_and_only_a_chan
     assert membership.publish(Membership(frontend="fe-b", replica_ids=ids, in_flight={ids[0]: 1, ids[1]: 3}))
     offered = membership.routable(tuple(views(ids)), "fe-a")
     assert [(v.in_flight, v.in_flight_sampled) for v in offered] == [(3, True), (3, True), (0, False)]
-    # A heartbeat (same set, same counts) is no new sample; a changed count is.
-    assert not membership.publish(Membership(frontend="fe-b", replica_ids=ids, in_flight={ids[0]: 1, ids[1]: 3}))
+    # Counts of open requests are a new sample even when equal (the requests behind them may be new); a heartbeat
+    # with nothing open and nothing changed is not.
+    assert membership.publish(Membership(frontend="fe-b", replica_ids=ids, in_flight={ids[0]: 1, ids[1]: 3}))
     assert membership.publish(Membership(frontend="fe-b", replica_ids=ids, in_flight={ids[0]: 0, ids[1]: 3}))
     assert [v.in_flight for v in membership.routable(tuple(views(ids)), None)] == [2, 3, 0]
+    idle = Membership(frontend="fe-c", replica_ids=ids, in_flight=dict.fromkeys(ids, 0))
+    assert membership.publish(idle) and not membership.publish(idle)
     # An engine rank of a data-parallel replica has no count of its own: HAProxy counts the replica's.
     ranked = membership.routable((ReplicaView(replica_id=f"{ids[0]}:0"),), "fe-a")
     assert [(v.in_flight, v.in_flight_sampled) for v in ranked] == [(0, False)]
