@@ -87,8 +87,14 @@ class TwoModels:
         return len(self.chat.behavior.calls) + len(self.code.behavior.calls)
 
 
-def _routable(syncer: HAProxySyncer) -> bool:
-    return all(app.published_replicas() == len(app.replicas.members) for app in syncer.apps)
+def _routable(syncer: HAProxySyncer, haproxy: HAProxyProcess) -> bool:
+    """Every app's replicas published to its routers, and its routers UP in HAProxy (a new server starts DOWN)."""
+    stats = haproxy.runtime.show_stat()
+    return all(
+        0 < app.published_replicas() == len(app.replicas.members)
+        and all((stat := stats.get((app.routers.backend, name))) is not None and stat.up for name in app.routers.live)
+        for app in syncer.apps
+    )
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +132,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoModels]:
     syncer = HAProxySyncer(haproxy.runtime, settings, [sources(chat), sources(code)])
     future = loop.submit(syncer.run(interval_s=0.1))
     try:
-        wait_until(10, lambda: _routable(syncer), "both apps' replicas published to their routers", poll_s=0.05)
+        wait_until(10, lambda: _routable(syncer, haproxy), "both apps' replicas published, routers UP", poll_s=0.05)
         yield TwoModels(loop, chat, code, haproxy, syncer)
     finally:
         future.cancel()
