@@ -11,6 +11,9 @@ from typing import Literal
 # Headers (lower-case: HTTP/1.1 header names are case-insensitive and ASGI lower-cases them).
 REQUEST_ID_HEADER = "x-request-id"
 REPLICA_HEADER = "x-serve-replica"
+# On the legacy path's responses: the replica the deployment's request router chose (`choose_replica`); the replica
+# that served still stamps `x-serve-replica`, so the two can be compared.
+CHOSEN_REPLICA_HEADER = "x-serve-chosen-replica"
 SESSION_HEADER_DEFAULT = "x-session-id"
 CAPACITY_TOKEN_HEADER = "x-sluice-capacity-token"
 BODY_TRUNCATED_HEADER = "x-body-truncated"

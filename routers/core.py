@@ -150,10 +150,13 @@ class InFlightTracker:
         ranked = placement.ranked_ids
         return ranked.index(replica_id) if replica_id in ranked else None
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, request_id: str) -> bool:
+        """Count the request out; False when it was not counted in (already finished, or forgotten)."""
         placement = self._placements.pop(request_id, None)
-        if placement is not None:
-            self._add(placement.replica_id, -1, placement.sample == self._sample)
+        if placement is None:
+            return False
+        self._add(placement.replica_id, -1, placement.sample == self._sample)
+        return True
 
     def _add(self, replica_id: str, delta: int, since_sample: bool) -> None:
         if since_sample:
@@ -230,9 +233,10 @@ class RoutingPolicy(ABC):
         if rank:
             self.counts.record(f"fallback_{rank}")
 
-    def on_completed(self, request_id: str, replica_id: str) -> None:
-        """The request ended (success, error or disconnect)."""
-        self.tracker.finish(request_id)
+    def on_completed(self, request_id: str, replica_id: str) -> bool:
+        """The request ended (success, error or disconnect); False when it had already ended here: a second
+        completion of one request changes no count."""
+        return self.tracker.finish(request_id)
 
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
         """The replica set changed; the default keeps nothing per set."""

@@ -22,6 +22,9 @@ from routers.core import CapacityToken, NoReplicaAvailable, ReplicaView, RouteRe
 from routers.entry import PolicyContext, adapter_class_name
 from routers.registry import build_policy, policy_entry, policy_names, validate_settings
 
+# `sluice_router_events_total{event=...}`: a completion for a request this router had already counted out.
+REPEATED_COMPLETION_EVENT = "repeated_completion"
+
 
 def _session_from(pending: PendingRequest) -> str | None:
     if pending.metadata.session_id:
@@ -86,7 +89,10 @@ class SluiceRequestRouter(RequestRouter):
         self.policy.on_routed(request, replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.policy.on_completed(internal_request_id, replica_id.unique_id)
+        # Ray fires this twice for a `dispatch` left un-awaited when its `choose_replica` context exits: the second
+        # finds the request already counted out and its token gone, and only shows in the events.
+        if not self.policy.on_completed(internal_request_id, replica_id.unique_id):
+            self.policy.counts.event(REPEATED_COMPLETION_EVENT)
         token = self._tokens.pop(internal_request_id, None)
         if token is not None:
             run_in_background(self._releases, self.policy.release(token))

@@ -81,9 +81,9 @@ class HAProxySyncer:
             for app in self.apps
         ]
         report = await asyncio.to_thread(self._sync, endpoints)
-        for app, routable, in_flight in zip(self.apps, report.routable_by_app, report.in_flight_by_app, strict=True):
+        for app, in_flight in zip(self.apps, report.in_flight_by_app, strict=True):
             await self._publish(
-                app, Membership(frontend=self.settings.frontend_id, replica_ids=routable, in_flight=in_flight)
+                app, Membership(frontend=self.settings.frontend_id, replica_ids=list(in_flight), in_flight=in_flight)
             )
         return report
 
@@ -122,7 +122,6 @@ class HAProxySyncer:
                 for name in sorted(app.replicas.live)
                 if (stat := stats.get((backend, name))) is not None and stat.confirmed_up
             }
-            report.routable_by_app.append(list(routable))
             report.in_flight_by_app.append(routable)
         return report
 

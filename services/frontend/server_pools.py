@@ -32,10 +32,13 @@ class SyncReport:
     left: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # ids that cannot name an HAProxy server
-    # Per app (in the settings' order): the replica ids published to its routers.
-    routable_by_app: list[list[str]] = field(default_factory=list)
-    # Per app: each routable replica's open requests (its server's current sessions) when the pass read them.
+    # Per app (in the settings' order): each routable replica's open requests (its server's current sessions)
+    # when the pass read them; its keys are the replica ids published to the app's routers.
     in_flight_by_app: list[dict[str, int]] = field(default_factory=list)
+
+    @property
+    def routable_by_app(self) -> list[list[str]]:
+        return [list(in_flight) for in_flight in self.in_flight_by_app]
 
     @property
     def routable(self) -> list[str]:

@@ -16,8 +16,16 @@ from ray.serve.deployment import Application
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from base.contracts import LEGACY_PATH, REASON_REPLICA_FAILED, SERVE_PATH_HEADER, NodeRole, node_role_resources
+from base.contracts import (
+    CHOSEN_REPLICA_HEADER,
+    LEGACY_PATH,
+    REASON_REPLICA_FAILED,
+    SERVE_PATH_HEADER,
+    NodeRole,
+    node_role_resources,
+)
 from base.rollout import config_version
+from services.legacy.handle_path import chosen_stream
 from services.replica.asgi_call import ResponseStart, read_body, route_path, send_openai_error
 from services.replica.llm_config import LLM_DEPLOYMENT_NAME
 from services.replica.middleware.replica_headers import Receive, Scope, Send
@@ -25,6 +33,7 @@ from services.serve_internals import with_rollout_version
 
 LEGACY_DEPLOYMENT_NAME = "LegacyIngress"
 _PATH_STAMP = (SERVE_PATH_HEADER.encode(), LEGACY_PATH.encode())
+_CHOSEN = CHOSEN_REPLICA_HEADER.encode()
 # Headers of the client's request that belong to its connection, not to the request the replica runs.
 _HOP_BY_HOP = frozenset({"host", "connection", "content-length", "transfer-encoding", "keep-alive", "upgrade"})
 
@@ -51,7 +60,8 @@ def forwarded_headers(scope: Scope) -> dict[str, str]:
 
 
 class HandleRelay:
-    """ASGI app relaying each HTTP request through a streaming DeploymentHandle call to `stream()`."""
+    """ASGI app relaying each HTTP request through a streaming DeploymentHandle call to `stream()`, on the replica
+    the deployment's request router chose (`chosen_stream`), stamped with that choice."""
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
@@ -62,31 +72,31 @@ class HandleRelay:
             return
         query = scope.get("query_string", b"").decode("latin-1")
         path = route_path(scope) + (f"?{query}" if query else "")
-        call = self._handle.stream.remote(scope["method"], path, body, forwarded_headers(scope))
+        call = (scope["method"], path, body, forwarded_headers(scope))
         disconnect = asyncio.ensure_future(receive())
         relay = asyncio.ensure_future(self._relay(call, send))
         try:
             await asyncio.wait({disconnect, relay}, return_when=asyncio.FIRST_COMPLETED)
             if relay.done():
                 relay.result()
-            else:
-                call.cancel()
         finally:
             for task in (relay, disconnect):
-                if not task.done():
-                    task.cancel()
+                task.cancel()
+            # A client gone: the relay's cancellation cancels the call and leaves the replica's choice.
+            await asyncio.gather(relay, return_exceptions=True)
 
-    async def _relay(self, call: Any, send: Send) -> None:
+    async def _relay(self, call: tuple[str, str, bytes, dict[str, str]], send: Send) -> None:
         started = False
         try:
-            async for item in call:
-                if isinstance(item, ResponseStart):
-                    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in item.headers]
-                    headers.append(_PATH_STAMP)
-                    await send({"type": "http.response.start", "status": item.status, "headers": headers})
-                    started = True
-                elif started:
-                    await send({"type": "http.response.body", "body": item, "more_body": True})
+            async with chosen_stream(self._handle.stream, *call) as chosen:
+                stamps = [_PATH_STAMP, (_CHOSEN, chosen.replica_id.encode("latin-1"))]
+                async for item in chosen.items:
+                    if isinstance(item, ResponseStart):
+                        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in item.headers] + stamps
+                        await send({"type": "http.response.start", "status": item.status, "headers": headers})
+                        started = True
+                    elif started:
+                        await send({"type": "http.response.body", "body": item, "more_body": True})
         except Exception as error:  # the replica died or refused the call: an answer if none has started
             if started:
                 raise

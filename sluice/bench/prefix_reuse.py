@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from base.contracts import KV_EVENTS_PATH
+from base.contracts import KV_EVENTS_PATH, SESSION_HEADER_DEFAULT
 from base.route_wire import KVEventSources
 from loadtests.campaign import Campaign, run
 from loadtests.metrics import quantile
@@ -42,8 +42,9 @@ PREFIX_CASES: dict[str, tuple[str, bool]] = {
     "multi_turn_headerless": ("multi_turn", False),
     "shared_prefix": ("shared_prefix", True),
 }
-SESSION_HEADER = Campaign.model_fields["session_header"].default
 HOT_WORKLOAD = "hot_prefix"
+# Every case a campaign runs: the prefix cases and the hot session's.
+CAMPAIGN_CASES = PREFIX_CASES | {HOT_WORKLOAD: (HOT_WORKLOAD, True)}
 # Closed-loop users per campaign: 2 per replica of 3 on this machine's 2 cores, as the suite's other campaigns.
 USERS = 6
 _PREFIX = re.compile(r"^vllm:prefix_cache_(hits|queries)_total\{[^}]*\} (\S+)$", re.M)
@@ -189,7 +190,7 @@ def campaign_rows(
         duration_s=duration_s,
         users=USERS,
         seed=seed,
-        session_header=SESSION_HEADER if session_header else "",
+        session_header=SESSION_HEADER_DEFAULT if session_header else "",
     )
     run(campaign)
     with (out / "rows.csv").open() as handle:
@@ -212,7 +213,7 @@ class PrefixReuse:
         return self.seed
 
     def _campaign(self, plan: Any, case: str, policy: str) -> dict[str, Any]:
-        workload, session_header = PREFIX_CASES.get(case, (case, True))
+        workload, session_header = CAMPAIGN_CASES[case]
         before = prefix_counters(plan)
         folder = self.out / f"{case}-{policy}"
         self.rows = campaign_rows(

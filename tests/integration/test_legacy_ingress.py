@@ -21,7 +21,7 @@ import pytest
 import ray
 from ray import serve
 
-from base.contracts import LEGACY_PATH, REPLICA_HEADER, SERVE_PATH_HEADER
+from base.contracts import CHOSEN_REPLICA_HEADER, LEGACY_PATH, REPLICA_HEADER, SERVE_PATH_HEADER
 from base.waiting import WaitTimeout, wait_until
 from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
 from services.legacy.ingress import LegacyIngressSettings, legacy_ingress_application
@@ -58,6 +58,7 @@ def test_the_legacy_path_streams_the_replicas_own_answer(legacy_url: str, llm_cl
         with client.stream("POST", f"{legacy_url}/v1/chat/completions", json=GREEDY) as response:
             assert response.status_code == 200
             assert response.headers[SERVE_PATH_HEADER] == LEGACY_PATH
+            assert response.headers[CHOSEN_REPLICA_HEADER] == response.headers[REPLICA_HEADER]
             legacy = _text(response)
         replica = next(e for e in llm_cluster.endpoints if e.replica_id == response.headers[REPLICA_HEADER])
         with client.stream("POST", f"{replica.url}/v1/chat/completions", json=GREEDY) as direct:
@@ -162,6 +163,8 @@ def test_capacity_tokens_of_the_legacy_path_are_released_once_even_when_clients_
         body = {**GREEDY, "max_tokens": 24, "ignore_eos": True}
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
+            # The handle path's choice (the capacity_queue adapter's) is the replica that served.
+            assert response.headers[CHOSEN_REPLICA_HEADER] == response.headers[REPLICA_HEADER]
             lines = response.aiter_lines()
             if i % 4 == 0:  # 50 of the 200 leave after their first chunk
                 await anext(line async for line in lines if line.startswith("data: "))

@@ -141,3 +141,15 @@ def test_placements_since_the_last_sample_are_counted_until_they_end_or_a_new_sa
     tracker.sampled()  # the new sample holds z
     tracker.finish("z")
     assert tracker.placed_since_sample("a") == 0 and tracker.count("a") == 0
+
+
+def test_a_request_finished_twice_is_counted_out_once() -> None:
+    """Ray reports an un-awaited `dispatch` complete twice; the second report must change no count."""
+    policy = RoundRobin()
+    views = _views(2)
+    chosen = policy.rank(views, RouteRequest(request_id="twice"))[0][0].replica_id
+    policy.rank(views, RouteRequest(request_id="other"))
+    assert policy.tracker.count(chosen) == 1
+    assert policy.on_completed("twice", chosen) is True
+    assert policy.on_completed("twice", chosen) is False
+    assert policy.tracker.count(chosen) == 0 and sum(policy.tracker.count(v.replica_id) for v in views) == 1

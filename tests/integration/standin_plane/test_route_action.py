@@ -14,6 +14,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -263,12 +264,18 @@ def test_request_id_generated_forwarded_and_echoed(env: Env, client: httpx.Clien
     assert env.behavior.calls[-1][1].header(REQUEST_ID_HEADER) == response.headers[REQUEST_ID_HEADER]
 
 
+def _routed_call(env: Env, client: httpx.Client, content: Any, headers: dict[str, str]) -> tuple[Any, httpx.Response]:
+    """POST `content` as a chat request; the route call it made (the response is pinned to the chosen replica)."""
+    response = client.post(CHAT_PATH, content=content, headers=headers)
+    assert_pinned(response, env.behavior)
+    _, call = env.behavior.calls[-1]
+    return call, response
+
+
 def test_body_forwarding_and_truncation(env: Env, client: httpx.Client) -> None:
     session = {SESSION_HEADER_DEFAULT: "session-9"}
     small = json.dumps({"events": 1, "pad": "x" * 100}).encode()
-    response = client.post(CHAT_PATH, content=small, headers={"content-type": "application/json", **session})
-    assert_pinned(response, env.behavior)
-    _, call = env.behavior.calls[-1]
+    call, _ = _routed_call(env, client, small, {"content-type": "application/json", **session})
     assert call.method == "POST" and call.path == ROUTE_PATH
     assert call.header("host") == f"{LOOPBACK}:{env.router_a.port}" or call.header("host") == (
         f"{LOOPBACK}:{env.router_b.port}"
@@ -277,23 +284,17 @@ def test_body_forwarding_and_truncation(env: Env, client: httpx.Client) -> None:
     assert call.header(SESSION_HEADER_DEFAULT) == "session-9" and call.header("content-type") == "application/json"
     # Larger than the whole request buffer: routed on the head of the body, forwarded in full to the replica.
     big = json.dumps({"events": 1, "pad": "y" * 100_000}).encode()
-    response = client.post(CHAT_PATH, content=big, headers=session)
-    assert_pinned(response, env.behavior)
-    _, call = env.behavior.calls[-1]
+    call, response = _routed_call(env, client, big, session)
     assert call.header(BODY_TRUNCATED_HEADER) == f"{BODY_BUFFER_BYTES}/{len(big)}"
     assert call.body == big[:BODY_BUFFER_BYTES]
     assert first_event(response)["body_len"] == len(big)
     # The same body chunked (no Content-Length): cut alike, its total unknown to the router.
-    response = client.post(CHAT_PATH, content=iter([big[:50_000], big[50_000:]]), headers=session)
-    assert_pinned(response, env.behavior)
-    _, call = env.behavior.calls[-1]
+    call, response = _routed_call(env, client, iter([big[:50_000], big[50_000:]]), session)
     assert call.header(BODY_TRUNCATED_HEADER) == f"{BODY_BUFFER_BYTES}/{BODY_TOTAL_UNKNOWN}"
     assert call.body == big[:BODY_BUFFER_BYTES]
     assert first_event(response)["body_len"] == len(big)
     # A chunked body within the buffer reaches the router whole, uncut.
-    response = client.post(CHAT_PATH, content=iter([small[:50], small[50:]]), headers=session)
-    assert_pinned(response, env.behavior)
-    _, call = env.behavior.calls[-1]
+    call, _ = _routed_call(env, client, iter([small[:50], small[50:]]), session)
     assert call.body == small and call.header(BODY_TRUNCATED_HEADER) is None
 
 
