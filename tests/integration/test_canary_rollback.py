@@ -35,7 +35,17 @@ from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.ingress_control import GUARD_INTERVAL_S
 from services.serve_internals import list_replica_endpoints
-from sluice.deploy.check import CHECK_EXIT_PASS, FAULT_INJECTION, LEGACY_SAME_TEXTS, report, run_checks, verdict
+from sluice.deploy.check import (
+    CHECK_EXIT_PASS,
+    FAULT_INJECTION,
+    LEGACY_SAME_TEXTS,
+    STARTUP_PATH,
+    TIMEOUT_CLEANUP,
+    VERSIONS,
+    report,
+    run_checks,
+    verdict,
+)
 from tests.support.frontend_metrics import frontend_counts
 from tests.support.sse import DONE, data_payloads
 from tests.support.team_stack import TeamStack, team_stack
@@ -108,6 +118,7 @@ def test_sluice_check_twice_on_the_live_canary_passes_both_times_and_leaves_it_a
     for run in (first, second):
         outcome = {i["item"]: i["ok"] for i in run["items"]}
         assert outcome[FAULT_INJECTION] is True  # its 503s reached the guard and counted nowhere
+        assert outcome[TIMEOUT_CLEANUP] is True and outcome[STARTUP_PATH] is True and outcome[VERSIONS] is True
         assert outcome[f"{LEGACY_SAME_TEXTS} (sluice-tiny)"] is True and not run["skipped"]
     after = _ingress(stack)
     assert after["abort"] is None and after["direct_weight"] == 30, after

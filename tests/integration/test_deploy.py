@@ -22,10 +22,19 @@ import yaml
 from ray import serve
 
 from base.contracts import REPLICA_HEADER
+from base.route_wire import ComponentVersions
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import pid_alive
 from services.serve_internals import list_replica_endpoints
-from sluice.deploy.check import CHECK_EXIT_INCOMPLETE, CHECK_EXIT_PASS, ENABLED_BY, FAULT_INJECTION, LEGACY_SAME_TEXTS
+from sluice.deploy.check import (
+    CHECK_EXIT_INCOMPLETE,
+    CHECK_EXIT_PASS,
+    ENABLED_BY,
+    FAULT_INJECTION,
+    LEGACY_SAME_TEXTS,
+    TIMEOUT_CLEANUP,
+    VERSIONS,
+)
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
@@ -102,24 +111,29 @@ def test_status_shows_replicas_routers_and_the_server_map(stack: Deployed) -> No
 
 
 def test_sluice_check_on_the_embedded_default_is_incomplete_naming_what_runs_the_skipped_items(stack: Deployed) -> None:
-    result = _sluice("check", str(stack.spec), "--address", stack.address, "--json", timeout_s=300)
+    expect = ["--expect-ray", ComponentVersions.installed().ray]
+    result = _sluice("check", str(stack.spec), "--address", stack.address, "--json", *expect, timeout_s=300)
     verdict = json.loads(result.stdout)
     assert result.returncode == CHECK_EXIT_INCOMPLETE and verdict["verdict"] == "incomplete", verdict
     outcome = {item["item"]: item["ok"] for item in verdict["items"]}
     assert outcome["server map"] and outcome["API contract"] and outcome["disconnect frees the engine"]
+    # Asked on each replica's own port, against the version the user expects.
+    detail = next(item["detail"] for item in verdict["items"] if item["item"] == VERSIONS)
+    assert outcome[VERSIONS] and "2 replicas (ray, vllm)" in detail and "as expected (ray)" in detail
     # Not a staging stack, no legacy path retained: those items are skipped, not passed, each naming its setting.
     skipped = {s["item"]: s["enable_with"] for s in verdict["skipped"]}
     assert skipped == {
         FAULT_INJECTION: ENABLED_BY[FAULT_INJECTION],
+        TIMEOUT_CLEANUP: ENABLED_BY[TIMEOUT_CLEANUP],
         f"{LEGACY_SAME_TEXTS} (sluice-tiny)": ENABLED_BY[LEGACY_SAME_TEXTS],
     }
     assert not verdict["failed"] and not any(s["allowed"] for s in verdict["skipped"])
-    # The user accepts both skips: the verdict passes, the skips still reported.
-    allow = ["--allow-skip", FAULT_INJECTION, "--allow-skip", LEGACY_SAME_TEXTS]
+    # The user accepts the skips: the verdict passes, the skips still reported.
+    allow = [flag for item in (FAULT_INJECTION, TIMEOUT_CLEANUP, LEGACY_SAME_TEXTS) for flag in ("--allow-skip", item)]
     result = _sluice("check", str(stack.spec), "--address", stack.address, "--json", *allow, timeout_s=300)
     verdict = json.loads(result.stdout)
     assert result.returncode == CHECK_EXIT_PASS and verdict["verdict"] == "pass", verdict
-    assert len(verdict["skipped"]) == 2 and all(s["allowed"] for s in verdict["skipped"])
+    assert len(verdict["skipped"]) == 3 and all(s["allowed"] for s in verdict["skipped"])
 
 
 def test_a_killed_haproxy_is_replaced_without_touching_a_replica(stack: Deployed) -> None:

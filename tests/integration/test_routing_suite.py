@@ -53,12 +53,14 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_b
         )
     multi_turn = {policy: found["hit_rate"] for policy, found in reuse["multi_turn"].items()}
     assert multi_turn == figures["prefix_cache_hit_rate"]
-    # Each replica's cache holds about three conversations (`small_cache`). A turn finds its prefix where the previous
-    # turn ran: both sticky policies reach most of the ideal, round robin a third; without the session header only
-    # kv_aware keeps a conversation together. Measured on 2 cores: see the README's KV-cache-aware routing table.
+    # Each replica's cache holds about three conversations (`small_cache`), 9 users keep 9 going. A turn finds its
+    # prefix where the previous turn ran: both sticky policies reach most of the ideal, round robin under half; kv_aware
+    # places each new conversation on the least loaded replica, a hash wherever it falls, so consistent hash's
+    # replicas sometimes hold a fourth and evict (measured share of the ideal: kv_aware 0.98 / 0.94, consistent hash
+    # 0.86 / 0.89). Without the session header only kv_aware keeps a conversation together.
     ideal = reuse["multi_turn"][KV_AWARE]["ideal_rate"]
     assert multi_turn[KV_AWARE] >= 0.9 * ideal, reuse["multi_turn"]
-    assert min(multi_turn[KV_AWARE], multi_turn[CONSISTENT_HASH]) >= multi_turn[ROUND_ROBIN] + 0.1, multi_turn
+    assert multi_turn[KV_AWARE] > multi_turn[CONSISTENT_HASH] >= multi_turn[ROUND_ROBIN] + 0.1, multi_turn
     headerless = {policy: found["hit_rate"] for policy, found in reuse["multi_turn_headerless"].items()}
     assert headerless[KV_AWARE] >= 0.9 * reuse["multi_turn_headerless"][KV_AWARE]["ideal_rate"], headerless
     assert headerless[KV_AWARE] >= max(headerless[CONSISTENT_HASH], headerless[ROUND_ROBIN]) + 0.1, headerless

@@ -22,6 +22,8 @@ from sluice.deploy.check import (
     LEGACY_SAME_TEXTS,
     NEEDS_SPEC_ENABLED_BY,
     SERVER_MAP,
+    STARTUP_PATH,
+    TIMEOUT_CLEANUP,
     Item,
     check,
     fault_injection,
@@ -103,7 +105,14 @@ def test_with_target_the_items_that_need_the_spec_are_skipped_naming_the_spec_fi
     monkeypatch.setattr(check_module, "check_client", fake_client)
     items = run_checks(None, None, "http://frontend", allow_skip=[SERVER_MAP])
     skipped = {i.item: i for i in items if i.ok is None}
-    assert set(skipped) == {SERVER_MAP, "served replica is the chosen one", FAULT_INJECTION, LEGACY_SAME_TEXTS}
+    assert set(skipped) == {
+        STARTUP_PATH,
+        SERVER_MAP,
+        "served replica is the chosen one",
+        FAULT_INJECTION,
+        TIMEOUT_CLEANUP,
+        LEGACY_SAME_TEXTS,
+    }
     assert {i.enable_with for i in skipped.values()} == {NEEDS_SPEC_ENABLED_BY}
     assert [name for name, i in skipped.items() if i.allowed] == [SERVER_MAP]
 
