@@ -37,13 +37,9 @@ class SyncReport:
     in_flight_by_app: list[dict[str, int]] = field(default_factory=list)
 
     @property
-    def routable_by_app(self) -> list[list[str]]:
-        return [list(in_flight) for in_flight in self.in_flight_by_app]
-
-    @property
     def routable(self) -> list[str]:
         """The first app's routable replicas (a single-model frontend's only app)."""
-        return self.routable_by_app[0]
+        return list(self.in_flight_by_app[0])
 
     @property
     def changed(self) -> bool:

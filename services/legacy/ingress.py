@@ -61,10 +61,11 @@ def forwarded_headers(scope: Scope) -> dict[str, str]:
 
 class HandleRelay:
     """ASGI app relaying each HTTP request through a streaming DeploymentHandle call to `stream()`, on the replica
-    the deployment's request router chose (`chosen_stream`), stamped with that choice."""
+    the deployment's request router chose (`chosen_stream`), stamped with that choice. `stream` is the LLM
+    deployment's handle to its `stream()` method, streaming."""
 
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive)
@@ -88,7 +89,7 @@ class HandleRelay:
     async def _relay(self, call: tuple[str, str, bytes, dict[str, str]], send: Send) -> None:
         started = False
         try:
-            async with chosen_stream(self._handle.stream, *call) as chosen:
+            async with chosen_stream(self._stream, *call) as chosen:
                 stamps = [_PATH_STAMP, (_CHOSEN, chosen.replica_id.encode("latin-1"))]
                 async for item in chosen.items:
                     if isinstance(item, ResponseStart):
@@ -113,7 +114,7 @@ class LegacyIngress:
     def __init__(self, settings: dict[str, Any]) -> None:
         self._settings = LegacyIngressSettings.model_validate(settings)
         handle = serve.get_deployment_handle(self._settings.target_deployment, app_name=self._settings.target_app)
-        relay = HandleRelay(handle.options(stream=True))
+        relay = HandleRelay(handle.options(stream=True).stream)
         self._app = Starlette(routes=[Mount("/", app=relay)])
 
     async def __serve_build_asgi_app__(self) -> Starlette:

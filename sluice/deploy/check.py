@@ -207,7 +207,7 @@ def run_checks(
 
     with check_client() as client:
         model = plan.models[0].name if plan else client.get(f"{base}/v1/models").json()["data"][0]["id"]
-        frontend = handle = None
+        frontend = handle = replica_apps = None
         metrics_urls = [f"{base}/metrics"]
         if plan is not None:
             from ray import serve
@@ -216,12 +216,14 @@ def run_checks(
 
             handle = serve.get_app_handle(plan.frontend_app)
             frontend = handle.status.remote().result(timeout_s=30)
-            metrics_urls = [
-                f"{e.url}/{m.llm_app}/metrics"
+            # Each LLM replica's app on its own port, by `<model> replica <id>`.
+            replica_apps = {
+                f"{m.name} replica {e.replica_id}": f"{e.url}/{m.llm_app}"
                 for m in plan.models
                 for e in asyncio.run(list_replica_endpoints(m.llm_app))
-            ]
-        record(VERSIONS, versions, client, base, plan, expected_versions or {})
+            }
+            metrics_urls = [f"{app}/metrics" for app in replica_apps.values()]
+        record(VERSIONS, versions, client, base, replica_apps, expected_versions or {})
         if plan is not None:
             from sluice.deploy.status import routers_report
 

@@ -19,6 +19,11 @@ def _up(frontend: dict[str, Any], backend: str) -> int:
     return sum(1 for s in frontend["servers"] if s["backend"] == backend and s["status"] == "UP")
 
 
+def _direct_weight(frontend: dict[str, Any], model: PlannedModel) -> int:
+    """The model's share of sessions on the direct path, as HAProxy holds it."""
+    return frontend["haproxy_weights"].get(model.llm_app, frontend["direct_weight"])
+
+
 def model_path(frontend: dict[str, Any], model: PlannedModel, routers: dict[str, Any] | None) -> list[str]:
     """What keeps `model` off the planned direct path (nothing: it runs as planned)."""
     problems = []
@@ -36,7 +41,7 @@ def model_path(frontend: dict[str, Any], model: PlannedModel, routers: dict[str,
         problems.append(f"{model.name}: no router UP in HAProxy's {model.router_backend}")
     if not _up(frontend, model.replica_backend):
         problems.append(f"{model.name}: no replica UP in HAProxy's {model.replica_backend}")
-    if frontend["haproxy_weights"].get(model.llm_app, frontend["direct_weight"]) == 0:
+    if _direct_weight(frontend, model) == 0:
         problems.append(f"{model.name}: every session goes to the legacy path (direct weight 0: rolled back)")
     return problems
 
@@ -50,7 +55,6 @@ def startup_path(frontend: dict[str, Any], plan: StackPlan, routers_report: Rout
     return True, "; ".join(
         f"{m.name}: direct streaming, {_up(frontend, m.router_backend)} routers UP running {m.policy}"
         + (f" (prefill {m.prefill_policy})" if m.prefill_policy else "")
-        + f", {_up(frontend, m.replica_backend)} replicas UP, direct weight "
-        + str(frontend["haproxy_weights"].get(m.llm_app, frontend["direct_weight"]))
+        + f", {_up(frontend, m.replica_backend)} replicas UP, direct weight {_direct_weight(frontend, m)}"
         for m in plan.models
     )

@@ -3,41 +3,33 @@ equal to the versions the user expects (`--expect-ray`, `--expect-vllm`) where g
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING
-
 import httpx
 
 from base.contracts import VERSIONS_PATH
 from base.route_wire import ComponentVersions
 from sluice.deploy.check_items import Result
 
-if TYPE_CHECKING:
-    from builders.plan import StackPlan
-
 THIS_CLI = "this CLI"
 
 
-def replica_versions(client: httpx.Client, plan: StackPlan) -> dict[str, dict[str, str]]:
-    """Each LLM replica's versions, asked on its own port, by `<model> replica <id>`."""
-    from services.serve_internals import list_replica_endpoints
-
+def replica_versions(client: httpx.Client, replica_apps: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Each LLM replica's versions, asked on its own port (`replica_apps`: who -> its app's URL)."""
     found = {}
-    for model in plan.models:
-        for endpoint in asyncio.run(list_replica_endpoints(model.llm_app)):
-            answer = client.get(f"{endpoint.url}/{model.llm_app}{VERSIONS_PATH}")
-            answer.raise_for_status()
-            found[f"{model.name} replica {endpoint.replica_id}"] = ComponentVersions.model_validate(answer.json())
-    return {who: versions.model_dump() for who, versions in found.items()}
+    for who, app in replica_apps.items():
+        answer = client.get(f"{app}{VERSIONS_PATH}")
+        answer.raise_for_status()
+        found[who] = ComponentVersions.model_validate(answer.json()).model_dump()
+    return found
 
 
-def versions(client: httpx.Client, base: str, plan: StackPlan | None, expected: dict[str, str]) -> Result:
-    """Without a plan (`--target`) only vLLM's version as the frontend's replicas report it (`GET /version`)."""
+def versions(client: httpx.Client, base: str, replica_apps: dict[str, str] | None, expected: dict[str, str]) -> Result:
+    """`replica_apps`: each LLM replica's app URL by `<model> replica <id>`; None (`--target`): only vLLM's version as
+    the frontend's replicas report it (`GET /version`)."""
     cli = ComponentVersions.installed().model_dump()
-    if plan is None:
+    if replica_apps is None:
         replicas = {"a replica behind the frontend": {"vllm": client.get(f"{base}/version").json().get("version")}}
     else:
-        replicas = replica_versions(client, plan)
+        replicas = replica_versions(client, replica_apps)
         if not replicas:
             return False, "no LLM replica is running"
     wanted = {**cli, **expected}
@@ -52,6 +44,8 @@ def versions(client: httpx.Client, base: str, plan: StackPlan | None, expected: 
     ]
     if problems:
         return False, "; ".join(problems)
-    where = f"{len(replicas)} replicas (ray, vllm)" if plan is not None else "the replicas behind the frontend (vllm)"
+    where = (
+        "the replicas behind the frontend (vllm)" if replica_apps is None else f"{len(replicas)} replicas (ray, vllm)"
+    )
     pinned = f", as expected ({', '.join(sorted(expected))})" if expected else ""
     return True, f"ray {cli['ray']}, vllm {cli['vllm']} on {THIS_CLI}; the same on {where}{pinned}"

@@ -89,6 +89,13 @@ def test_round_robin_cycles(ray_cluster) -> None:
         serve.delete("probe-rr")
 
 
+def _ledger_after_release(app: str, deployment: str) -> dict:
+    ledger = ray.get_actor(ledger_actor_name(app, deployment), namespace="sluice")
+    with contextlib.suppress(WaitTimeout):
+        wait_until(10, lambda: not ray.get(ledger.snapshot.remote())["outstanding"], "release", poll_s=0.1)
+    return ray.get(ledger.snapshot.remote())
+
+
 def test_capacity_queue_never_exceeds_capacity(ray_cluster) -> None:
     capacity, calls = 2, 30
     handle = _deploy("probe-cq", "capacity_queue", max_ongoing_requests=capacity)
@@ -108,22 +115,13 @@ def test_capacity_queue_never_exceeds_capacity(ray_cluster) -> None:
         assert max(active for r in results for _, active in r) <= capacity
         assert len({r[0][0] for r in results}) == REPLICAS
 
-        with contextlib.suppress(WaitTimeout):
-            wait_until(10, lambda: not ray.get(ledger.snapshot.remote())["outstanding"], "release", poll_s=0.1)
-        after = ray.get(ledger.snapshot.remote())
+        after = _ledger_after_release("probe-cq", "Probe_capacity_queue")
         assert after["granted"] - before["granted"] >= calls, "every call must have held a ledger token"
         assert after["released"] == after["granted"]
         assert after["outstanding"] == 0 and after["double_releases"] == 0
         assert all(r["in_flight"] == 0 and r["capacity"] == capacity for r in after["replicas"].values())
     finally:
         serve.delete("probe-cq")
-
-
-def _ledger_after_release(app: str, deployment: str) -> dict:
-    ledger = ray.get_actor(ledger_actor_name(app, deployment), namespace="sluice")
-    with contextlib.suppress(WaitTimeout):
-        wait_until(10, lambda: not ray.get(ledger.snapshot.remote())["outstanding"], "release", poll_s=0.1)
-    return ray.get(ledger.snapshot.remote())
 
 
 def _repeated_completions() -> float:
