@@ -56,11 +56,15 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_b
     # Each replica's cache holds about three conversations (`small_cache`), 9 users keep 9 going. A turn finds its
     # prefix where the previous turn ran: both sticky policies reach most of the ideal, round robin under half; kv_aware
     # places each new conversation on the least loaded replica, a hash wherever it falls, so consistent hash's
-    # replicas sometimes hold a fourth and evict (measured share of the ideal: kv_aware 0.98 / 0.94, consistent hash
-    # 0.86 / 0.89). Without the session header only kv_aware keeps a conversation together.
+    # replicas sometimes hold a fourth and evict (measured share of the ideal: kv_aware 0.98 / 0.94 / 0.97, consistent
+    # hash 0.86 / 0.89 / 0.84). How often a hash overfills a replica is chance: a CI run measured consistent hash at
+    # 0.95 of the ideal, 0.005 above kv_aware's 0.94, so one run asserts kv_aware within a 0.03 band of it, not above
+    # (a kv_aware that lost its conversations falls to round robin's 0.2-0.25). Without the session header only
+    # kv_aware keeps a conversation together.
     ideal = reuse["multi_turn"][KV_AWARE]["ideal_rate"]
     assert multi_turn[KV_AWARE] >= 0.9 * ideal, reuse["multi_turn"]
-    assert multi_turn[KV_AWARE] > multi_turn[CONSISTENT_HASH] >= multi_turn[ROUND_ROBIN] + 0.1, multi_turn
+    assert multi_turn[KV_AWARE] >= multi_turn[CONSISTENT_HASH] - 0.03, multi_turn
+    assert multi_turn[CONSISTENT_HASH] >= multi_turn[ROUND_ROBIN] + 0.1, multi_turn
     headerless = {policy: found["hit_rate"] for policy, found in reuse["multi_turn_headerless"].items()}
     assert headerless[KV_AWARE] >= 0.9 * reuse["multi_turn_headerless"][KV_AWARE]["ideal_rate"], headerless
     assert headerless[KV_AWARE] >= max(headerless[CONSISTENT_HASH], headerless[ROUND_ROBIN]) + 0.1, headerless
