@@ -111,6 +111,10 @@ REASON_DUPLICATE_REQUEST = "duplicate_request"
 # Staging only: a router made to fail answers every route call with this reason (503 at the frontend).
 REASON_INJECTED_FAULT = "injected_fault"
 FAULT_PATH = "/internal/fault"
+# Staging only: a request carrying this header waits at most `STAGING_SERVER_TIMEOUT_S` for its replica (HAProxy's
+# server timeout, cut short), then gets HAProxy's 504 `replica_timeout` (`sluice check`'s timeout cleanup item).
+STAGING_TIMEOUT_HEADER = "x-sluice-staging-timeout"
+STAGING_SERVER_TIMEOUT_S = 0.5
 # Share of sessions on the direct path, in percent (the canary weight).
 DIRECT_WEIGHT_MAX = 100
 # The canary's abort criteria, in the order the guard checks them: the `reason` of an automatic rollback

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from base.contracts import STAGING_SERVER_TIMEOUT_S
 from base.runtime import LOOPBACK
 from builders.model_apps import openai_model_apps, prefill_decode_model_apps
 from builders.plan_types import PlannedModel, ServeApp, StackPlan, import_path, model_path
@@ -65,6 +66,7 @@ def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
         "prometheus_port": frontend.metrics_port,
         "route_timeout_s": spec.routing.route_timeout_s,
         "protection": frontend.protection.model_dump(mode="json"),
+        "staging_server_timeout_s": STAGING_SERVER_TIMEOUT_S if spec.staging else None,
     }
     served = [
         ServedApp(llm_app=model.llm_app, router_app=model.router_app, legacy_app=model.legacy_app) for model in models

@@ -42,6 +42,8 @@ VAR_FALLBACK = "txn.sluice_fallback"
 # The pinned replica's app: its replica backend, and the route prefix its replicas serve under.
 VAR_BACKEND = "txn.sluice_backend"
 VAR_PREFIX = "txn.sluice_prefix"
+# Set on a staging frontend's request that asked for the short server timeout (`STAGING_TIMEOUT_HEADER`).
+VAR_STAGING_TIMEOUT = "txn.sluice_staging_timeout"
 # Servers of sluice's own (the retry loop) start with "_"; replica and router ids may not.
 RETRY_SERVERS = ("_retry1", "_retry2")
 INTERNAL_SERVER_PREFIX = "_"
@@ -93,6 +95,9 @@ class HAProxySettings(BaseModel):
     # Timeouts.
     timeout_client_s: float = Field(3600.0, gt=0)
     timeout_server_s: float = Field(3600.0, gt=0)
+    # A staging stack's: the server timeout of a request that asks for it (`STAGING_TIMEOUT_HEADER`); None: the
+    # header does nothing (not a staging stack).
+    staging_server_timeout_s: float | None = Field(None, gt=0)
     timeout_connect_s: float = Field(5.0, gt=0)
     timeout_http_keep_alive_s: float = Field(90.0, gt=0)
     hard_stop_after_s: float = Field(120.0, gt=0)

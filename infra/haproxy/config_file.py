@@ -19,6 +19,7 @@ from base.contracts import (
     REQUEST_ID_HEADER,
     SERVE_FALLBACK_HEADER,
     SERVE_REASON_HEADER,
+    STAGING_TIMEOUT_HEADER,
 )
 from infra.haproxy.canary import (
     STICK_COUNTERS,
@@ -52,6 +53,7 @@ from infra.haproxy.config import (
     VAR_REASON,
     VAR_REQUEST_ID,
     VAR_SERVER,
+    VAR_STAGING_TIMEOUT,
     HAProxySettings,
     replica_backend,
     router_backend,
@@ -91,9 +93,20 @@ def _rank_header_line() -> str:
     )
 
 
-def _replica_backend_lines(name: str, retry_addr: str) -> list[str]:
+def _staging_timeout_lines(settings: HAProxySettings) -> list[str]:
+    """A backend's server timeout for the requests that asked a staging frontend for a short one."""
+    if settings.staging_server_timeout_s is None:
+        return []
+    return [
+        f"    http-request set-timeout server {haproxy_time(settings.staging_server_timeout_s)}"
+        f" if {{ var({VAR_STAGING_TIMEOUT}) -m bool }}"
+    ]
+
+
+def _replica_backend_lines(name: str, retry_addr: str, timeout_lines: list[str]) -> list[str]:
     return [
         f"backend {name}",
+        *timeout_lines,
         "    # Replica servers have weight 0: only a pin reaches them. Load balancing (a redispatch after a refused",
         "    # connection) can only pick a retry server, which hands the request to the next ranked replica.",
         "    balance roundrobin",
@@ -177,6 +190,12 @@ def render_config(settings: HAProxySettings) -> str:
             "    # Several models: the client's model header is kept before internal headers go.",
             capture_model_header_line(),
         ]
+    if settings.staging_server_timeout_s is not None:
+        lines += [
+            "    # Staging: a request may ask to time out soon (checks the cleanup after a replica timeout).",
+            f"    http-request set-var({VAR_STAGING_TIMEOUT}) bool(true)"
+            f" if {{ req.hdr({STAGING_TIMEOUT_HEADER}) -m found }}",
+        ]
     lines.append("    # A client can neither pin a replica (nor an engine rank) nor forge a capacity token.")
     lines += [f"    http-request del-header {prefix} -m beg" for prefix in INTERNAL_HEADER_PREFIXES]
     lines.append(f"    http-request del-header {DATA_PARALLEL_RANK_HEADER}")
@@ -222,8 +241,8 @@ def render_config(settings: HAProxySettings) -> str:
         "",
     ]
     for index in range(len(settings.apps)):
-        lines += _replica_backend_lines(replica_backend(index), retry_addr)
-        lines += legacy_backend_lines(legacy_backend(index), health_check_lines())
+        lines += _replica_backend_lines(replica_backend(index), retry_addr, _staging_timeout_lines(settings))
+        lines += legacy_backend_lines(legacy_backend(index), [*_staging_timeout_lines(settings), *health_check_lines()])
         lines += [
             f"backend {router_backend(index)}",
             "    # Health-checked router pool; the Lua action calls the UP ones itself (never proxied to).",

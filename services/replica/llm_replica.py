@@ -25,6 +25,7 @@ from routers.ledger_actor import ledger_actor_name
 from services.replica.asgi_call import ResponseStart, stream_asgi
 from services.replica.llm_config import LLMAppConfig
 from services.replica.middleware.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
+from services.replica.middleware.disconnect_on_cancel import DisconnectOnCancelMiddleware
 from services.replica.middleware.remote_prefill import RemotePrefillMiddleware
 from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
 from services.replica.rank_gang import RankGang
@@ -66,7 +67,7 @@ class LLMReplica:
         if self._config.fault_injection:
             self._app.add_api_route(FAULT_PATH, self.inject_fault, methods=["POST"], status_code=204)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
-        # outermost: the headers stamp, then the capacity release, then the remote prefill, then vLLM's.
+        # outermost: the cancel-to-disconnect, the headers stamp, the capacity release, the remote prefill, then vLLM's.
         self._app.middleware_stack = None
         role = self._config.prefill_decode
         if role is not None and role.role == "decode":
@@ -92,6 +93,7 @@ class LLMReplica:
             data_parallel_rank=rank,
             engine_stand_in=stand_in,
         )
+        self._app.add_middleware(DisconnectOnCancelMiddleware)
         self._handle_app = ReplicaHeadersMiddleware(
             self._app, self.replica_id, echo_request_id=True, data_parallel_rank=rank, engine_stand_in=stand_in
         )

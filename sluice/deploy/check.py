@@ -53,6 +53,7 @@ SERVED_IS_CHOSEN = "served replica is the chosen one"
 FAULT_INJECTION = "fault injection"
 API_CONTRACT = "API contract"
 DISCONNECT = "disconnect frees the engine"
+TIMEOUT_CLEANUP = "timeout cleanup"
 LEGACY_SAME_TEXTS = "legacy path, same texts"
 ITEMS = (
     VERSIONS,
@@ -63,11 +64,13 @@ ITEMS = (
     FAULT_INJECTION,
     API_CONTRACT,
     DISCONNECT,
+    TIMEOUT_CLEANUP,
     LEGACY_SAME_TEXTS,
 )
 # What runs an item that a stack's spec made skip.
 ENABLED_BY = {
     FAULT_INJECTION: "spec setting `staging: true`",
+    TIMEOUT_CLEANUP: "spec setting `staging: true`",
     LEGACY_SAME_TEXTS: "spec setting `ingress.mode: both` or `legacy` (a mode that retains the legacy path)",
 }
 # Why `--target` skips the items only a stack's spec file runs, and what runs them.
@@ -243,6 +246,11 @@ def run_checks(
             items += [skipped(n, n, NEEDS_SPEC_REASON, NEEDS_SPEC_ENABLED_BY) for n in needs_spec]
         record(API_CONTRACT, api_contract, client, base, model)
         record(DISCONNECT, check_items.disconnect_frees_engine, client, base, model, metrics_urls)
+        if plan is not None:
+            staging = spec is not None and spec.staging
+            record(TIMEOUT_CLEANUP, check_items.timeout_cleanup, client, base, model, metrics_urls, staging)
+        else:
+            items.append(skipped(TIMEOUT_CLEANUP, TIMEOUT_CLEANUP, NEEDS_SPEC_REASON, NEEDS_SPEC_ENABLED_BY))
         if plan is not None:
             for planned in plan.models:
                 record(LEGACY_SAME_TEXTS, legacy_same_texts, client, base, planned, model=planned.name)

@@ -17,11 +17,14 @@ import httpx
 
 from base.contracts import (
     DIRECT_PATH,
+    REASON_REPLICA_TIMEOUT,
     REPLICA_HEADER,
     REQUEST_ID_HEADER,
     SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
+    STAGING_SERVER_TIMEOUT_S,
+    STAGING_TIMEOUT_HEADER,
 )
 
 Result = tuple[bool | None, str]
@@ -121,6 +124,31 @@ def disconnect_frees_engine(client: httpx.Client, base: str, model: str, metrics
             return True, f"engine request aborted {time.monotonic() - left:.2f} s after the client left"
         time.sleep(0.05)
     return False, f"the engine still runs the request {DISCONNECT_DEADLINE_S} s after the client left"
+
+
+def timeout_cleanup(client: httpx.Client, base: str, model: str, metrics_urls: list[str], staging: bool) -> Result:
+    """A long request that asks the staging frontend for its short server timeout: HAProxy answers 504
+    `replica_timeout` and closes the replica's connection, and the engine aborts the request."""
+    if not staging:
+        return None, "not a staging stack (only a staging frontend cuts a request's server timeout short)"
+    # Not streamed: vLLM sends no header before the whole answer, seconds after the staging timeout.
+    body = chat(model, max_tokens=LONG_STREAM_TOKENS, ignore_eos=True)
+    response = client.post(f"{base}/v1/chat/completions", json=body, headers={**headers(), STAGING_TIMEOUT_HEADER: "1"})
+    reason = response.headers.get(SERVE_REASON_HEADER)
+    if response.status_code != 504 or reason != REASON_REPLICA_TIMEOUT:
+        return (
+            False,
+            f"a request past the {STAGING_SERVER_TIMEOUT_S} s staging timeout got {response.status_code} ({reason})",
+        )
+    timed_out = time.monotonic()
+    while time.monotonic() - timed_out < DISCONNECT_DEADLINE_S:
+        if running_requests(client, metrics_urls) == 0:
+            return True, (
+                f"504 {reason} after the {STAGING_SERVER_TIMEOUT_S} s staging timeout; engine request aborted"
+                f" {time.monotonic() - timed_out:.2f} s later"
+            )
+        time.sleep(0.05)
+    return False, f"the engine still runs the request {DISCONNECT_DEADLINE_S} s after its 504"
 
 
 @contextmanager

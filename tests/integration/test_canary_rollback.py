@@ -40,6 +40,7 @@ from sluice.deploy.check import (
     FAULT_INJECTION,
     LEGACY_SAME_TEXTS,
     STARTUP_PATH,
+    TIMEOUT_CLEANUP,
     VERSIONS,
     report,
     run_checks,
@@ -117,7 +118,7 @@ def test_sluice_check_twice_on_the_live_canary_passes_both_times_and_leaves_it_a
     for run in (first, second):
         outcome = {i["item"]: i["ok"] for i in run["items"]}
         assert outcome[FAULT_INJECTION] is True  # its 503s reached the guard and counted nowhere
-        assert outcome[STARTUP_PATH] is True and outcome[VERSIONS] is True
+        assert outcome[TIMEOUT_CLEANUP] is True and outcome[STARTUP_PATH] is True and outcome[VERSIONS] is True
         assert outcome[f"{LEGACY_SAME_TEXTS} (sluice-tiny)"] is True and not run["skipped"]
     after = _ingress(stack)
     assert after["abort"] is None and after["direct_weight"] == 30, after

@@ -32,6 +32,7 @@ from sluice.deploy.check import (
     ENABLED_BY,
     FAULT_INJECTION,
     LEGACY_SAME_TEXTS,
+    TIMEOUT_CLEANUP,
     VERSIONS,
 )
 from tests.support.frontend_contract import register_frontend
@@ -123,15 +124,16 @@ def test_sluice_check_on_the_embedded_default_is_incomplete_naming_what_runs_the
     skipped = {s["item"]: s["enable_with"] for s in verdict["skipped"]}
     assert skipped == {
         FAULT_INJECTION: ENABLED_BY[FAULT_INJECTION],
+        TIMEOUT_CLEANUP: ENABLED_BY[TIMEOUT_CLEANUP],
         f"{LEGACY_SAME_TEXTS} (sluice-tiny)": ENABLED_BY[LEGACY_SAME_TEXTS],
     }
     assert not verdict["failed"] and not any(s["allowed"] for s in verdict["skipped"])
     # The user accepts the skips: the verdict passes, the skips still reported.
-    allow = [flag for item in (FAULT_INJECTION, LEGACY_SAME_TEXTS) for flag in ("--allow-skip", item)]
+    allow = [flag for item in (FAULT_INJECTION, TIMEOUT_CLEANUP, LEGACY_SAME_TEXTS) for flag in ("--allow-skip", item)]
     result = _sluice("check", str(stack.spec), "--address", stack.address, "--json", *allow, timeout_s=300)
     verdict = json.loads(result.stdout)
     assert result.returncode == CHECK_EXIT_PASS and verdict["verdict"] == "pass", verdict
-    assert len(verdict["skipped"]) == 2 and all(s["allowed"] for s in verdict["skipped"])
+    assert len(verdict["skipped"]) == 3 and all(s["allowed"] for s in verdict["skipped"])
 
 
 def test_a_killed_haproxy_is_replaced_without_touching_a_replica(stack: Deployed) -> None:

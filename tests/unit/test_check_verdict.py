@@ -23,6 +23,7 @@ from sluice.deploy.check import (
     NEEDS_SPEC_ENABLED_BY,
     SERVER_MAP,
     STARTUP_PATH,
+    TIMEOUT_CLEANUP,
     Item,
     check,
     fault_injection,
@@ -109,6 +110,7 @@ def test_with_target_the_items_that_need_the_spec_are_skipped_naming_the_spec_fi
         SERVER_MAP,
         "served replica is the chosen one",
         FAULT_INJECTION,
+        TIMEOUT_CLEANUP,
         LEGACY_SAME_TEXTS,
     }
     assert {i.enable_with for i in skipped.values()} == {NEEDS_SPEC_ENABLED_BY}

@@ -20,6 +20,7 @@ from infra.haproxy.config import (
     HAProxySettings,
 )
 from infra.haproxy.config_file import render_config
+from infra.haproxy.formatting import haproxy_time
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
 from infra.haproxy.protection import ClientLimits, FrontendProtection
@@ -298,3 +299,23 @@ def test_binary_search_names_what_it_tried(tmp_path: Path) -> None:
     with pytest.raises(HAProxyNotFoundError, match=r"2\.4\.22 < 2\.6"):
         find_haproxy_binary(old)
     assert find_haproxy_binary().is_file()
+
+
+def test_a_staging_frontend_lets_a_request_ask_for_a_short_server_timeout(tmp_path: Path) -> None:
+    plain = render_config(settings(tmp_path))
+    assert "set-timeout" not in plain and contracts.STAGING_TIMEOUT_HEADER not in plain
+    staging = HAProxySettings(
+        workdir=tmp_path,
+        apps=[AppRoute(name="llm")],
+        port=18000,
+        prometheus_port=18404,
+        staging_server_timeout_s=contracts.STAGING_SERVER_TIMEOUT_S,
+    )
+    config = render_config(staging)
+    asked = f"if {{ req.hdr({contracts.STAGING_TIMEOUT_HEADER}) -m found }}"
+    # Read before the internal headers are stripped from every client request, applied in both paths' backends.
+    assert config.index(asked) < config.index("http-request del-header x-sluice-")
+    cut_short = f"http-request set-timeout server {haproxy_time(contracts.STAGING_SERVER_TIMEOUT_S)} if"
+    assert config.count(cut_short) == 2
+    write_files(staging)
+    assert "Configuration file is valid" in check_config(staging)

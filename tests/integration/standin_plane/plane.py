@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from base.contracts import STAGING_SERVER_TIMEOUT_S
 from base.waiting import wait_until
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import HAProxySettings
@@ -90,6 +91,7 @@ def start_plane(
     check_inter_s: float = 0.5,
     sync_timeout_s: float = 5.0,
     protection: FrontendProtection | None = None,
+    staging_server_timeout_s: float | None = None,
 ) -> Plane:
     settings = HAProxySettings(
         workdir=workdir,
@@ -99,6 +101,7 @@ def start_plane(
         route_timeout_s=ROUTE_TIMEOUT_S,
         check_inter_s=check_inter_s,
         protection=protection or FrontendProtection(),
+        staging_server_timeout_s=staging_server_timeout_s,
     )
     register_frontend(settings.port)
     haproxy = HAProxyProcess(settings).start()
@@ -152,7 +155,7 @@ class Env:
 
 @contextmanager
 def running_env(workdir: Path) -> Iterator[Env]:
-    """Two stand-in replicas and two stand-in routers behind one HAProxy + syncer (a body-forwarding app)."""
+    """Two stand-in replicas and two stand-in routers behind one staging HAProxy + syncer (a body-forwarding app)."""
     loop = LoopThread()
     behavior = RouterBehavior(replica_ids=["r1", "r2"])
     rearm_stall(loop, behavior)
@@ -165,7 +168,8 @@ def running_env(workdir: Path) -> Iterator[Env]:
             loop.run(stand_in.start())
             started.append(stand_in)
         app = AppRoute(name=APP, forward_body=True, body_buffer_bytes=BODY_BUFFER_BYTES)
-        plane = start_plane(loop, workdir, app, [r1.endpoint, r2.endpoint], [router_a.endpoint, router_b.endpoint])
+        replicas, routers = [r1.endpoint, r2.endpoint], [router_a.endpoint, router_b.endpoint]
+        plane = start_plane(loop, workdir, app, replicas, routers, staging_server_timeout_s=STAGING_SERVER_TIMEOUT_S)
         yield Env(loop, behavior, r1, r2, router_a, router_b, plane)
     finally:
         rearm_stall(loop, behavior)

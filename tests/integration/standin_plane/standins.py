@@ -166,6 +166,7 @@ class ReplicaStandIn(StandIn):
         if "status" in params:
             await respond(send, int(params["status"]), b"stand-in error", reply_headers)
             return
+        await asyncio.sleep(float(params.get("headers_delay_s", 0)))
         await send(
             {
                 "type": "http.response.start",

@@ -30,6 +30,7 @@ from base.contracts import (
     PREFILL_URL_HEADER,
     RANKED_HEADER,
     REASON_NO_REPLICA,
+    REASON_REPLICA_TIMEOUT,
     REASON_ROUTER_NON_200,
     REASON_ROUTER_UNREACHABLE,
     REASON_UNKNOWN_REPLICA_ID,
@@ -40,6 +41,7 @@ from base.contracts import (
     SERVE_FALLBACK_HEADER,
     SERVE_REASON_HEADER,
     SESSION_HEADER_DEFAULT,
+    STAGING_TIMEOUT_HEADER,
 )
 from infra.haproxy.apps import AppRoute
 from tests.integration.standin_plane.plane import Env, Plane, start_plane, stop_plane
@@ -296,6 +298,16 @@ def test_body_forwarding_and_truncation(env: Env, client: httpx.Client) -> None:
     # A chunked body within the buffer reaches the router whole, uncut.
     call, _ = _routed_call(env, client, iter([small[:50], small[50:]]), session)
     assert call.body == small and call.header(BODY_TRUNCATED_HEADER) is None
+
+
+def test_a_staging_request_that_asks_for_it_times_out_with_a_504(env: Env, client: httpx.Client) -> None:
+    """The staging frontend's short server timeout (`sluice check`'s timeout cleanup): only for a request that asks."""
+    slow = {"events": 1, "headers_delay_s": 2.0}
+    response = client.post(CHAT_PATH, json=slow, headers={STAGING_TIMEOUT_HEADER: "1"})
+    assert response.status_code == 504 and response.headers[SERVE_REASON_HEADER] == REASON_REPLICA_TIMEOUT
+    assert response.json()["error"]["code"] == 504
+    response = client.post(CHAT_PATH, json=slow)
+    assert_pinned(response, env.behavior)
 
 
 def test_route_call_overhead(env: Env, capsys: pytest.CaptureFixture[str]) -> None:
