@@ -84,12 +84,13 @@ def _router_serve_app(name: str, settings: RouterSettings, routers: int) -> Serv
     )
 
 
-def _legacy_serve_app(name: str, llm_app: str, replicas: int) -> ServeApp:
+def _legacy_serve_app(name: str, llm_app: str, replicas: int, prefill_app: str | None = None) -> ServeApp:
+    settings = LegacyIngressSettings(target_app=llm_app, num_replicas=replicas, prefill_app=prefill_app)
     return ServeApp(
         name=name,
         route_prefix=f"/{name}",
         import_path=import_path(build_legacy_ingress_application),
-        args=LegacyIngressSettings(target_app=llm_app, num_replicas=replicas).model_dump(mode="json"),
+        args=settings.model_dump(mode="json"),
     )
 
 
@@ -225,8 +226,10 @@ def _role_engine(model: PrefillDecodeModel, role: str) -> EngineConfig:
 
 
 def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeModel, stem: str) -> ModelApps:
-    """A model's prefill app, decode app and router app (choosing a replica of each)."""
+    """A model's prefill app, decode app and router app (choosing a replica of each), and the legacy ingress
+    (relaying to the decode side, choosing the prefill replica itself) when the spec retains it."""
     prefill_app, decode_app, router_app = f"{stem}-prefill", f"{stem}-llm", f"{stem}-router"
+    legacy_app = f"{stem}-legacy"
     model_routing = spec.routing.overridden(model.routing)
     prefill_routing = model_routing.overridden(model.prefill.routing)
     decode_routing = model_routing.overridden(model.decode.routing)
@@ -264,10 +267,14 @@ def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeM
         prefill_app=prefill_app,
         prefill_policy=prefill_routing.policy,
         prefill_replicas=_min_replicas(model.prefill),
+        legacy_app=legacy_app,
+        legacy_deployed=spec.ingress.retains_legacy,
     )
     apps = [
         _llm_serve_app(prefill_app, prefill),
         _llm_serve_app(decode_app, decode),
         _router_serve_app(router_app, router, spec.frontend.routers),
     ]
-    return apps, _route(model, decode_app, router_app, decode_routing), planned
+    if spec.ingress.retains_legacy:
+        apps.append(_legacy_serve_app(legacy_app, decode_app, spec.ingress.legacy_replicas, prefill_app))
+    return apps, _route(model, decode_app, router_app, decode_routing, legacy_app), planned

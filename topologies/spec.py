@@ -174,13 +174,6 @@ def _cross_field_problems(spec: StackBase) -> list[SpecProblem]:
                     "data_parallel mode `ranks` is a gang of fixed size: give replicas (gangs), not autoscaling",
                 )
             )
-        if isinstance(model, PrefillDecodeModel) and spec.ingress.retains_legacy:
-            problems.append(
-                SpecProblem(
-                    "ingress.mode",
-                    "the legacy ingress cannot pair a prefill and a decode replica: prefill_decode stacks are direct",
-                )
-            )
         if isinstance(model, PrefillDecodeModel):
             prefill_routing = spec.routing.overridden(model.routing).overridden(model.prefill.routing)
             prefill_entry = policy_entry(prefill_routing.policy)

@@ -6,14 +6,19 @@ call there. Ray's rule: the response is consumed before the choice's context exi
 twice (at the context's cleanup, then when the deferred send completes). `chosen_stream` keeps the whole stream
 inside the context and cancels what the caller leaves unread before leaving it. The adapters count a request out by
 its id, so even a second completion changes no count (it shows as the `repeated_completion` event).
+
+A prefill/decode model's legacy path also chooses its prefill replica here (`prefill_choice`), with the prefill
+deployment's request router: the policy the direct path's router uses for the prefill side.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from base.contracts import PREFILL_REPLICA_HEADER, PREFILL_URL_HEADER
 
 
 @dataclass(frozen=True)
@@ -43,3 +48,17 @@ async def chosen_stream(handle: Any, *args: Any, **kwargs: Any) -> AsyncIterator
         finally:
             if not finished:
                 response.cancel()
+
+
+@asynccontextmanager
+async def prefill_choice(
+    handle: Any, url_of: Callable[[str], Awaitable[str | None]], *args: Any
+) -> AsyncIterator[dict[str, str]]:
+    """The prefill replica the prefill deployment's request router chose for the call, as the headers a decode
+    replica reads (services/replica/middleware/remote_prefill.py: the replica id and `url_of` it, its own port under
+    its app's prefix); empty when its URL is unknown (the decode replica then answers `prefill_unrouted`, or prefills
+    locally where its spec allows). The replica's reserved slot is held until the caller leaves: the call goes out of
+    band (the decode replica's HTTP call), so nothing is dispatched on it."""
+    async with handle.choose_replica(*args) as selection:
+        url = await url_of(selection.replica_id)
+        yield {PREFILL_REPLICA_HEADER: selection.replica_id, PREFILL_URL_HEADER: url} if url is not None else {}

@@ -8,6 +8,7 @@ capacity tokens and disconnects on this path: services/legacy/README.md.
 from __future__ import annotations
 
 import asyncio
+from contextlib import AsyncExitStack
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,23 +20,32 @@ from starlette.routing import Mount
 from base.contracts import (
     CHOSEN_REPLICA_HEADER,
     LEGACY_PATH,
+    PREFILL_BY_CALLER_HEADER,
+    PREFILL_REPLICA_HEADER,
+    PREFILL_URL_HEADER,
     REASON_REPLICA_FAILED,
     SERVE_PATH_HEADER,
     NodeRole,
     node_role_resources,
 )
 from base.rollout import config_version
-from services.legacy.handle_path import chosen_stream
+from services.legacy.handle_path import chosen_stream, prefill_choice
 from services.replica.asgi_call import ResponseStart, read_body, route_path, send_openai_error
 from services.replica.llm_config import LLM_DEPLOYMENT_NAME
 from services.replica.middleware.replica_headers import Receive, Scope, Send
-from services.serve_internals import with_rollout_version
+from services.serve_internals import list_replica_endpoints, with_rollout_version
 
 LEGACY_DEPLOYMENT_NAME = "LegacyIngress"
 _PATH_STAMP = (SERVE_PATH_HEADER.encode(), LEGACY_PATH.encode())
 _CHOSEN = CHOSEN_REPLICA_HEADER.encode()
 # Headers of the client's request that belong to its connection, not to the request the replica runs.
 _HOP_BY_HOP = frozenset({"host", "connection", "content-length", "transfer-encoding", "keep-alive", "upgrade"})
+# What names a decode replica's prefill: set by the relay alone, never the client's.
+_PREFILL_HEADERS = frozenset({PREFILL_REPLICA_HEADER, PREFILL_URL_HEADER, PREFILL_BY_CALLER_HEADER})
+
+
+# A relayed request: method, path (with its query), body, headers.
+Call = tuple[str, str, bytes, dict[str, str]]
 
 
 class LegacyIngressSettings(BaseModel):
@@ -43,6 +53,8 @@ class LegacyIngressSettings(BaseModel):
 
     target_app: str = Field(min_length=1)
     target_deployment: str = LLM_DEPLOYMENT_NAME
+    # A prefill/decode model's prefill app: the relay chooses a prefill replica for each request there.
+    prefill_app: str | None = None
     num_replicas: int = Field(1, ge=1)
     # Concurrent streams one ingress replica relays (each holds a handle call open).
     max_ongoing_requests: int = Field(256, ge=1)
@@ -59,13 +71,41 @@ def forwarded_headers(scope: Scope) -> dict[str, str]:
     }
 
 
+class PrefillSide:
+    """A prefill/decode model's prefill deployment: its handle, and where each of its replicas serves HTTP (its own
+    port under the app's prefix), found as sluice finds every replica's port and looked up again for a replica it
+    has not seen (Serve's selection names the replica's internal gRPC port, not its HTTP one)."""
+
+    def __init__(self, handle: Any, app: str) -> None:
+        self.handle = handle
+        self._app = app
+        self._urls: dict[str, str] = {}
+
+    async def url_of(self, replica_id: str) -> str | None:
+        if replica_id not in self._urls:
+            self._urls = {e.replica_id: f"{e.url}/{self._app}" for e in await list_replica_endpoints(self._app)}
+        return self._urls.get(replica_id)
+
+
+async def _with_prefill(prefill: PrefillSide, call: Call, held: AsyncExitStack) -> Call:
+    """`call` naming the prefill replica chosen for it (the client's own prefill headers dropped), the choice held on
+    `held`."""
+    method, path, body, headers = call
+    call = (method, path, body, {k: v for k, v in headers.items() if k not in _PREFILL_HEADERS})
+    chosen = await held.enter_async_context(prefill_choice(prefill.handle, prefill.url_of, *call))
+    return (method, path, body, call[3] | chosen)
+
+
 class HandleRelay:
     """ASGI app relaying each HTTP request through a streaming DeploymentHandle call to `stream()`, on the replica
     the deployment's request router chose (`chosen_stream`), stamped with that choice. `stream` is the LLM
-    deployment's handle to its `stream()` method, streaming."""
+    deployment's handle to its `stream()` method, streaming. With `prefill` (the decode side of prefill/decode),
+    each request first gets a prefill replica (`prefill_choice`), held until the decode replica answers: its
+    response starts once the prefill is done."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, prefill: PrefillSide | None = None) -> None:
         self._stream = stream
+        self._prefill = prefill
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive)
@@ -86,18 +126,22 @@ class HandleRelay:
             # A client gone: the relay's cancellation cancels the call and leaves the replica's choice.
             await asyncio.gather(relay, return_exceptions=True)
 
-    async def _relay(self, call: tuple[str, str, bytes, dict[str, str]], send: Send) -> None:
+    async def _relay(self, call: Call, send: Send) -> None:
         started = False
         try:
-            async with chosen_stream(self._stream, *call) as chosen:
-                stamps = [_PATH_STAMP, (_CHOSEN, chosen.replica_id.encode("latin-1"))]
-                async for item in chosen.items:
-                    if isinstance(item, ResponseStart):
-                        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in item.headers] + stamps
-                        await send({"type": "http.response.start", "status": item.status, "headers": headers})
-                        started = True
-                    elif started:
-                        await send({"type": "http.response.body", "body": item, "more_body": True})
+            async with AsyncExitStack() as prefill_held:
+                if self._prefill is not None:
+                    call = await _with_prefill(self._prefill, call, prefill_held)
+                async with chosen_stream(self._stream, *call) as chosen:
+                    stamps = [_PATH_STAMP, (_CHOSEN, chosen.replica_id.encode("latin-1"))]
+                    async for item in chosen.items:
+                        if isinstance(item, ResponseStart):
+                            await prefill_held.aclose()
+                            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in item.headers] + stamps
+                            await send({"type": "http.response.start", "status": item.status, "headers": headers})
+                            started = True
+                        elif started:
+                            await send({"type": "http.response.body", "body": item, "more_body": True})
         except Exception as error:  # the replica died or refused the call: an answer if none has started
             if started:
                 raise
@@ -114,7 +158,11 @@ class LegacyIngress:
     def __init__(self, settings: dict[str, Any]) -> None:
         self._settings = LegacyIngressSettings.model_validate(settings)
         handle = serve.get_deployment_handle(self._settings.target_deployment, app_name=self._settings.target_app)
-        relay = HandleRelay(handle.options(stream=True).stream)
+        prefill = None
+        if self._settings.prefill_app is not None:
+            prefill_handle = serve.get_deployment_handle(LLM_DEPLOYMENT_NAME, app_name=self._settings.prefill_app)
+            prefill = PrefillSide(prefill_handle.options(stream=True).stream, self._settings.prefill_app)
+        relay = HandleRelay(handle.options(stream=True).stream, prefill)
         self._app = Starlette(routes=[Mount("/", app=relay)])
 
     async def __serve_build_asgi_app__(self) -> Starlette:

@@ -32,9 +32,15 @@ class TeamStack:
 
 @contextmanager
 def team_stack(
-    team_file: str, name: str, folder: Path, staging: bool = False, routers: int | None = None
+    team_file: str,
+    name: str,
+    folder: Path,
+    staging: bool = False,
+    routers: int | None = None,
+    ingress: dict[str, Any] | None = None,
 ) -> Iterator[TeamStack]:
-    """`staging`: the stack's fault endpoints on; `routers`: that many router replicas instead of the file's."""
+    """`staging`: the stack's fault endpoints on; `routers`: that many router replicas instead of the file's;
+    `ingress`: the stack's `ingress` section instead of the file's."""
     data = yaml.safe_load((TEAMS / team_file).read_text())
     port = free_port()
     data["name"] = name
@@ -42,6 +48,8 @@ def team_stack(
     data["frontend"].update(port=port, metrics_port=free_port())
     if routers is not None:
         data["frontend"]["routers"] = routers
+    if ingress is not None:
+        data["ingress"] = ingress
     path = folder / "stack.yaml"
     path.write_text(yaml.safe_dump(data))
     spec = load_spec(path)

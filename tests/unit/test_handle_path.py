@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.legacy.handle_path import chosen_stream
+from base.contracts import PREFILL_REPLICA_HEADER, PREFILL_URL_HEADER
+from services.legacy.handle_path import chosen_stream, prefill_choice
 
 
 @dataclass
@@ -91,3 +92,24 @@ def test_a_caller_that_fails_mid_stream_cancels_it_inside_the_choice() -> None:
     with pytest.raises(RuntimeError, match="client gone"):
         asyncio.run(fail())
     assert handle.log[-2:] == ["cancel after 2", "context exit"]
+
+
+def test_a_prefill_choice_names_the_chosen_replica_at_its_url_and_holds_it_until_the_caller_leaves() -> None:
+    handle = RecordingHandle(items=0)
+    urls = {"replica-b": "http://127.0.0.1:8123/pd-prefill"}
+
+    async def url_of(replica_id: str) -> str | None:
+        handle.log.append(f"url of {replica_id}")
+        return urls.get(replica_id)
+
+    async def run() -> dict[str, str]:
+        async with prefill_choice(handle, url_of, "POST", "/v1/completions") as headers:
+            handle.log.append("decode call")
+            return headers
+
+    headers = asyncio.run(run())
+    assert headers == {PREFILL_REPLICA_HEADER: "replica-b", PREFILL_URL_HEADER: urls["replica-b"]}
+    assert handle.log == ["choose('POST', '/v1/completions')", "url of replica-b", "decode call", "context exit"]
+    # No URL known for the chosen replica: no prefill named (the decode replica answers `prefill_unrouted`).
+    urls.clear()
+    assert asyncio.run(run()) == {}

@@ -67,12 +67,17 @@ def test_the_rendered_serve_config_declares_the_ingress_as_the_frontends_user_co
     ]
 
 
-def test_a_prefill_decode_stack_cannot_retain_a_legacy_path() -> None:
+def test_a_prefill_decode_stack_retains_a_legacy_ingress_relaying_to_decode_and_choosing_prefill() -> None:
     data = yaml.safe_load((TEAMS / "prefill-decode-cpu.yaml").read_text())
     data["ingress"] = {"mode": "both"}
-    with pytest.raises(SpecError) as error:
-        parse_spec(data)
-    assert "ingress.mode" in str(error.value)
+    plan = build_plan(parse_spec(data))
+    [model] = plan.models
+    assert model.legacy_deployed and model.legacy_app is not None and model.prefill_app is not None
+    [legacy] = [app for app in plan.apps if app.name == model.legacy_app]
+    assert legacy.args["target_app"] == model.llm_app and legacy.args["prefill_app"] == model.prefill_app
+    # Direct only: no legacy app, the decode side's route keeps its legacy prefix unused.
+    direct = build_plan(load_spec(TEAMS / "prefill-decode-cpu.yaml"))
+    assert not direct.models[0].legacy_deployed and model.legacy_app not in {app.name for app in direct.apps}
 
 
 @pytest.mark.parametrize("weight", [-1, 101])

@@ -1,0 +1,159 @@
+"""Prefill/decode with the retained legacy ingress: prefill-decode-cpu.yaml with `ingress.mode: both` (own name and
+ports, staging on so `sluice check` runs every item) deployed onto the session's Ray cluster. The legacy path relays
+to the decode replica through the handle path and chooses the prefill replica with the prefill deployment's request
+router; `sluice check` passes (its legacy item: the same greedy texts on both paths); a rollback while 8 clients
+stream cuts none and returns no non-2xx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from ray import serve
+
+from base.contracts import (
+    CHOSEN_REPLICA_HEADER,
+    LEGACY_PATH,
+    PREFILL_FALLBACK_HEADER,
+    PREFILL_URL_HEADER,
+    REPLICA_HEADER,
+    SERVE_PATH_HEADER,
+    SERVED_PREFILL_HEADER,
+    SESSION_HEADER_DEFAULT,
+)
+from base.waiting import WaitTimeout, wait_until
+from services.serve_internals import list_replica_endpoints
+from sluice.deploy.check import CHECK_EXIT_PASS, LEGACY_SAME_TEXTS, report, run_checks, verdict
+from tests.support.sse import DONE, data_payloads
+from tests.support.team_stack import TeamStack, team_stack
+
+pytestmark = pytest.mark.integration
+
+# The canary's criteria as canary-cpu.yaml sets them: this test moves the weight itself.
+INGRESS = {
+    "mode": "both",
+    "canary_weight": 50,
+    "drain_deadline_s": 60,
+    "abort": {"max_ttft_p99_s": 10, "max_replica_imbalance": 4, "min_requests": 10, "window_s": 10},
+}
+PROMPT = "ka lo mi tessa ren do ka lo mi tessa ren do ka lo"
+
+
+@pytest.fixture(scope="module")
+def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeamStack]:
+    folder = tmp_path_factory.mktemp("prefill-decode-legacy")
+    with team_stack("prefill-decode-cpu.yaml", "pd-legacy", folder, staging=True, ingress=INGRESS) as deployed:
+        yield deployed
+
+
+def _shift(stack: TeamStack, weight: int, wait: bool = False) -> dict:
+    return serve.get_app_handle(stack.plan.frontend_app).shift.remote(weight, wait).result(timeout_s=180)
+
+
+def _ingress(stack: TeamStack) -> dict:
+    return serve.get_app_handle(stack.plan.frontend_app).ingress.remote().result(timeout_s=30)
+
+
+def _chat(stack: TeamStack, stream: bool, max_tokens: int = 16) -> dict:
+    return {
+        "model": stack.plan.models[0].name,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+def test_the_legacy_path_runs_prefill_on_the_prefill_replica_and_decodes_on_the_decode_replica(
+    stack: TeamStack,
+) -> None:
+    _shift(stack, 0, wait=True)
+    [model] = stack.plan.models
+    assert model.prefill_app is not None
+    [prefill] = asyncio.run(list_replica_endpoints(model.prefill_app))
+    [decode] = asyncio.run(list_replica_endpoints(model.llm_app))
+    forged = {PREFILL_URL_HEADER: "http://127.0.0.1:9/nowhere", SESSION_HEADER_DEFAULT: "legacy-pd"}
+    with httpx.Client(timeout=120) as client:
+        for stream in (False, True):
+            response = client.post(f"{stack.url}/v1/chat/completions", json=_chat(stack, stream), headers=forged)
+            assert response.status_code == 200, response.text
+            assert response.headers[SERVE_PATH_HEADER] == LEGACY_PATH
+            assert response.headers[REPLICA_HEADER] == response.headers[CHOSEN_REPLICA_HEADER] == decode.replica_id
+            # The prefill replica the relay chose ran the prefill: no local fallback, the client's URL ignored.
+            assert PREFILL_FALLBACK_HEADER not in response.headers, response.headers[PREFILL_FALLBACK_HEADER]
+            assert response.headers.get(SERVED_PREFILL_HEADER) == prefill.replica_id
+            if stream:
+                assert data_payloads(response.text)[-1] == DONE
+
+
+def test_sluice_check_passes_with_the_same_texts_on_the_legacy_path(stack: TeamStack) -> None:
+    _shift(stack, 50, wait=True)
+    items = run_checks(stack.spec, stack.plan, stack.url)
+    code, found = report(items, as_json=False), verdict(items)
+    outcome = {i["item"]: i["ok"] for i in found["items"]}
+    assert outcome[f"{LEGACY_SAME_TEXTS} ({stack.plan.models[0].name})"] is True, found
+    assert (code, found["verdict"]) == (CHECK_EXIT_PASS, "pass") and not found["skipped"], found
+
+
+@dataclass
+class Stream:
+    started: float
+    path: str | None = None
+    status: int = 0
+    done: bool = False
+
+
+async def _streaming_users(stack: TeamStack, users: int, run_s: float) -> list[Stream]:
+    """`users` clients, each streaming one chat after another for `run_s` seconds (bounded)."""
+    streams: list[Stream] = []
+    stop = time.monotonic() + run_s
+    body = _chat(stack, stream=True, max_tokens=48)
+
+    async def user(client: httpx.AsyncClient, index: int) -> None:
+        turn = 0
+        while time.monotonic() < stop and turn < 100:
+            turn += 1
+            stream = Stream(started=time.monotonic())
+            streams.append(stream)
+            headers = {SESSION_HEADER_DEFAULT: f"pd-stream-{index}-{turn}"}
+            url = f"{stack.url}/v1/chat/completions"
+            async with client.stream("POST", url, json=body, headers=headers) as response:
+                stream.status, stream.path = response.status_code, response.headers.get(SERVE_PATH_HEADER)
+                text = (await response.aread()).decode()
+            stream.done = data_payloads(text)[-1:] == [DONE]
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=users)) as client:
+        await asyncio.gather(*(user(client, i) for i in range(users)))
+    return streams
+
+
+def test_a_rollback_while_8_clients_stream_cuts_none_and_answers_only_2xx(stack: TeamStack) -> None:
+    _shift(stack, 100, wait=True)
+    moments: dict[str, float] = {}
+
+    async def run() -> list[Stream]:
+        users = asyncio.create_task(_streaming_users(stack, 8, run_s=12))
+        await asyncio.sleep(4)
+        moments["began"] = time.monotonic()
+        await asyncio.to_thread(_shift, stack, 0)
+        moments["returned"] = time.monotonic()
+        return await users
+
+    streams = asyncio.run(run())
+    with contextlib.suppress(WaitTimeout):
+        wait_until(60, lambda: (_ingress(stack)["drain"] or {}).get("done"), "the drain to end", poll_s=0.1)
+    drain = _ingress(stack)["drain"]
+    print(f"P/D rollback under 8 users: {len(streams)} streams, drained in {drain['waited_s']} s")
+    assert streams and all(s.status == 200 for s in streams), sorted({s.status for s in streams})
+    assert all(s.done for s in streams), f"{sum(not s.done for s in streams)} streams were cut"
+    before = [s for s in streams if s.started < moments["began"]]
+    after = [s for s in streams if s.started > moments["returned"]]
+    assert before and all(s.path != LEGACY_PATH for s in before)
+    assert after and all(s.path == LEGACY_PATH for s in after)
+    assert drain["done"] and not drain["still_running"], drain
