@@ -6,12 +6,12 @@ loop, schedule lag flagged per window. Definitions: loadtests/README.md (metrics
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from base.quantiles import quantile
 from loadtests.sse_timing import StreamRow
 
 LAG_WINDOW_S = 1.0
@@ -26,14 +26,6 @@ class Distribution(BaseModel):
     p90_ms: float
     p99_ms: float
     max_ms: float
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (q in 0..1) of non-empty `values`."""
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def distribution(seconds: Sequence[float]) -> Distribution | None:

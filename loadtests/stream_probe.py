@@ -14,6 +14,8 @@ import time
 import httpx
 from pydantic import BaseModel
 
+from base.quantiles import quantile
+
 DEFAULT_PROMPT = "ka lo mi ne ru"
 
 
@@ -102,7 +104,7 @@ async def probe(urls: list[str], model: str, streams: int, max_tokens: int, time
         streams=streams,
         max_tokens=max_tokens,
         wall_s=wall,
-        ttft_p50_ms=statistics.median(ttfts),
+        ttft_p50_ms=quantile(ttfts, 0.5),
         ttft_max_ms=max(ttfts),
         per_stream_tokens_per_s=statistics.mean(r.decode_tokens_per_s for r in results),
         aggregate_tokens_per_s=sum(r.completion_tokens for r in results) / wall,

@@ -7,7 +7,6 @@ services/frontend/README.md (the canary).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from base.contracts import CANARY_CRITERIA, DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT
+from base.quantiles import quantile
 
 
 class AbortCriteria(BaseModel):
@@ -95,12 +95,9 @@ class Breach(BaseModel):
         )
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+def _p99(values: list[float]) -> float:
+    """The 99th percentile (`base.quantiles`, as `sluice load` gates compute it); 0 for no values."""
+    return quantile(values, 0.99) if values else 0.0
 
 
 def measure(path: str, records: Iterable[RequestRecord], live_replicas: Iterable[str]) -> PathMeasures:
@@ -114,7 +111,7 @@ def measure(path: str, records: Iterable[RequestRecord], live_replicas: Iterable
         path=path,
         requests=len(records),
         ratio_503=sum(r.status == 503 for r in records) / len(records) if records else 0.0,
-        ttft_p99_s=percentile([r.ttft_s for r in ok if r.ttft_s is not None], 99),
+        ttft_p99_s=_p99([r.ttft_s for r in ok if r.ttft_s is not None]),
         stream_error_ratio=sum(r.stream_error for r in ok) / len(ok) if ok else 0.0,
         replica_imbalance=imbalance,
     )

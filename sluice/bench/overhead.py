@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from base.quantiles import quantile
 from base.runtime import LOOPBACK, free_port
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import find_haproxy_binary
-from loadtests.metrics import quantile
 
 RATES = (100, 500, 1000)
 RATE_STEP_S = 4.0

@@ -19,8 +19,8 @@ import httpx
 import yaml
 
 from base.contracts import ZERO_COMPUTE_STAND_IN
+from base.quantiles import quantile
 from base.tiny_model import SERVED_MODEL_NAME
-from loadtests.metrics import quantile
 from loadtests.stream_probe import one_stream
 from sluice.bench.goals import breakdown, judge, verdict_lines
 from sluice.bench.overhead import passthrough_haproxy, rates_table, route_call_rates

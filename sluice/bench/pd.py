@@ -9,11 +9,11 @@ TTFT is request sent to first token at the client; ITL is the gap between consec
 from __future__ import annotations
 
 import asyncio
-import statistics
 from typing import Any
 
 import httpx
 
+from base.quantiles import quantile
 from base.runtime import free_port
 from loadtests.stream_probe import StreamResult, one_stream
 from topologies import TEAMS_DIR
@@ -38,17 +38,12 @@ def _stack(team_file: str, name: str, **model_overrides: Any) -> tuple[Any, Any]
     return spec, build_plan(spec)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
-
-
 def _summary(results: list[StreamResult]) -> str:
     ttft = [r.ttft_s * 1e3 for r in results]
     gaps = [g * 1e3 for r in results for g in r.token_gaps_s]
     return (
-        f"TTFT p50 {statistics.median(ttft):6.1f} p90 {_percentile(ttft, 0.9):6.1f} ms | "
-        f"ITL p50 {statistics.median(gaps):5.2f} p99 {_percentile(gaps, 0.99):5.2f} ms"
+        f"TTFT p50 {quantile(ttft, 0.5):6.1f} p90 {quantile(ttft, 0.9):6.1f} ms | "
+        f"ITL p50 {quantile(gaps, 0.5):5.2f} p99 {quantile(gaps, 0.99):5.2f} ms"
     )
 
 

@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 
 from base.contracts import KV_EVENTS_PATH, SESSION_HEADER_DEFAULT
+from base.quantiles import quantile
 from base.route_wire import KVEventSources
 from loadtests.campaign import Campaign, run
-from loadtests.metrics import quantile
 from loadtests.report import prefix_cache_rates
 from loadtests.sse_timing import StreamRow
 from loadtests.workloads import SYSTEM_PROMPT_TOKENS, system_prompt_key

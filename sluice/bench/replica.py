@@ -8,6 +8,7 @@ from pathlib import Path
 
 import psutil
 
+from base.quantiles import quantile
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.stream_probe import probe
 
@@ -80,9 +81,7 @@ def _route_call_ms(url: str, samples: int) -> list[float]:
 
 
 def _percentiles(values: list[float]) -> str:
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    return f"p50 {ordered[len(ordered) // 2]:.2f} ms, p99 {p99:.2f} ms"
+    return f"p50 {quantile(values, 0.5):.2f} ms, p99 {quantile(values, 0.99):.2f} ms"
 
 
 def run_direct_bench(model: Path, samples: int = 200) -> None:

@@ -22,7 +22,7 @@ from base.contracts import (
     SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
 )
-from loadtests.metrics import quantile
+from base.quantiles import quantile
 from sluice.deploy import check_items
 from sluice.deploy.check_contract import api_contract
 from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers

@@ -12,7 +12,6 @@ import contextlib
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -48,6 +47,7 @@ from sluice.deploy.check import (
 )
 from tests.support.frontend_metrics import frontend_counts
 from tests.support.sse import DONE, data_payloads
+from tests.support.streaming_users import Stream, streaming_users
 from tests.support.team_stack import TeamStack, team_stack
 from tests.support.vllm_metrics import engine_requests
 
@@ -217,42 +217,12 @@ def test_a_canary_at_weight_30_sends_30_percent_of_600_sessions_direct_each_on_o
     assert all(paths == [DIRECT_PATH] for paths in again.values())
 
 
-@dataclass
-class Stream:
-    started: float
-    path: str | None = None
-    status: int = 0
-    done: bool = False
-
-
-async def _streaming_users(url: str, users: int, run_s: float) -> list[Stream]:
-    """`users` clients, each streaming one completion after another for `run_s` seconds (bounded)."""
-    streams: list[Stream] = []
-    stop = time.monotonic() + run_s
-
-    async def user(client: httpx.AsyncClient, index: int) -> None:
-        turn = 0
-        while time.monotonic() < stop and turn < 200:
-            turn += 1
-            stream = Stream(started=time.monotonic())
-            streams.append(stream)
-            headers = {SESSION_HEADER_DEFAULT: f"stream-{index}-{turn}"}
-            async with client.stream("POST", f"{url}/v1/completions", json=STREAM, headers=headers) as response:
-                stream.status, stream.path = response.status_code, response.headers.get(SERVE_PATH_HEADER)
-                body = (await response.aread()).decode()
-            stream.done = data_payloads(body)[-1:] == [DONE]
-
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=users)) as client:
-        await asyncio.gather(*(user(client, i) for i in range(users)))
-    return streams
-
-
 def _move_under_load(stack: TeamStack, weight: int) -> tuple[list[Stream], float, float, dict]:
     """16 streaming users; the weight moves 3 s in. (streams, when the move began, when it returned, drain)."""
     moments: dict[str, float] = {}
 
     async def run() -> list[Stream]:
-        users = asyncio.create_task(_streaming_users(stack.url, 16, run_s=9))
+        users = asyncio.create_task(streaming_users(f"{stack.url}/v1/completions", STREAM, 16, run_s=9))
         await asyncio.sleep(3)
         moments["began"] = time.monotonic()
         await asyncio.to_thread(_shift, stack, weight)

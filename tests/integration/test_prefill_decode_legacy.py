@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -31,6 +30,7 @@ from base.waiting import WaitTimeout, wait_until
 from services.serve_internals import list_replica_endpoints
 from sluice.deploy.check import CHECK_EXIT_PASS, LEGACY_SAME_TEXTS, report, run_checks, verdict
 from tests.support.sse import DONE, data_payloads
+from tests.support.streaming_users import Stream, streaming_users
 from tests.support.team_stack import TeamStack, team_stack
 
 pytestmark = pytest.mark.integration
@@ -101,44 +101,13 @@ def test_sluice_check_passes_with_the_same_texts_on_the_legacy_path(stack: TeamS
     assert (code, found["verdict"]) == (CHECK_EXIT_PASS, "pass") and not found["skipped"], found
 
 
-@dataclass
-class Stream:
-    started: float
-    path: str | None = None
-    status: int = 0
-    done: bool = False
-
-
-async def _streaming_users(stack: TeamStack, users: int, run_s: float) -> list[Stream]:
-    """`users` clients, each streaming one chat after another for `run_s` seconds (bounded)."""
-    streams: list[Stream] = []
-    stop = time.monotonic() + run_s
-    body = _chat(stack, stream=True, max_tokens=48)
-
-    async def user(client: httpx.AsyncClient, index: int) -> None:
-        turn = 0
-        while time.monotonic() < stop and turn < 100:
-            turn += 1
-            stream = Stream(started=time.monotonic())
-            streams.append(stream)
-            headers = {SESSION_HEADER_DEFAULT: f"pd-stream-{index}-{turn}"}
-            url = f"{stack.url}/v1/chat/completions"
-            async with client.stream("POST", url, json=body, headers=headers) as response:
-                stream.status, stream.path = response.status_code, response.headers.get(SERVE_PATH_HEADER)
-                text = (await response.aread()).decode()
-            stream.done = data_payloads(text)[-1:] == [DONE]
-
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=users)) as client:
-        await asyncio.gather(*(user(client, i) for i in range(users)))
-    return streams
-
-
 def test_a_rollback_while_8_clients_stream_cuts_none_and_answers_only_2xx(stack: TeamStack) -> None:
     _shift(stack, 100, wait=True)
     moments: dict[str, float] = {}
 
     async def run() -> list[Stream]:
-        users = asyncio.create_task(_streaming_users(stack, 8, run_s=12))
+        body = _chat(stack, stream=True, max_tokens=48)
+        users = asyncio.create_task(streaming_users(f"{stack.url}/v1/chat/completions", body, 8, run_s=12))
         await asyncio.sleep(4)
         moments["began"] = time.monotonic()
         await asyncio.to_thread(_shift, stack, 0)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 
 from base.contracts import DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT, REASON_ROUTER_UNREACHABLE
+from base.quantiles import quantile
 from infra.haproxy.canary import log_format
-from services.frontend.canary_guard import AbortCriteria, RequestRecord, evaluate, measure, percentile
+from loadtests.metrics import distribution
+from services.frontend.canary_guard import AbortCriteria, RequestRecord, evaluate, measure
 from services.frontend.path_log import PathLog, parse_record
 
 CRITERIA = AbortCriteria(min_requests=10)
@@ -77,10 +82,23 @@ def test_a_client_leaving_is_no_stream_error() -> None:
     assert measure(DIRECT_PATH, [record(termination="SD") for _ in range(10)], LIVE).stream_error_ratio == 1.0
 
 
-def test_percentile_is_nearest_rank() -> None:
-    assert percentile([], 99) == 0.0
-    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
-    assert percentile([1.0, 5.0], 99) == 5.0
+@pytest.mark.parametrize("samples", [7, 20, 101])
+def test_the_canarys_ttft_p99_is_the_load_gates_on_the_same_samples(samples: int) -> None:
+    rng = random.Random(samples)
+    ttfts = [rng.uniform(0.01, 2.0) for _ in range(samples)]
+    canary = measure(DIRECT_PATH, [record(ttft_s=t) for t in ttfts], LIVE).ttft_p99_s
+    gate = distribution(ttfts)
+    assert gate is not None and canary * 1000 == pytest.approx(gate.p99_ms, rel=1e-12)
+    # Both are numpy's linear quantile, as `vllm bench serve`'s np.percentile: between the two largest of 20.
+    assert canary == pytest.approx(float(np.percentile(ttfts, 99)), rel=1e-12)
+
+
+def test_no_ttft_is_a_p99_of_0_and_a_quantile_outside_0_to_1_is_refused() -> None:
+    assert measure(DIRECT_PATH, [record(ttft_s=None)], LIVE).ttft_p99_s == 0.0
+    with pytest.raises(ValueError):
+        quantile([1.0], 99)
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
 
 
 def test_a_log_line_in_the_rendered_format_parses_into_a_record() -> None:

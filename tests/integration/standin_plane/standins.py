@@ -358,11 +358,6 @@ def stream_one(url: str, payload: dict[str, Any]) -> tuple[httpx.Headers, list[s
         return response.headers, [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def rearm_stall(loop: LoopThread, behavior: RouterBehavior) -> None:
     """Let every stalled route call answer, and give the next stall a fresh event (created on the loop)."""
     if behavior.release is not None:
