@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from loadtests.metrics import SLO, Summary, summarize
 from loadtests.report import write_report
@@ -47,6 +47,22 @@ class Campaign(BaseModel):
     gates: dict[str, float] = Field(default_factory=dict)
     seed: int = 0
 
+    @field_validator("workload")
+    @classmethod
+    def _known_workload(cls, workload: str) -> str:
+        if workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {workload!r}: one of {', '.join(WORKLOADS)}")
+        return workload
+
+    @field_validator("gates")
+    @classmethod
+    def _known_gates(cls, gates: dict[str, float]) -> dict[str, float]:
+        """Checked before any load is sent: a campaign is not run to find its gate misspelt."""
+        unknown = sorted(set(gates) - set(GATES))
+        if unknown:
+            raise ValueError(f"unknown gate {', '.join(map(repr, unknown))}: one of {', '.join(GATES)}")
+        return gates
+
 
 def gates_from_spec(path: Path) -> dict[str, float]:
     """The abort criteria of a stack's spec as gates."""
@@ -73,8 +89,6 @@ def breaches(summary: Summary, gates: dict[str, float]) -> list[str]:
     """Each breached gate as `name: measured V, limit L`."""
     found = []
     for gate, limit in sorted(gates.items()):
-        if gate not in GATES:
-            raise ValueError(f"unknown gate {gate!r}: one of {', '.join(GATES)}")
         value = measured(summary, gate)
         if value < limit if gate == "min_goodput" else value > limit:
             found.append(f"{gate}: measured {value:.4g}, limit {limit:.4g}")
@@ -155,8 +169,6 @@ def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
 
 def run(campaign: Campaign) -> tuple[Summary, list[str]]:
     """The campaign, its files in `campaign.out`; (summary, breached gates)."""
-    if campaign.workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {campaign.workload!r}: one of {', '.join(WORKLOADS)}")
     campaign.out.mkdir(parents=True, exist_ok=True)
     rows = run_locust(campaign, campaign.out / "rows")
     rows.sort(key=lambda r: r.sent_at)

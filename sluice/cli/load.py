@@ -11,46 +11,95 @@ from typing import Any
 
 from base.runtime import default_model_dir
 from loadtests.workloads import WORKLOADS
+from sluice.cli.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from topologies import EMBEDDED_SPEC
+
+# A target that does not list its models within this is taken as unreachable.
+TARGET_PROBE_TIMEOUT_S = 10.0
+
+
+class UsageError(ValueError):
+    """A value the command cannot run with: exit `EXIT_USAGE` with this message, no traceback."""
+
+
+def _gates(args: argparse.Namespace) -> dict[str, float]:
+    """The spec's abort criteria and each `--gate NAME=LIMIT` (names are checked with the campaign)."""
+    from loadtests.campaign import gates_from_spec
+    from topologies.problems import SpecError
+
+    try:
+        gates = gates_from_spec(Path(args.spec)) if args.spec else {}
+    except (OSError, SpecError) as error:
+        raise UsageError(f"--spec {args.spec}: {error}") from None
+    for gate in args.gate:
+        name, _, value = gate.partition("=")
+        try:
+            gates[name] = float(value)
+        except ValueError:
+            raise UsageError(f"--gate {gate!r}: give NAME=LIMIT, e.g. ttft_p99_ms=500") from None
+    return gates
+
+
+def _campaign(args: argparse.Namespace) -> Any:
+    """The campaign the arguments describe, every value checked before any load is sent."""
+    from pydantic import ValidationError
+
+    from loadtests.campaign import Campaign
+    from loadtests.metrics import SLO
+
+    if not args.target:
+        raise UsageError("--target is required for a workload campaign")
+    try:
+        return Campaign(
+            workload=args.workload,
+            target=args.target.rstrip("/"),
+            out=Path(args.out or f"load-{args.workload}"),
+            tokenizer=Path(args.tokenizer or default_model_dir() / "tokenizer.json"),
+            duration_s=args.duration,
+            users=args.users,
+            rate=args.rate,
+            burstiness=args.burstiness,
+            workers=args.workers,
+            model=args.model,
+            slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms),
+            gates=_gates(args),
+        )
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise UsageError(problems) from None
+
+
+def _unreachable(target: str) -> str | None:
+    """Why the target's OpenAI API cannot be reached (its model list), or None when it answers."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{target}/v1/models", timeout=TARGET_PROBE_TIMEOUT_S)
+    except httpx.HTTPError as error:
+        return f"{type(error).__name__}: {error}"
+    return None if response.status_code == 200 else f"GET /v1/models answered {response.status_code}"
 
 
 def _load(args: argparse.Namespace) -> int:
     """`sluice load WORKLOAD --target URL`: a Locust campaign; exit 1 when a gate is breached."""
-    from loadtests.campaign import Campaign, gates_from_spec, run
-    from loadtests.metrics import SLO
+    from loadtests.campaign import run
 
     if args.workload == "routing":
         return _routing_suite(args)
-    if not args.target:
-        print("--target is required for a workload campaign", file=sys.stderr)
-        return 1
-    gates = gates_from_spec(Path(args.spec)) if args.spec else {}
-    for gate in args.gate:
-        name, _, value = gate.partition("=")
-        gates[name] = float(value)
-    campaign = Campaign(
-        workload=args.workload,
-        target=args.target.rstrip("/"),
-        out=Path(args.out or f"load-{args.workload}"),
-        tokenizer=Path(args.tokenizer or default_model_dir() / "tokenizer.json"),
-        duration_s=args.duration,
-        users=args.users,
-        rate=args.rate,
-        burstiness=args.burstiness,
-        workers=args.workers,
-        model=args.model,
-        slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms),
-        gates=gates,
-    )
     try:
-        summary, breached = run(campaign)
-    except ValueError as error:
-        print(error, file=sys.stderr)
-        return 1
+        campaign = _campaign(args)
+    except UsageError as error:
+        print(f"sluice load: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    problem = _unreachable(campaign.target)
+    if problem is not None:
+        print(f"sluice load: the target {campaign.target} cannot be reached: {problem}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    summary, breached = run(campaign)
     print(f"{summary.ok}/{summary.requests} requests ok; rows, summary.json and report.html in {campaign.out}")
     for breach in breached:
         print(f"gate breached: {breach}", file=sys.stderr)
-    return 1 if breached else 0
+    return EXIT_FAILED if breached else EXIT_OK
 
 
 def _routing_suite(args: argparse.Namespace) -> int:

@@ -1,0 +1,56 @@
+"""`sluice load` given bad input: a clear message and a usage exit (2), or the unreachable exit (3) for a target that
+does not answer, before any load is sent and with no traceback."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from sluice.cli.exit_codes import EXIT_UNREACHABLE, EXIT_USAGE
+from sluice.cli.main import main
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--gate", "ttft_p99_ms"], "--gate 'ttft_p99_ms': give NAME=LIMIT"),
+        (["--gate", "ttft_p99_ms=fast"], "give NAME=LIMIT"),
+        (["--gate", "ttft_p999_ms=500"], "unknown gate 'ttft_p999_ms'"),
+        (["--duration", "7200"], "duration_s: Input should be less than or equal to 3600"),
+        (["--users", "0"], "users: Input should be greater than or equal to 1"),
+        (["--spec", "/nonexistent/stack.yaml"], "--spec /nonexistent/stack.yaml"),
+    ],
+    ids=["gate-without-value", "gate-not-a-number", "unknown-gate", "duration-past-an-hour", "no-users", "no-spec"],
+)
+def test_a_bad_value_is_a_usage_error_before_any_load(
+    arguments: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = f"http://127.0.0.1:{_closed_port()}"
+    code = main(["load", "mixed", "--target", target, "--out", str(tmp_path / "out"), *arguments])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and message in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_an_unknown_workload_and_a_missing_target_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["load", "mixd", "--target", "http://127.0.0.1:9"]) == EXIT_USAGE
+    assert "unknown workload 'mixd'" in capsys.readouterr().err
+    assert main(["load", "mixed"]) == EXIT_USAGE
+    assert "--target is required" in capsys.readouterr().err
+
+
+def test_an_unreachable_target_exits_3_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = f"http://127.0.0.1:{_closed_port()}"
+    code = main(["load", "mixed", "--target", target, "--duration", "5", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == EXIT_UNREACHABLE and f"the target {target} cannot be reached" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
