@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from loadtests.metrics import SLO, Summary, summarize
 from loadtests.report import write_report
 from loadtests.sse_timing import StreamRow
+from loadtests.vllm_result import vllm_result
 from loadtests.workloads import WORKLOADS
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -100,13 +101,14 @@ def _served_model(target: str) -> str:
 
 
 def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
-    """Run Locust (one process, or a master and its workers) and merge the rows every process wrote."""
+    """Run Locust (one process, or a master and its workers) and merge the rows every process wrote; `campaign`
+    names its model."""
     rows_dir.mkdir(parents=True, exist_ok=True)
     for stale in rows_dir.glob("rows-*.csv"):
         stale.unlink()
     env = os.environ | {
         "SLUICE_LOAD_WORKLOAD": campaign.workload,
-        "SLUICE_LOAD_MODEL": campaign.model or _served_model(campaign.target),
+        "SLUICE_LOAD_MODEL": str(campaign.model),
         "SLUICE_LOAD_TOKENIZER": str(campaign.tokenizer),
         "SLUICE_LOAD_ROWS_DIR": str(rows_dir),
         "SLUICE_LOAD_RATE": str(campaign.rate / max(campaign.workers, 1)),
@@ -169,6 +171,8 @@ def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
 
 def run(campaign: Campaign) -> tuple[Summary, list[str]]:
     """The campaign, its files in `campaign.out`; (summary, breached gates)."""
+    if campaign.model is None:
+        campaign = campaign.model_copy(update={"model": _served_model(campaign.target)})
     campaign.out.mkdir(parents=True, exist_ok=True)
     rows = run_locust(campaign, campaign.out / "rows")
     rows.sort(key=lambda r: r.sent_at)
@@ -180,7 +184,18 @@ def run(campaign: Campaign) -> tuple[Summary, list[str]]:
     open_loop = campaign.workload in ("bursts", "step")
     summary = summarize(rows, campaign.slo, open_loop=open_loop)
     breached = breaches(summary, campaign.gates)
-    payload = {"campaign": campaign.model_dump(mode="json"), "summary": summary.model_dump(), "breached": breached}
+    vllm_keys = vllm_result(
+        summary,
+        rows,
+        model=str(campaign.model),
+        tokenizer=str(campaign.tokenizer),
+        request_rate=campaign.rate if open_loop else None,
+        burstiness=campaign.burstiness,
+        max_concurrency=None if open_loop else campaign.users,
+        slo_given=campaign.slo != SLO(),
+    )
+    own = {"campaign": campaign.model_dump(mode="json"), "summary": summary.model_dump(), "breached": breached}
+    payload = vllm_keys | own
     (campaign.out / "summary.json").write_text(json.dumps(payload, indent=2))
     write_report(f"sluice load {campaign.workload} -> {campaign.target}", summary, rows, campaign.out)
     return summary, breached

@@ -22,6 +22,8 @@ class Distribution(BaseModel):
 
     count: int
     mean_ms: float
+    # The population standard deviation, as `vllm bench serve`'s `std_*_ms` (np.std).
+    std_ms: float
     p50_ms: float
     p90_ms: float
     p99_ms: float
@@ -35,6 +37,7 @@ def distribution(seconds: Sequence[float]) -> Distribution | None:
     return Distribution(
         count=len(ms),
         mean_ms=statistics.fmean(ms),
+        std_ms=statistics.pstdev(ms),
         p50_ms=quantile(ms, 0.5),
         p90_ms=quantile(ms, 0.9),
         p99_ms=quantile(ms, 0.99),

@@ -15,6 +15,7 @@ from matplotlib.image import imread
 from loadtests.campaign import Campaign, run
 from loadtests.workloads import LONG_PROMPT, SHORT_PROMPT, WORKLOADS
 from tests.support.team_stack import TeamStack, team_stack
+from tests.support.vllm_keys import VLLM_SAVE_RESULT_KEYS
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +59,9 @@ def test_each_workload_writes_rows_a_summary_and_a_report_with_real_plots(
         assert any(len(p) >= 2 and p == sorted(p) and p[0] < p[-1] for p in sessions.values())
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["summary"]["ttft"]["p50_ms"] > 0 and saved["summary"]["itl"]["count"] > 0
+    # vLLM's result keys beside sluice's, with the same figures.
+    assert VLLM_SAVE_RESULT_KEYS <= set(saved) and saved["completed"] == saved["summary"]["ok"]
+    assert saved["median_ttft_ms"] == saved["summary"]["ttft"]["p50_ms"] and saved["model_id"] == "sluice-tiny"
     page = (tmp_path / "report.html").read_text()
     images = re.findall(r'<img src="([^"]+)"', page)
     assert len(images) >= 4
