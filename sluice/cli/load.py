@@ -40,6 +40,23 @@ def _gates(args: argparse.Namespace) -> dict[str, float]:
     return gates
 
 
+def _slo_limits(args: argparse.Namespace) -> dict[str, float | None]:
+    """The goodput SLOs from `--slo-*-ms` and vLLM's `--goodput NAME:MS ...` (a name given both ways is refused)."""
+    limits = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "e2el_ms": args.slo_e2el_ms}
+    for pair in args.goodput:
+        name, _, value = pair.partition(":")
+        key = f"{name}_ms"
+        if key not in limits:
+            raise UsageError(f"--goodput {pair!r}: the name is one of ttft, tpot, e2el")
+        if limits[key] is not None:
+            raise UsageError(f"--goodput {pair!r}: {name} is also set by --slo-{name}-ms")
+        try:
+            limits[key] = float(value)
+        except ValueError:
+            raise UsageError(f"--goodput {pair!r}: give NAME:MS, e.g. ttft:200") from None
+    return limits
+
+
 def _campaign(args: argparse.Namespace) -> Any:
     """The campaign the arguments describe, every value checked before any load is sent."""
     from pydantic import ValidationError
@@ -61,7 +78,7 @@ def _campaign(args: argparse.Namespace) -> Any:
             burstiness=args.burstiness,
             workers=args.workers,
             model=args.model,
-            slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms),
+            slo=SLO(**_slo_limits(args)),
             gates=_gates(args),
         )
     except ValidationError as error:
@@ -133,11 +150,15 @@ def _replay(args: argparse.Namespace) -> int:
 def register(commands: Any) -> None:
     load = commands.add_parser("load", help="a Locust load campaign against a frontend (rows, summary, report)")
     load.add_argument("workload", help=f"{', '.join(WORKLOADS)}, or the suite routing")
-    load.add_argument("--target", help="the frontend's base URL, e.g. http://127.0.0.1:8000 (not for routing)")
+    load.add_argument(
+        "--target", "--base-url", help="the frontend's base URL, e.g. http://127.0.0.1:8000 (not for routing)"
+    )
     load.add_argument("--address", default="auto", help="routing: the Ray cluster to deploy the suite's stacks on")
     load.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     load.add_argument("--users", type=int, default=8, help="concurrent users (closed loop; open loop: senders)")
-    load.add_argument("--rate", type=float, default=4.0, help="open loop (bursts, step): requests per second")
+    load.add_argument(
+        "--rate", "--request-rate", type=float, default=4.0, help="open loop (bursts, step): requests per second"
+    )
     load.add_argument("--burstiness", type=float, default=1.0, help="bursts: the gamma shape (1 = Poisson)")
     load.add_argument("--workers", type=int, default=0, help="Locust workers under a master (0: one process)")
     load.add_argument("--out", help="the output folder (default: load-<workload>)")
@@ -148,6 +169,9 @@ def register(commands: Any) -> None:
     load.add_argument("--slo-ttft-ms", type=float, help="goodput SLO: TTFT")
     load.add_argument("--slo-tpot-ms", type=float, help="goodput SLO: TPOT")
     load.add_argument("--slo-e2el-ms", type=float, help="goodput SLO: end-to-end latency")
+    load.add_argument(
+        "--goodput", nargs="+", default=[], metavar="NAME:MS", help="vLLM's form of the SLOs, e.g. ttft:200 tpot:50"
+    )
     load.set_defaults(func=_load)
 
     replay_command = commands.add_parser(

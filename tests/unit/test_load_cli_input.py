@@ -54,3 +54,29 @@ def test_an_unreachable_target_exits_3_naming_it(tmp_path: Path, capsys: pytest.
     err = capsys.readouterr().err
     assert code == EXIT_UNREACHABLE and f"the target {target} cannot be reached" in err, err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_vllm_bench_serve_flag_names_give_the_same_campaign() -> None:
+    from sluice.cli.load import _campaign
+    from sluice.cli.main import build_parser
+
+    ours = ["load", "bursts", "--target", "http://127.0.0.1:8000", "--rate", "12", "--slo-ttft-ms", "200"]
+    ours += ["--slo-tpot-ms", "50"]
+    vllms = ["load", "bursts", "--base-url", "http://127.0.0.1:8000", "--request-rate", "12"]
+    vllms += ["--goodput", "ttft:200", "tpot:50"]
+    first, second = (_campaign(build_parser().parse_args(argv)) for argv in (ours, vllms))
+    assert first == second and second.rate == 12.0
+    assert (second.slo.ttft_ms, second.slo.tpot_ms, second.slo.e2el_ms) == (200.0, 50.0, None)
+
+
+@pytest.mark.parametrize(
+    ("goodput", "message"),
+    [
+        (["--goodput", "ttfb:200"], "the name is one of ttft, tpot, e2el"),
+        (["--goodput", "ttft:fast"], "give NAME:MS"),
+        (["--goodput", "ttft:200", "--slo-ttft-ms", "300"], "ttft is also set by --slo-ttft-ms"),
+    ],
+)
+def test_a_bad_goodput_is_a_usage_error(goodput: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["load", "mixed", "--target", f"http://127.0.0.1:{_closed_port()}", *goodput]) == EXIT_USAGE
+    assert message in capsys.readouterr().err
