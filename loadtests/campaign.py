@@ -26,6 +26,9 @@ from loadtests.workloads import WORKLOADS
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 GATES = ("ttft_p99_ms", "tpot_p99_ms", "itl_p99_ms", "e2el_p99_ms", "error_ratio", "ratio_503", "min_goodput")
+# Locust's own outputs in the campaign's folder: `locust_stats.csv` (and its siblings) and its HTML report.
+LOCUST_CSV_PREFIX = "locust"
+LOCUST_HTML = "locust.html"
 # Seconds Locust may take beyond the run time to stop its users and write its rows.
 STOP_TIMEOUT_S = 30
 
@@ -127,6 +130,11 @@ def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
         f"{campaign.duration_s:g}s",
         "--stop-timeout",
         str(STOP_TIMEOUT_S),
+        # Locust's own statistics and report, beside sluice's (the master writes them under workers).
+        "--csv",
+        str(campaign.out / LOCUST_CSV_PREFIX),
+        "--html",
+        str(campaign.out / LOCUST_HTML),
     ]
     timeout = campaign.duration_s + 2 * STOP_TIMEOUT_S + 60
     if not campaign.workers:

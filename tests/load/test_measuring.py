@@ -16,7 +16,7 @@ import pytest
 
 from base.runtime import free_port
 from base.waiting import WaitTimeout, wait_until
-from loadtests.campaign import Campaign, run
+from loadtests.campaign import LOCUST_CSV_PREFIX, LOCUST_HTML, Campaign, run
 
 ROOT = Path(__file__).resolve().parents[2]
 TTFT_MS, GAP_MS = 50.0, 20.0
@@ -148,3 +148,8 @@ def test_a_breached_gate_fails_the_command_and_names_it(server: str, tmp_path: P
     assert result.returncode == 1
     assert "gate breached: ttft_p99_ms" in result.stderr and "error_ratio" not in result.stderr
     assert (tmp_path / "summary.json").exists() and (tmp_path / "report.html").exists()
+    # Locust's own statistics and report beside sluice's, counting the campaign's requests.
+    with (tmp_path / f"{LOCUST_CSV_PREFIX}_stats.csv").open() as handle:
+        aggregated = [row for row in csv.DictReader(handle) if row["Name"] == "Aggregated"]
+    assert aggregated and int(aggregated[0]["Request Count"]) > 0
+    assert (tmp_path / LOCUST_HTML).stat().st_size > 0
