@@ -19,7 +19,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from loadtests.metrics import SLO, Summary, summarize
-from loadtests.report import write_report
+from loadtests.report import GateVerdict, write_report
 from loadtests.sse_timing import StreamRow
 from loadtests.vllm_result import vllm_result
 from loadtests.workloads import WORKLOADS
@@ -89,14 +89,19 @@ def measured(summary: Summary, gate: str) -> float:
     return summary.goodput
 
 
-def breaches(summary: Summary, gates: dict[str, float]) -> list[str]:
-    """Each breached gate as `name: measured V, limit L`."""
-    found = []
+def gate_verdicts(summary: Summary, gates: dict[str, float]) -> list[GateVerdict]:
+    """Each gate, by name, with what was measured against its limit."""
+    verdicts = []
     for gate, limit in sorted(gates.items()):
         value = measured(summary, gate)
-        if value < limit if gate == "min_goodput" else value > limit:
-            found.append(f"{gate}: measured {value:.4g}, limit {limit:.4g}")
-    return found
+        held = value >= limit if gate == "min_goodput" else value <= limit
+        verdicts.append(GateVerdict(name=gate, measured=value, limit=limit, held=held))
+    return verdicts
+
+
+def breaches(verdicts: list[GateVerdict]) -> list[str]:
+    """Each breached gate as `name: measured V, limit L`."""
+    return [f"{v.name}: measured {v.measured:.4g}, limit {v.limit:.4g}" for v in verdicts if not v.held]
 
 
 def _served_model(target: str) -> str:
@@ -191,7 +196,8 @@ def run(campaign: Campaign) -> tuple[Summary, list[str]]:
             writer.writerow(row.csv_row())
     open_loop = campaign.workload in ("bursts", "step")
     summary = summarize(rows, campaign.slo, open_loop=open_loop)
-    breached = breaches(summary, campaign.gates)
+    verdicts = gate_verdicts(summary, campaign.gates)
+    breached = breaches(verdicts)
     vllm_keys = vllm_result(
         summary,
         rows,
@@ -202,8 +208,14 @@ def run(campaign: Campaign) -> tuple[Summary, list[str]]:
         max_concurrency=None if open_loop else campaign.users,
         slo_given=campaign.slo != SLO(),
     )
-    own = {"campaign": campaign.model_dump(mode="json"), "summary": summary.model_dump(), "breached": breached}
+    own = {
+        "campaign": campaign.model_dump(mode="json"),
+        "summary": summary.model_dump(),
+        "gates": [verdict.model_dump() for verdict in verdicts],
+        "breached": breached,
+    }
     payload = vllm_keys | own
     (campaign.out / "summary.json").write_text(json.dumps(payload, indent=2))
-    write_report(f"sluice load {campaign.workload} -> {campaign.target}", summary, rows, campaign.out)
+    title = f"sluice load {campaign.workload} -> {campaign.target}"
+    write_report(title, summary, rows, campaign.out, settings=own["campaign"], gates=verdicts)
     return summary, breached

@@ -7,8 +7,10 @@ time, and, for the routing suite, the prefix-cache hit rate per policy.
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from pydantic import BaseModel
 
 from loadtests.metrics import Summary
 from loadtests.sse_timing import StreamRow
@@ -103,22 +105,46 @@ def _save(plt, fig, path: Path) -> Path:  # type: ignore[no-untyped-def]
     return path
 
 
+class GateVerdict(BaseModel):
+    """One gate of a campaign: what was measured against its limit, and whether the limit held."""
+
+    name: str
+    measured: float
+    limit: float
+    held: bool
+
+
+def _table(cells: Sequence[Sequence[object]], header: Sequence[str] = ()) -> str:
+    head = "".join(f"<th>{html.escape(name)}</th>" for name in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in cells)
+    return f"<table>{'<tr>' + head + '</tr>' if head else ''}{body}</table>"
+
+
 def write_report(
-    title: str, summary: Summary, rows: Sequence[StreamRow], out: Path, extra_plots: Sequence[Path] = ()
+    title: str,
+    summary: Summary,
+    rows: Sequence[StreamRow],
+    out: Path,
+    extra_plots: Sequence[Path] = (),
+    settings: Mapping[str, object] | None = None,
+    gates: Sequence[GateVerdict] = (),
 ) -> Path:
-    """`report.html` in `out`, with its plots."""
+    """`report.html` in `out`: the campaign's settings, the summary, each gate's verdict, then the plots."""
     plots = [latency_cdfs(rows, out), itl_histogram(rows, out), replica_load(summary, out), over_time(rows, out)]
-    table = "".join(
-        f"<tr><th>{html.escape(key)}</th><td>{html.escape(str(value))}</td></tr>"
-        for key, value in summary.model_dump().items()
-    )
+    sections = []
+    if settings is not None:
+        sections.append("<h2>Settings</h2>" + _table(list(settings.items())))
+    sections.append("<h2>Summary</h2>" + _table(list(summary.model_dump().items())))
+    if gates:
+        verdicts = [(g.name, f"{g.measured:.4g}", f"{g.limit:.4g}", "held" if g.held else "BREACHED") for g in gates]
+        sections.append("<h2>Gates</h2>" + _table(verdicts, ("gate", "measured", "limit", "verdict")))
     images = "".join(
         f'<figure><img src="{p.name}" alt="{p.stem}"><figcaption>{p.stem}</figcaption></figure>'
         for p in [*plots, *extra_plots]
     )
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
-        f"<h1>{html.escape(title)}</h1><table>{table}</table>{images}</body></html>"
+        f"<h1>{html.escape(title)}</h1>{''.join(sections)}{images}</body></html>"
     )
     path = out / "report.html"
     path.write_text(page)

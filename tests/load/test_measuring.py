@@ -153,3 +153,9 @@ def test_a_breached_gate_fails_the_command_and_names_it(server: str, tmp_path: P
         aggregated = [row for row in csv.DictReader(handle) if row["Name"] == "Aggregated"]
     assert aggregated and int(aggregated[0]["Request Count"]) > 0
     assert (tmp_path / LOCUST_HTML).stat().st_size > 0
+    # sluice's report: the settings, the summary, and each gate's verdict.
+    page = (tmp_path / "report.html").read_text()
+    assert "<h2>Settings</h2>" in page and "<td>short_long</td>" in page and "<h2>Summary</h2>" in page
+    assert "<td>ttft_p99_ms</td>" in page and "<td>BREACHED</td>" in page and "<td>error_ratio</td>" in page
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert {(g["name"], g["held"]) for g in saved["gates"]} == {("ttft_p99_ms", False), ("error_ratio", True)}
