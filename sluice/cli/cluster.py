@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from base.runtime import COMPATIBLE_RAY_START
+from sluice.deploy.exit_codes import EXIT_USAGE
 from topologies import EMBEDDED_SPEC
 
 
@@ -40,7 +41,7 @@ def _on_cluster(args: argparse.Namespace) -> int:
             )
         except ValueError as error:  # an unknown --allow-skip item
             print(error, file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     except PreflightError as error:
         print(error, file=sys.stderr)
         return PREFLIGHT_EXIT_CODE
@@ -64,7 +65,7 @@ def _check(args: argparse.Namespace) -> int:
         return check(None, args.target, args.address, args.json, args.allow_skip, _expected(args))
     except ValueError as error:
         print(error, file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 def register(commands: Any) -> None:

@@ -3,7 +3,7 @@
 Both talk to the stack's frontend replica (`services.frontend.app`): the weight changes at once, without a reload;
 a move that takes all traffic off a path waits for that path's streams to finish (drain, up to the spec's
 `ingress.drain_deadline_s`) and lists those still running at the deadline. `canary --watch S` then follows both
-paths' measures for S seconds and exits 2 if the guard rolled the canary back, naming the criterion.
+paths' measures for S seconds and exits 1 if the guard rolled the canary back, naming the criterion.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from base.contracts import DIRECT_WEIGHT_MAX
 from base.waiting import WaitTimeout, wait_until
 from services.frontend.ingress_control import LEGACY_WAIT_S, NoLegacyPath
 from sluice.deploy.apply import plan_of
+from sluice.deploy.exit_codes import EXIT_FAILED
 from sluice.deploy.preflight import connect_to_serve
 
 if TYPE_CHECKING:
     from builders.plan import StackPlan
 
 WATCH_POLL_S = 2.0
-EXIT_ABORTED = 2
 
 
 def measures_lines(ingress: dict[str, Any]) -> list[str]:
@@ -97,7 +97,7 @@ def canary(path: str, address: str, weight: int, watch_s: float) -> int:
     except WaitTimeout:
         return 0
     print(abort_line(abort))
-    return EXIT_ABORTED
+    return EXIT_FAILED
 
 
 def rollback(path: str, address: str) -> int:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from sluice.deploy.exit_codes import EXIT_USAGE
+
 
 def _api_key_new(args: argparse.Namespace) -> int:
     from infra.api_keys import key_hash_line, new_api_key
@@ -22,7 +24,7 @@ def _api_key_hash(args: argparse.Namespace) -> int:
     key = sys.stdin.readline().strip()
     if not key:
         print("sluice api-key hash: give the key on standard input", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(key_hash_line(key, args.label))
     return 0
 

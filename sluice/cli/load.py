@@ -11,7 +11,7 @@ from typing import Any
 
 from base.runtime import default_model_dir
 from loadtests.workloads import WORKLOADS
-from sluice.cli.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
+from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from topologies import EMBEDDED_SPEC
 
 # A target that does not list its models within this is taken as unreachable.

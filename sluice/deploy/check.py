@@ -28,6 +28,7 @@ from sluice.deploy.check_contract import api_contract
 from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers
 from sluice.deploy.check_startup import startup_path
 from sluice.deploy.check_versions import versions
+from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 
 if TYPE_CHECKING:
     from builders.plan import StackPlan
@@ -39,9 +40,9 @@ SAMPLES = 8
 VERDICT_PASS = "pass"
 VERDICT_INCOMPLETE = "incomplete"
 VERDICT_FAIL = "fail"
-CHECK_EXIT_PASS = 0
-CHECK_EXIT_FAIL = 1
-CHECK_EXIT_INCOMPLETE = 4
+CHECK_EXIT_PASS = EXIT_OK
+CHECK_EXIT_FAIL = EXIT_FAILED
+CHECK_EXIT_INCOMPLETE = EXIT_INCOMPLETE
 EXIT_CODES = {VERDICT_PASS: CHECK_EXIT_PASS, VERDICT_INCOMPLETE: CHECK_EXIT_INCOMPLETE, VERDICT_FAIL: CHECK_EXIT_FAIL}
 
 # The items, in the order they run (a per-model item is reported as `<name> (<model>)`): what `--allow-skip` takes.

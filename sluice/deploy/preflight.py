@@ -26,8 +26,9 @@ from base.runtime import (
     serve_controller_env,
 )
 from builders.plan import StackPlan
+from sluice.deploy.exit_codes import EXIT_UNREACHABLE
 
-PREFLIGHT_EXIT_CODE = 3
+PREFLIGHT_EXIT_CODE = EXIT_UNREACHABLE
 # The whole preflight answers within 10 s: each probe gets a share of it.
 GCS_PROBE_TIMEOUT_S = 3.0
 CONTROLLER_PROBE_TIMEOUT_S = 3.0

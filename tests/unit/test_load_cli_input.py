@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.cli.exit_codes import EXIT_UNREACHABLE, EXIT_USAGE
 from sluice.cli.main import main
+from sluice.deploy.exit_codes import EXIT_UNREACHABLE, EXIT_USAGE
 
 
 def _closed_port() -> int:
