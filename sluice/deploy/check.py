@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ from sluice.deploy.check_items import Result, chat, check_client, direct_post, h
 from sluice.deploy.check_startup import startup_path
 from sluice.deploy.check_versions import versions
 from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
+from sluice.deploy.json_reports import CheckReport, Verdict
 
 if TYPE_CHECKING:
     from builders.plan import StackPlan
@@ -37,9 +37,7 @@ if TYPE_CHECKING:
 FAULT_SECONDS = 5.0
 SAMPLES = 8
 
-VERDICT_PASS = "pass"
-VERDICT_INCOMPLETE = "incomplete"
-VERDICT_FAIL = "fail"
+VERDICT_PASS, VERDICT_INCOMPLETE, VERDICT_FAIL = Verdict.PASS, Verdict.INCOMPLETE, Verdict.FAIL
 CHECK_EXIT_PASS = EXIT_OK
 CHECK_EXIT_FAIL = EXIT_FAILED
 CHECK_EXIT_INCOMPLETE = EXIT_INCOMPLETE
@@ -290,7 +288,7 @@ def report(items: list[Item], as_json: bool) -> int:
     """Print the checklist (a table, or JSON); the exit code: `CHECK_EXIT_PASS`, `_INCOMPLETE` or `_FAIL`."""
     result = verdict(items)
     if as_json:
-        print(json.dumps(result, indent=2))
+        print(CheckReport.model_validate(result).model_dump_json(indent=2))
     else:
         width = max(len(item.item) for item in items)
         for item in items:

@@ -8,7 +8,6 @@ the reasons; `--json` for tools. Details: `sluice/deploy/README.md`.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import sys
 import time
@@ -23,6 +22,7 @@ from infra.haproxy.canary import legacy_backend
 from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
 from sluice.deploy import registry
 from sluice.deploy.apply import _frontend_status
+from sluice.deploy.json_reports import StackList, StackState, StatusReport, canary_state
 from sluice.deploy.preflight import cluster_spans_nodes
 from topologies.spec import StackBase, load_spec, parse_spec
 
@@ -128,13 +128,14 @@ def prefill_pairs(metrics_text: str) -> dict[tuple[str, str], float]:
     return pairs
 
 
-def _gang_rank(model: PlannedModel, endpoint: Any) -> str:
-    """The DP rank a `ranks` replica answers as ("?" when it does not answer)."""
+def _gang_rank(model: PlannedModel, endpoint: Any) -> int | None:
+    """The DP rank a `ranks` replica answers as (None when it does not answer)."""
     try:
         response = httpx.get(f"{endpoint.url}/{model.llm_app}/v1/models", timeout=5)
     except httpx.HTTPError:
-        return "?"
-    return response.headers.get(SERVED_RANK_HEADER, "?")
+        return None
+    rank = response.headers.get(SERVED_RANK_HEADER, "")
+    return int(rank) if rank.isdigit() else None
 
 
 def _pairs_report(model: PlannedModel, endpoints: list[Any]) -> list[dict[str, Any]]:
@@ -203,7 +204,7 @@ def list_stacks(as_json: bool) -> int:
         states = {app: applications[app].status.value if app in applications else "NOT_DEPLOYED" for app in entry.apps}
         stacks.append({"stack": entry.stack, "source": entry.source, "deployed_at": entry.deployed_at, "apps": states})
     if as_json:
-        print(json.dumps({"stacks": stacks}, indent=2))
+        print(StackList.model_validate({"stacks": stacks}).model_dump_json(indent=2))
         return 0
     if not stacks:
         print("no sluice stack on this cluster")
@@ -261,30 +262,34 @@ def status(target: str | None, address: str, as_json: bool = False) -> int:
         report["apps"][app.name] = {
             "role": roles[app.name],
             "status": state.status.value if state is not None else "NOT_DEPLOYED",
-            "replicas": [f"{e.replica_id} {e.host}:{e.port}" for e in endpoints_of[app.name]],
+            "replicas": [{"id": e.replica_id, "host": e.host, "port": e.port} for e in endpoints_of[app.name]],
         }
     for model in plan.models:
         report["models"][model.name] = {"routers": routers_report(model), "planned_policy": model.policy}
         if model.prefill_app is not None:
             report["pairs"][model.name] = _pairs_report(model, endpoints_of[model.llm_app])
         if model.data_parallel == "ranks":
-            report["apps"][model.llm_app]["replicas"] = [
-                f"{e.replica_id} {e.host}:{e.port} rank {_gang_rank(model, e)}" for e in endpoints_of[model.llm_app]
-            ]
+            ranked = zip(report["apps"][model.llm_app]["replicas"], endpoints_of[model.llm_app], strict=True)
+            for replica, endpoint in ranked:
+                replica["rank"] = _gang_rank(model, endpoint)
     report["frontend"] = _frontend_status(plan)
     ingress = ingress_state(plan) if report["frontend"] else None
     report["ingress"] = {"mode": spec.ingress.mode, **(ingress or {})}
-    report["canary"] = canary_line(ingress)
+    report["canary"] = {
+        "state": canary_state(ingress),
+        "direct_weight": ingress["direct_weight"] if ingress else None,
+        "summary": canary_line(ingress),
+    }
     reasons = degraded_reasons(spec, plan, report)
     ready = not reasons
-    report["state"] = "ready" if ready else "degraded: " + "; ".join(reasons)
+    report.update(state=StackState.READY if ready else StackState.DEGRADED, reasons=reasons)
     if as_json:
-        print(json.dumps(report, indent=2))
+        print(StatusReport.model_validate(report).model_dump_json(indent=2))
         return 0 if ready else 1
-    print(f"{report['stack']}: {report['state']}")
+    print(f"{report['stack']}: {'ready' if ready else 'degraded: ' + '; '.join(reasons)}")
     print(f"  described from {described_from}")
-    if report["canary"]:
-        print(f"  {report['canary']}")
+    if report["canary"]["summary"]:
+        print(f"  {report['canary']['summary']}")
     for line in differ:
         print(f"  differs: {line}")
     for model in plan.models:
@@ -297,7 +302,8 @@ def status(target: str | None, address: str, as_json: bool = False) -> int:
     for name, app_report in report["apps"].items():
         print(f"  app {name} ({app_report['role']}): {app_report['status']}")
         for replica in app_report["replicas"]:
-            print(f"    replica {replica}")
+            rank = f" rank {replica['rank'] if replica['rank'] is not None else '?'}" if "rank" in replica else ""
+            print(f"    replica {replica['id']} {replica['host']}:{replica['port']}{rank}")
     frontend = report["frontend"] or {}
     if frontend.get("running"):
         print(f"  ingress mode {spec.ingress.mode}: direct weight {frontend['direct_weight']}%")

@@ -103,9 +103,7 @@ def test_both_workers_serve_50_streams_through_the_head(stack: tuple[RunningStac
     assert all(r["done"] for r in results)
     served = {r["replica"] for r in results}
     report = _status(spec)
-    replica_host = {
-        line.split()[0]: line.split()[1].rsplit(":", 1)[0] for line in report["apps"]["ci-nodes-llm"]["replicas"]
-    }
+    replica_host = {replica["id"]: replica["host"] for replica in report["apps"]["ci-nodes-llm"]["replicas"]}
     worker_addresses = {w.address for w in running.workers}
     assert {replica_host[r] for r in served} == worker_addresses, (served, replica_host)
     haproxy_hosts = {s["addr"].rsplit(":", 1)[0] for s in report["frontend"]["servers"] if s["status"] == "UP"}
@@ -117,9 +115,7 @@ def test_killing_a_worker_leaves_the_other_serving_with_only_fail_closed_503s(
     stack: tuple[RunningStack, Path], request: pytest.FixtureRequest
 ) -> None:
     running, spec = stack
-    replica_host = {
-        line.split()[0]: line.split()[1].rsplit(":", 1)[0] for line in _status(spec)["apps"]["ci-nodes-llm"]["replicas"]
-    }
+    replica_host = {replica["id"]: replica["host"] for replica in _status(spec)["apps"]["ci-nodes-llm"]["replicas"]}
     killed, survivor = running.workers
     docker.from_env().containers.get(killed.container).kill(signal="SIGKILL")
     results: list[dict[str, Any]] = []

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import ray
 import yaml
@@ -35,6 +36,7 @@ from sluice.deploy.check import (
     TIMEOUT_CLEANUP,
     VERSIONS,
 )
+from sluice.deploy.json_reports import check_schema, status_schema
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
@@ -60,8 +62,11 @@ def _sluice(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[s
 
 
 def _status(stack: Deployed) -> dict:
+    """`sluice status --json`, checked against its published schema."""
     result = _sluice("status", str(stack.spec), "--address", stack.address, "--json")
-    return json.loads(result.stdout)
+    report = json.loads(result.stdout)
+    jsonschema.validate(report, status_schema())
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +110,7 @@ def test_status_shows_replicas_routers_and_the_server_map(stack: Deployed) -> No
     llm, router, frontend = (report["apps"][app] for app in stack.apps)
     assert len(llm["replicas"]) == 2 and len(router["replicas"]) == 1 and frontend["status"].endswith("RUNNING")
     servers = report["frontend"]["servers"]
-    replica_ids = {replica.split()[0] for replica in llm["replicas"]}
+    replica_ids = {replica["id"] for replica in llm["replicas"]}
     assert {s["server"] for s in servers if s["backend"] == "sluice_replicas" and s["status"] == "UP"} == replica_ids
     assert len([s for s in servers if s["backend"] == "sluice_routers" and s["status"] == "UP"]) == 1
 
@@ -114,6 +119,7 @@ def test_sluice_check_on_the_embedded_default_is_incomplete_naming_what_runs_the
     expect = ["--expect-ray", ComponentVersions.installed().ray]
     result = _sluice("check", str(stack.spec), "--address", stack.address, "--json", *expect, timeout_s=300)
     verdict = json.loads(result.stdout)
+    jsonschema.validate(verdict, check_schema())
     assert result.returncode == CHECK_EXIT_INCOMPLETE and verdict["verdict"] == "incomplete", verdict
     outcome = {item["item"]: item["ok"] for item in verdict["items"]}
     assert outcome["server map"] and outcome["API contract"] and outcome["disconnect frees the engine"]

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import psutil
 import pytest
 import yaml
@@ -26,6 +27,7 @@ from base.contracts import REPLICA_HEADER
 from base.runtime import COMPATIBLE_RAY_START
 from base.waiting import wait_until
 from sluice.deploy.check import CHECK_EXIT_FAIL
+from sluice.deploy.json_reports import status_schema
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
@@ -144,8 +146,10 @@ def test_the_deployed_stack_serves_after_the_cli_exited(deployed: tuple[Path, st
 def test_status_lists_the_stacks_and_reads_the_running_one(cluster: str, deployed: tuple[Path, str]) -> None:
     listed = _sluice("status", "--address", cluster, "--json")
     assert [stack["stack"] for stack in json.loads(listed.stdout)["stacks"]] == [STACK]
+    jsonschema.validate(json.loads(listed.stdout), status_schema())
     by_name = _sluice("status", STACK, "--address", cluster, "--json")
     report = json.loads(by_name.stdout)
+    jsonschema.validate(report, status_schema())
     assert by_name.returncode == 0 and report["state"] == "ready", report["state"]
     assert report["models"]["sluice-tiny"]["routers"]["policy"] == "round_robin"
     assert report["ingress"]["direct_weight"] == 100 and report["differences"] == []

@@ -78,7 +78,9 @@ def test_the_gang_forms_its_dp_group_with_every_rank(stack: GangStack) -> None:
         timeout=120,
     )
     listed = json.loads(result.stdout)["apps"][stack.app]["replicas"]
-    assert sorted(listed) == sorted(f"{e.replica_id} {e.host}:{e.port} rank {rank}" for rank, e in by_rank.items())
+    assert sorted((r["id"], r["host"], r["port"], r["rank"]) for r in listed) == sorted(
+        (e.replica_id, e.host, e.port, rank) for rank, e in by_rank.items()
+    )
 
 
 def test_a_killed_rank_brings_its_gang_back_with_every_rank_filled(stack: GangStack) -> None:
