@@ -1,5 +1,6 @@
-"""Process environment for Ray, Serve and vLLM: loopback only, offline, every cache in one folder. Why each
-setting is needed on these machines: docs/design.md §5.
+"""Process environment for Ray, Serve and vLLM: loopback only, every cache in one folder (`process_env`), and what a
+vLLM engine adds for its hardware and its weights (`engine_env`). Why each setting is needed on these machines:
+docs/design.md §5.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ CLUSTER_NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "
 
 
 def process_env() -> dict[str, str]:
-    """Variables every Ray worker and vLLM engine of sluice runs with."""
+    """Variables every Ray process of sluice runs with, whatever its hardware and wherever its model's weights are."""
     root = cache_dir()
     return {
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -52,8 +53,6 @@ def process_env() -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DIRECT_INGRESS_MIN_DRAINING_PERIOD_S),
         "RAY_USAGE_STATS_ENABLED": "0",
         "VLLM_HOST_IP": LOOPBACK,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DO_NOT_TRACK": "1",
         "DO_NOT_TRACK": "1",
@@ -61,11 +60,28 @@ def process_env() -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": str(root / "torchinductor"),
         "TRITON_CACHE_DIR": str(root / "triton"),
         "HF_HOME": str(root / "hf"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+# A vLLM engine on CPUs (vllm-cpu, measured on these VMs): its engine core in the replica's process, and a 1 GiB KV
+# cache (the VM's memory node reports ~9 GiB: vLLM's CPU default does not fit). An engine with GPUs keeps vLLM's own.
+CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# Weights in a folder (the tiny models, a mounted volume) load without asking the Hugging Face Hub, which these
+# machines cannot reach; a model named by its Hub id must download, so its processes stay online.
+HF_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def is_local_model(model: str) -> bool:
+    """Whether vLLM loads `model` from a folder (an absolute path) rather than from the Hub (an id: `org/name`)."""
+    return Path(model).is_absolute()
+
+
+def engine_env(model: str, gpus: bool) -> dict[str, str]:
+    """What a vLLM engine serving `model` (its weights' path or Hub id) adds to `process_env()`: the CPU settings
+    unless it has GPUs, Hugging Face offline when its weights are a folder."""
+    return {**({} if gpus else CPU_ENGINE_ENV), **(HF_OFFLINE_ENV if is_local_model(model) else {})}
 
 
 # Read by Ray when a node starts (`ray start`, `ray.init` of a new cluster): a job's runtime_env cannot carry it, and a
@@ -84,7 +100,8 @@ COMPATIBLE_RAY_START = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --n
 
 def carried_env() -> dict[str, str]:
     """`process_env()` as the stack's apps carry it in their runtime_env: everything a worker reads, so that a
-    cluster started with a plain `ray start` runs sluice's replicas as sluice's own cluster would."""
+    cluster started with a plain `ray start` runs sluice's replicas as sluice's own cluster would (each LLM replica
+    adds its `engine_env`)."""
     return {key: value for key, value in process_env().items() if key not in NODE_START_ENV_KEYS}
 
 

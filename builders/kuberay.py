@@ -21,12 +21,12 @@ from typing import Any, NamedTuple
 import yaml
 
 from base.contracts import HEAD_NODE_RESOURCE, NODE_BIND_ALL, NODE_ROLE_CAPACITY, WORKER_NODE_RESOURCE
-from base.runtime import CLUSTER_NODE_ENV, DEFAULT_SERVE_PROXY_PORT, process_env
-from builders.plan import StackPlan, build_plan, serve_config
+from base.runtime import CLUSTER_NODE_ENV, DEFAULT_SERVE_PROXY_PORT, HF_OFFLINE_ENV, is_local_model, process_env
+from builders.plan import StackPlan, build_plan, model_path, serve_config
 from infra.haproxy.config import PROMETHEUS_PATH
 from infra.kuberay import ObjectMeta, RayService, ray_start_resources
 from topologies.sections import Scaling
-from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, DataParallelModel, PrefillDecodeModel, StackBase
+from topologies.spec import DataParallelModel, PrefillDecodeModel, StackBase
 
 DEFAULT_IMAGE = "sluice:cpu"
 POD_CACHE_DIR = "/var/cache/sluice"
@@ -42,7 +42,6 @@ METRICS_PORT_NAME = "sluice-metrics"
 GPU_RESOURCE = "nvidia.com/gpu"
 ACCELERATOR_LABEL = "ray.io/accelerator-type"
 HF_TOKEN_KEY = "token"
-_HF_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 class PodShape(NamedTuple):
@@ -133,21 +132,21 @@ def worker_pods(spec: StackBase) -> dict[PodShape, PodCount]:
 
 def from_hub(spec: StackBase) -> bool:
     """Whether a model's weights come from the Hugging Face Hub (not the tiny models, not a folder)."""
-    sources = {model.source for model in spec.models}  # type: ignore[attr-defined]
-    return any(source not in (TINY_SOURCE, TINY_MOE_SOURCE) and not source.startswith("/") for source in sources)
+    return any(not is_local_model(model_path(model.source)) for model in spec.models)  # type: ignore[attr-defined]
 
 
 def container_env(spec: StackBase) -> list[dict[str, Any]]:
-    """The variables every Ray container of the stack starts with."""
+    """The variables every Ray container of the stack starts with: no engine's hardware settings (each LLM replica
+    brings its own, `base.runtime.engine_env`), Hugging Face offline unless a model comes from the Hub."""
     with _pod_cache_dir():
         env = {"SLUICE_CACHE_DIR": POD_CACHE_DIR, **process_env(), **CLUSTER_NODE_ENV}
     del env["VLLM_HOST_IP"]
     entries: list[dict[str, Any]] = []
     if from_hub(spec):
-        for key in _HF_OFFLINE:
-            del env[key]
         secret = {"name": f"{spec.stack}-hf-token", "key": HF_TOKEN_KEY, "optional": True}
         entries.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret}})
+    else:
+        env |= HF_OFFLINE_ENV
     return [{"name": key, "value": value} for key, value in env.items()] + entries
 
 

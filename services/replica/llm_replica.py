@@ -20,7 +20,7 @@ from ray.serve.deployment import Application, Deployment
 
 from base.contracts import FAULT_PATH, KV_EVENTS_PATH, VERSIONS_PATH
 from base.route_wire import ComponentVersions, KVEventSource, KVEventSources
-from base.runtime import free_port
+from base.runtime import engine_env, free_port
 from routers.ledger_actor import ledger_actor_name
 from services.replica.asgi_call import ResponseStart, stream_asgi
 from services.replica.llm_config import LLMAppConfig
@@ -162,8 +162,18 @@ def engine_cpu_binding(local_rank: int, ranks: int, cpus: list[int] | None = Non
     return "|".join(str(usable[(local_rank * ranks + rank) % len(usable)]) for rank in range(ranks))
 
 
+def replica_runtime_env(config: LLMAppConfig) -> dict[str, Any]:
+    """The replicas' runtime_env: the driver's variables (what Serve gives a deployment without its own runtime_env,
+    and only then) and the engine's for its hardware and weights (`base.runtime.engine_env`)."""
+    driver = ray.get_runtime_context().runtime_env.env_vars() if ray.is_initialized() else {}
+    engine = engine_env(config.engine.model, gpus=config.deployment.num_gpus > 0)
+    return {"env_vars": {**driver, **engine}}
+
+
 def llm_deployment(config: LLMAppConfig) -> Deployment:
-    deployment = serve.deployment(LLMReplica).options(**config.deployment.serve_options())
+    options = config.deployment.serve_options()
+    options["ray_actor_options"]["runtime_env"] = replica_runtime_env(config)
+    deployment = serve.deployment(LLMReplica).options(**options)
     return with_rollout_version(deployment, config.rollout_version())
 
 

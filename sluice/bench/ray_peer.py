@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import psutil
 
-from base.runtime import LOOPBACK, free_port, process_env
+from base.runtime import LOOPBACK, engine_env, free_port, process_env
 from base.tiny_model import SERVED_MODEL_NAME
 from base.waiting import WaitTimeout, wait_until
 from sluice.bench.netns import in_private_netns
@@ -125,10 +125,10 @@ def _tail(path: Path) -> str:
     return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
-def peer_env(workdir: Path, haproxy_dir: Path, ports: dict[str, int], in_process: bool) -> dict[str, str]:
-    """sluice's process environment with Ray's HAProxy direct streaming switched on and every port moved (`ports`:
-    free ports for HAProxy's stats and Prometheus pages and Serve's fallback proxy)."""
-    env = process_env()
+def peer_env(model: Path, workdir: Path, haproxy_dir: Path, ports: dict[str, int], in_process: bool) -> dict[str, str]:
+    """sluice's process and CPU engine environment (`model`: the tiny model's folder), Ray's HAProxy direct streaming
+    on, every port moved (`ports`: free ports for HAProxy's stats and Prometheus pages and Serve's fallback proxy)."""
+    env = {**process_env(), **engine_env(str(model.resolve()), gpus=False)}
     env.update(
         {
             MARKER_ENV: str(workdir.resolve()),
@@ -288,7 +288,7 @@ def serve_peer(model: Path, workdir: Path, replicas: int, ready_file: Path, time
     # Ray's HAProxy nests a 56-character node id under this folder before its socket names: keep it short.
     haproxy_dir = Path(tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
     ports = {name: free_port(LOOPBACK) for name in PORT_NAMES}
-    env = peer_env(workdir, haproxy_dir, ports, in_process)
+    env = peer_env(model, workdir, haproxy_dir, ports, in_process)
     os.environ.update(env)
     import ray
     from ray import serve

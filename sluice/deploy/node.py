@@ -1,9 +1,10 @@
 """`sluice node head | worker --head ADDRESS`: one node of a stack across machines (the image's entrypoint).
 
 Starts Ray in the foreground (`ray start --block`, so the container lives and dies with it) on the node's own
-address, with sluice's process environment (`base.runtime.process_env`, which Ray's workers inherit) and the node's
-role as a custom resource (`base.contracts.HEAD_NODE_RESOURCE` or `WORKER_NODE_RESOURCE`): `sluice deploy` places
-the frontend and routers on the head and the LLM replicas on the workers by it.
+address, with sluice's process environment (`base.runtime.process_env`, which Ray's workers inherit; each LLM replica
+adds its engine's, `engine_env`, so a node serves CPU and GPU engines alike) and the node's role as a custom resource
+(`base.contracts.HEAD_NODE_RESOURCE` or `WORKER_NODE_RESOURCE`): `sluice deploy` places the frontend and routers on
+the head and the LLM replicas on the workers by it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from base.runtime import COMPATIBLE_RAY_START, SERVE_CONTROLLER_ENV_KEYS, carried_env, process_env
+from base.runtime import (
+    COMPATIBLE_RAY_START,
+    CPU_ENGINE_ENV,
+    HF_OFFLINE_ENV,
+    SERVE_CONTROLLER_ENV_KEYS,
+    carried_env,
+    process_env,
+)
 from builders.plan import build_plan
 from services.serve_internals import ControllerSettings
 from sluice.cli.main import main
@@ -70,10 +77,12 @@ def test_no_controller_means_sluice_starts_serve_with_its_settings(monkeypatch: 
     assert preflight.serve_start_options(spans_nodes=False)["http_options"]["host"] == "0.0.0.0"
 
 
-def test_the_apps_carry_every_worker_setting_but_the_node_start_ones() -> None:
+def test_the_apps_carry_every_worker_setting_but_the_node_start_and_engine_ones() -> None:
     carried = carried_env()
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in carried
-    assert carried["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and carried["HF_HUB_OFFLINE"] == "1"
+    assert carried["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and carried["HF_HOME"].endswith("/hf")
+    # Each LLM replica adds its engine's (`engine_env`): a GPU engine or a Hub model must not inherit CPU or offline.
+    assert not carried.keys() & (CPU_ENGINE_ENV.keys() | HF_OFFLINE_ENV.keys())
 
 
 def _nodes(monkeypatch: pytest.MonkeyPatch, *resources: dict[str, float]) -> None:
