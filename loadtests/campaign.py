@@ -1,23 +1,24 @@
 """`sluice load WORKLOAD --target URL`: one campaign, Locust in processes of its own, then the rows, the summary,
 the report and the gates.
 
-Locust runs headless as one process, or as a master and `workers` workers on 127.0.0.1 (an open-loop rate split
-evenly between them); a breached gate (`GATES`, from the command line or the spec's `ingress.abort`) names its value
-and limit and exits 1. Details: loadtests/README.md.
+Locust runs headless as one process, as a master and `workers` workers on 127.0.0.1, or as a master that waits for
+`master.expect_workers` workers started elsewhere (`sluice load-worker`); an open-loop rate is split evenly between
+the workers, and the master sends them the campaign's settings. A breached gate (`GATES`, from the command line or
+the spec's `ingress.abort`) names its value and limit and exits 1. Details: loadtests/README.md.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from base.runtime import LOOPBACK, free_port
 from loadtests.metrics import SLO, Summary, summarize
 from loadtests.report import GateVerdict, write_report
 from loadtests.sse_timing import StreamRow
@@ -31,6 +32,19 @@ LOCUST_CSV_PREFIX = "locust"
 LOCUST_HTML = "locust.html"
 # Seconds Locust may take beyond the run time to stop its users and write its rows.
 STOP_TIMEOUT_S = 30
+# Locust's own default port for a master's workers.
+LOCUST_MASTER_PORT = 5557
+
+
+class RemoteMaster(BaseModel):
+    """A master for workers on other machines: where it listens and how many it waits for, and how long."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bind_host: str = "127.0.0.1"
+    port: int = Field(LOCUST_MASTER_PORT, ge=1, le=65535)
+    expect_workers: int = Field(1, ge=1)
+    wait_s: float = Field(60.0, gt=0, le=3600)
 
 
 class Campaign(BaseModel):
@@ -45,6 +59,7 @@ class Campaign(BaseModel):
     rate: float = Field(4.0, gt=0)
     burstiness: float = Field(1.0, gt=0)
     workers: int = Field(0, ge=0)
+    master: RemoteMaster | None = None
     model: str | None = None
     session_header: str = "x-session-id"
     slo: SLO = SLO()
@@ -66,6 +81,16 @@ class Campaign(BaseModel):
         if unknown:
             raise ValueError(f"unknown gate {', '.join(map(repr, unknown))}: one of {', '.join(GATES)}")
         return gates
+
+    @model_validator(mode="after")
+    def _one_kind_of_workers(self) -> Campaign:
+        if self.workers and self.master is not None:
+            raise ValueError("local workers (--workers) and a master for remote ones (--master) exclude each other")
+        return self
+
+    @property
+    def worker_count(self) -> int:
+        return self.master.expect_workers if self.master is not None else self.workers
 
 
 def gates_from_spec(path: Path) -> dict[str, float]:
@@ -108,31 +133,36 @@ def _served_model(target: str) -> str:
     return httpx.get(f"{target}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
+def locust_options(campaign: Campaign, rows_dir: Path) -> list[str]:
+    """The campaign's settings as the locustfile's options (a master sends them to its workers)."""
+    settings = {
+        "workload": campaign.workload,
+        "model": campaign.model,
+        "tokenizer": campaign.tokenizer,
+        "rows_dir": rows_dir,
+        "rate": campaign.rate / max(campaign.worker_count, 1),
+        "burstiness": campaign.burstiness,
+        "duration_s": campaign.duration_s,
+        "session_header": campaign.session_header,
+        "seed": campaign.seed,
+    }
+    # `=`: an empty session header is a value, not a missing one.
+    return [f"--sluice-{name.replace('_', '-')}={value}" for name, value in settings.items()]
+
+
 def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
-    """Run Locust (one process, or a master and its workers) and merge the rows every process wrote; `campaign`
-    names its model."""
+    """Run Locust (one process, a master and its local workers, or a master for remote ones) and merge the rows
+    every process wrote; `campaign` names its model."""
     rows_dir.mkdir(parents=True, exist_ok=True)
     for stale in rows_dir.glob("rows-*.csv"):
         stale.unlink()
-    env = os.environ | {
-        "SLUICE_LOAD_WORKLOAD": campaign.workload,
-        "SLUICE_LOAD_MODEL": str(campaign.model),
-        "SLUICE_LOAD_TOKENIZER": str(campaign.tokenizer),
-        "SLUICE_LOAD_ROWS_DIR": str(rows_dir),
-        "SLUICE_LOAD_RATE": str(campaign.rate / max(campaign.workers, 1)),
-        "SLUICE_LOAD_BURSTINESS": str(campaign.burstiness),
-        "SLUICE_LOAD_DURATION_S": str(campaign.duration_s),
-        "SLUICE_LOAD_SESSION_HEADER": campaign.session_header,
-        "SLUICE_LOAD_SEED": str(campaign.seed),
-    }
     locust = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", campaign.target]
     run = [
+        *locust_options(campaign, rows_dir),
         "--users",
         str(campaign.users),
         "--spawn-rate",
         str(campaign.users),
-        "--run-time",
-        f"{campaign.duration_s:g}s",
         "--stop-timeout",
         str(STOP_TIMEOUT_S),
         # Locust's own statistics and report, beside sluice's (the master writes them under workers).
@@ -142,39 +172,30 @@ def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
         str(campaign.out / LOCUST_HTML),
     ]
     timeout = campaign.duration_s + 2 * STOP_TIMEOUT_S + 60
-    if not campaign.workers:
-        subprocess.run([*locust, *run], env=env, timeout=timeout, check=False)
-    else:
-        from base.runtime import free_port
+    if not campaign.worker_count:
+        subprocess.run([*locust, *run, "--run-time", f"{campaign.duration_s:g}s"], timeout=timeout, check=False)
+        return _rows(rows_dir)
+    # A master ends the run itself (the locustfile): it waits for every worker's rows, which --run-time would not.
+    master = campaign.master or RemoteMaster(port=free_port(LOOPBACK), expect_workers=campaign.workers, wait_s=60)
+    listen = ["--master-bind-host", master.bind_host, "--master-bind-port", str(master.port)]
+    wait = ["--expect-workers", str(master.expect_workers), "--expect-workers-max-wait", f"{master.wait_s:g}"]
+    processes = [subprocess.Popen([*locust, *run, "--master", *listen, *wait])]
+    if campaign.master is None:
+        worker = [*locust, "--worker", "--master-host", master.bind_host, "--master-port", str(master.port)]
+        processes += [subprocess.Popen(worker) for _ in range(campaign.workers)]
+    try:
+        processes[0].wait(timeout=master.wait_s + timeout)
+        for process in processes[1:]:
+            process.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return _rows(rows_dir)
 
-        port = free_port("127.0.0.1")
-        master = subprocess.Popen(
-            [
-                *locust,
-                *run,
-                "--master",
-                "--expect-workers",
-                str(campaign.workers),
-                "--master-bind-host",
-                "127.0.0.1",
-                "--master-bind-port",
-                str(port),
-            ],
-            env=env,
-        )
-        workers = [
-            subprocess.Popen([*locust, "--worker", "--master-host", "127.0.0.1", "--master-port", str(port)], env=env)
-            for _ in range(campaign.workers)
-        ]
-        try:
-            master.wait(timeout=timeout)
-            for worker in workers:
-                worker.wait(timeout=STOP_TIMEOUT_S)
-        finally:
-            for process in (master, *workers):
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+
+def _rows(rows_dir: Path) -> list[StreamRow]:
     rows = []
     for path in sorted(rows_dir.glob("rows-*.csv")):
         with path.open() as handle:

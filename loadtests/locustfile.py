@@ -1,8 +1,13 @@
 """The Locust user of a sluice campaign (run by `loadtests.campaign`, never imported with Ray: docs/design.md §5).
 
-Settings come from the environment the campaign runner sets (`SLUICE_LOAD_*`). Each user streams line by line as
-bytes arrive, stamps every line with `time.perf_counter()` before parsing, and writes its process's rows when the
-test stops. Closed and open loop, and why: loadtests/README.md.
+The campaign's settings are Locust options of this file (`--sluice-*`, each defaulting to its `SLUICE_LOAD_*`
+variable): a master sends them to its workers, on this machine or on others. Each user streams line by line as bytes
+arrive, stamps every line with `time.perf_counter()` before parsing, and keeps its process's rows. A lone process
+writes them to the rows folder when the test stops; a worker sends them to its master (a Locust message), which
+moves their times onto its own clock (through each side's wall clock) and writes them there. A master ends the run
+itself after the duration: it tells its workers to stop their users (a message of ours: Locust's own stop keeps a
+worker idle for the stop timeout), waits for every worker's rows, then quits (Locust's `--run-time` would quit before
+a worker has sent them). Closed and open loop, and why: loadtests/README.md.
 """
 
 from __future__ import annotations
@@ -11,31 +16,68 @@ import csv
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import gevent
 import requests
 from locust import HttpUser, events, task
-from locust.runners import MasterRunner
+from locust.runners import MasterRunner, WorkerRunner
 
 from loadtests.sse_timing import CSV_FIELDS, StreamOutput, StreamRow, record_stream
 from loadtests.workloads import PromptMaker, Request, Workload
 
-SETTINGS = {
-    "workload": os.environ.get("SLUICE_LOAD_WORKLOAD", "short_long"),
-    "model": os.environ.get("SLUICE_LOAD_MODEL", "sluice-tiny"),
-    "tokenizer": os.environ.get("SLUICE_LOAD_TOKENIZER", ""),
-    "rows_dir": os.environ.get("SLUICE_LOAD_ROWS_DIR", "."),
-    "rate": float(os.environ.get("SLUICE_LOAD_RATE", "4")),
-    "burstiness": float(os.environ.get("SLUICE_LOAD_BURSTINESS", "1")),
-    "duration_s": float(os.environ.get("SLUICE_LOAD_DURATION_S", "60")),
-    "session_header": os.environ.get("SLUICE_LOAD_SESSION_HEADER", "x-session-id"),
-    "seed": int(os.environ.get("SLUICE_LOAD_SEED", "0")),
+# Each setting: its type and default (the `SLUICE_LOAD_<NAME>` variable overrides the default).
+OPTIONS: dict[str, tuple[type, str]] = {
+    "workload": (str, "short_long"),
+    "model": (str, "sluice-tiny"),
+    "tokenizer": (str, ""),
+    "rows_dir": (str, "."),
+    "rate": (float, "4"),
+    "burstiness": (float, "1"),
+    "duration_s": (float, "60"),
+    "session_header": (str, "x-session-id"),
+    "seed": (int, "0"),
 }
+ROWS_MESSAGE = "sluice_rows"
+STOP_MESSAGE = "sluice_stop"
+# How long a master waits, after the duration, for the rows of every worker that ran: a worker first lets its users
+# finish their requests (Locust's stop timeout, `campaign.STOP_TIMEOUT_S`).
+ROWS_WAIT_S = 60.0
+
+
+def _default(name: str) -> Any:
+    kind, default = OPTIONS[name]
+    return kind(os.environ.get(f"SLUICE_LOAD_{name.upper()}", default))
+
+
+# The campaign's settings: the defaults until the test starts, then the options this process (or its master) got.
+SETTINGS: dict[str, Any] = {name: _default(name) for name in OPTIONS}
 ROWS: list[StreamRow] = []
 WORKER = f"{os.uname().nodename}-{os.getpid()}"
 _workload: Workload | None = None
 _schedule: list[float] = []
 _started_at = 0.0
+_rows_from: set[str] = set()
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser) -> None:
+    for name, (kind, _) in OPTIONS.items():
+        flag = f"--sluice-{name.replace('_', '-')}"
+        parser.add_argument(flag, type=kind, default=_default(name), include_in_web_ui=False)
+
+
+@events.init.add_listener
+def _on_init(environment, **_kwargs) -> None:
+    if isinstance(environment.runner, MasterRunner):
+        environment.runner.register_message(ROWS_MESSAGE, _received_rows)
+    elif isinstance(environment.runner, WorkerRunner):
+        environment.runner.register_message(STOP_MESSAGE, lambda environment, **_: environment.runner.stop())
+
+
+def _settings(environment) -> dict[str, Any]:
+    options = environment.parsed_options
+    return {name: getattr(options, f"sluice_{name}") for name in OPTIONS}
 
 
 def workload() -> Workload:
@@ -57,8 +99,11 @@ def workload() -> Workload:
 
 @events.test_start.add_listener
 def _plan(environment, **_kwargs) -> None:
+    """Take the settings (a worker has its master's by now) and plan the run."""
     global _started_at
+    SETTINGS.update(_settings(environment))
     if isinstance(environment.runner, MasterRunner):
+        gevent.spawn(_end_run, environment.runner)
         return
     _started_at = time.perf_counter()
     if workload().loop == "open":
@@ -66,15 +111,45 @@ def _plan(environment, **_kwargs) -> None:
 
 
 @events.test_stop.add_listener
-def _write_rows(environment, **_kwargs) -> None:
+def _hand_over_rows(environment, **_kwargs) -> None:
     if isinstance(environment.runner, MasterRunner):
         return
-    path = Path(SETTINGS["rows_dir"]) / f"rows-{WORKER}.csv"
-    with path.open("w", newline="") as out:
+    rows = [row.csv_row() for row in ROWS]
+    if isinstance(environment.runner, WorkerRunner):
+        clock = time.time() - time.perf_counter()
+        environment.runner.send_message(ROWS_MESSAGE, {"worker": WORKER, "clock": clock, "rows": rows})
+    else:
+        _write_rows(WORKER, rows)
+
+
+def _received_rows(environment, msg, **_kwargs) -> None:
+    """A worker's rows, moved onto this process's perf_counter clock (both sides' wall clocks agree across machines
+    kept in time; on one machine the shift is the read's own microseconds)."""
+    shift = msg.data["clock"] - (time.time() - time.perf_counter())
+    rows = msg.data["rows"]
+    for row in rows:
+        row["sent_at"] = float(row["sent_at"]) + shift
+        row["planned_at"] = float(row["planned_at"]) + shift
+    _write_rows(msg.data["worker"], rows)
+    _rows_from.add(msg.node_id)
+
+
+def _write_rows(worker: str, rows: list[dict[str, Any]]) -> None:
+    with (Path(SETTINGS["rows_dir"]) / f"rows-{worker}.csv").open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=CSV_FIELDS)
         writer.writeheader()
-        for row in ROWS:
-            writer.writerow(row.csv_row())
+        writer.writerows(rows)
+
+
+def _end_run(runner: MasterRunner) -> None:
+    """After the duration: the workers stop their users and send their rows; once every worker's are in, quit."""
+    gevent.sleep(SETTINGS["duration_s"])
+    ran = set(runner.clients)
+    runner.send_message(STOP_MESSAGE)
+    deadline = time.monotonic() + ROWS_WAIT_S
+    while not ran <= _rows_from and time.monotonic() < deadline:
+        gevent.sleep(0.1)
+    runner.quit()
 
 
 class StreamingUser(HttpUser):

@@ -215,8 +215,14 @@ def parse_spec(data: Any, where: str = "spec") -> OpenAIStack | DataParallelStac
 def load_spec(path: Path | str) -> OpenAIStack | DataParallelStack | PrefillDecodeStack:
     """A spec file; raises SpecError naming the file and every problem."""
     path = Path(path)
+    return parse_spec(_relative_to(read_spec_data(path), path.parent), str(path))
+
+
+def read_spec_data(path: Path | str) -> Any:
+    """A spec file's YAML, unchecked; SpecError when it cannot be read or is not YAML."""
+    path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as error:
         raise SpecError(str(path), [SpecProblem("", f"cannot read the file: {error.strerror}")]) from None
     except yaml.YAMLError as error:
@@ -224,7 +230,6 @@ def load_spec(path: Path | str) -> OpenAIStack | DataParallelStack | PrefillDeco
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = SpecProblem("", f"{where}not valid YAML ({getattr(error, 'problem', error)})")
         raise SpecError(str(path), [problem]) from None
-    return parse_spec(_relative_to(data, path.parent), str(path))
 
 
 def _relative_to(data: Any, folder: Path) -> Any:
@@ -236,16 +241,19 @@ def _relative_to(data: Any, folder: Path) -> Any:
 
 
 def engine_problems(spec: StackBase) -> list[SpecProblem]:
-    """Each model's (and role's) engine arguments through vLLM's own `vllm serve` parser."""
+    """Each model's (and role's) engine arguments through vLLM's own `vllm serve` parser, with the defaults the plan
+    gives them: on GPUs the CPU-only defaults are left to vLLM (a prefill/decode model's own arguments: when both
+    roles have GPUs)."""
     from services.replica.vllm_app import EngineArgsError, check_engine_args
 
     problems = []
     for i, model in enumerate(spec.models):  # type: ignore[attr-defined]
-        roles = [(f"models[{i}].engine", model.engine_config(model.source))]
-        for role in ("prefill", "decode"):
-            section = getattr(model, role, None)
-            if section is not None:
-                roles.append((f"models[{i}].{role}.engine", model.engine_config(model.source, section.engine)))
+        sides = [(role, getattr(model, role)) for role in ("prefill", "decode") if hasattr(model, role)]
+        gpus = all(side.resources.gpus > 0 for _, side in sides) if sides else model.resources.gpus > 0
+        roles = [(f"models[{i}].engine", model.engine_config(model.source, gpus=gpus))]
+        for role, side in sides:
+            config = model.engine_config(model.source, side.engine, gpus=side.resources.gpus > 0)
+            roles.append((f"models[{i}].{role}.engine", config))
         for path, config in roles:
             try:
                 check_engine_args(config)

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from base.runtime import COMPATIBLE_RAY_START
-from sluice.deploy.exit_codes import EXIT_USAGE
+from sluice.deploy.errors import UsageError
 from topologies import EMBEDDED_SPEC
 
 
@@ -35,13 +35,7 @@ def _on_cluster(args: argparse.Namespace) -> int:
         connect_to_serve(args.address)
         if args.command == "status":
             return status.status(args.target, args.address, as_json=args.json)
-        try:
-            return check(
-                args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip, _expected(args)
-            )
-        except ValueError as error:  # an unknown --allow-skip item
-            print(error, file=sys.stderr)
-            return EXIT_USAGE
+        return check(args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip, _expected(args))
     except PreflightError as error:
         print(error, file=sys.stderr)
         return PREFLIGHT_EXIT_CODE
@@ -57,15 +51,15 @@ def _expected(args: argparse.Namespace) -> dict[str, str]:
 
 def _check(args: argparse.Namespace) -> int:
     """`sluice check --target URL` needs no cluster; with a spec file it is a command on the cluster."""
-    from sluice.deploy.check import check
+    from sluice.deploy.check import allowed_skips, check
 
+    try:
+        allowed_skips(args.allow_skip)  # before anything connects
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if args.target is None:
         return _on_cluster(args)
-    try:
-        return check(None, args.target, args.address, args.json, args.allow_skip, _expected(args))
-    except ValueError as error:
-        print(error, file=sys.stderr)
-        return EXIT_USAGE
+    return check(None, args.target, args.address, args.json, args.allow_skip, _expected(args))
 
 
 def register(commands: Any) -> None:

@@ -10,16 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from base.runtime import default_model_dir
+from loadtests.campaign import LOCUST_MASTER_PORT
 from loadtests.workloads import WORKLOADS
-from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
+from sluice.deploy.errors import Unreachable, UsageError, require_url, target_problem
+from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from topologies import EMBEDDED_SPEC
-
-# A target that does not list its models within this is taken as unreachable.
-TARGET_PROBE_TIMEOUT_S = 10.0
-
-
-class UsageError(ValueError):
-    """A value the command cannot run with: exit `EXIT_USAGE` with this message, no traceback."""
 
 
 def _gates(args: argparse.Namespace) -> dict[str, float]:
@@ -66,10 +61,11 @@ def _campaign(args: argparse.Namespace) -> Any:
 
     if not args.target:
         raise UsageError("--target is required for a workload campaign")
+    target = require_url("--target", args.target)
     try:
         return Campaign(
             workload=args.workload,
-            target=args.target.rstrip("/"),
+            target=target,
             out=Path(args.out or f"load-{args.workload}"),
             tokenizer=Path(args.tokenizer or default_model_dir() / "tokenizer.json"),
             duration_s=args.duration,
@@ -77,24 +73,24 @@ def _campaign(args: argparse.Namespace) -> Any:
             rate=args.rate,
             burstiness=args.burstiness,
             workers=args.workers,
+            master={
+                "bind_host": args.master_bind_host,
+                "port": args.master_port,
+                "expect_workers": args.expect_workers,
+                "wait_s": args.expect_workers_max_wait,
+            }
+            if args.master
+            else None,
             model=args.model,
             slo=SLO(**_slo_limits(args)),
             gates=_gates(args),
         )
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        problems = "; ".join(
+            ": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, "))))
+            for e in error.errors()
+        )
         raise UsageError(problems) from None
-
-
-def _unreachable(target: str) -> str | None:
-    """Why the target's OpenAI API cannot be reached (its model list), or None when it answers."""
-    import httpx
-
-    try:
-        response = httpx.get(f"{target}/v1/models", timeout=TARGET_PROBE_TIMEOUT_S)
-    except httpx.HTTPError as error:
-        return f"{type(error).__name__}: {error}"
-    return None if response.status_code == 200 else f"GET /v1/models answered {response.status_code}"
 
 
 def _load(args: argparse.Namespace) -> int:
@@ -103,20 +99,30 @@ def _load(args: argparse.Namespace) -> int:
 
     if args.workload == "routing":
         return _routing_suite(args)
-    try:
-        campaign = _campaign(args)
-    except UsageError as error:
-        print(f"sluice load: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    problem = _unreachable(campaign.target)
+    campaign = _campaign(args)
+    problem = target_problem(campaign.target)
     if problem is not None:
-        print(f"sluice load: the target {campaign.target} cannot be reached: {problem}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        raise Unreachable(f"the target {campaign.target} cannot be reached: {problem}")
     summary, breached = run(campaign)
     print(f"{summary.ok}/{summary.requests} requests ok; rows, summary.json and report.html in {campaign.out}")
     for breach in breached:
         print(f"gate breached: {breach}", file=sys.stderr)
     return EXIT_FAILED if breached else EXIT_OK
+
+
+def _load_worker(args: argparse.Namespace) -> int:
+    """`sluice load-worker --master-host H`: a Locust worker of a `sluice load --master` campaign, bounded in time."""
+    import subprocess
+
+    from loadtests.campaign import LOCUSTFILE
+
+    worker = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker"]
+    worker += ["--master-host", args.master_host, "--master-port", str(args.master_port)]
+    try:
+        return subprocess.run(worker, timeout=args.timeout, check=False).returncode
+    except subprocess.TimeoutExpired:
+        print(f"sluice load-worker: no campaign ended within {args.timeout:g} s; stopped", file=sys.stderr)
+        return EXIT_INCOMPLETE
 
 
 def _routing_suite(args: argparse.Namespace) -> int:
@@ -161,6 +167,15 @@ def register(commands: Any) -> None:
     )
     load.add_argument("--burstiness", type=float, default=1.0, help="bursts: the gamma shape (1 = Poisson)")
     load.add_argument("--workers", type=int, default=0, help="Locust workers under a master (0: one process)")
+    load.add_argument(
+        "--master", action="store_true", help="a Locust master for workers on other machines (sluice load-worker)"
+    )
+    load.add_argument("--expect-workers", type=int, default=1, help="--master: the workers to wait for")
+    load.add_argument("--expect-workers-max-wait", type=float, default=60.0, help="--master: seconds to wait for them")
+    load.add_argument(
+        "--master-bind-host", default="127.0.0.1", help="--master: the address workers reach (a private one)"
+    )
+    load.add_argument("--master-port", type=int, default=LOCUST_MASTER_PORT, help="--master: the port workers reach")
     load.add_argument("--out", help="the output folder (default: load-<workload>)")
     load.add_argument("--model", help="the served model (default: the target's first)")
     load.add_argument("--tokenizer", help="the served model's tokenizer.json (default: the tiny model's)")
@@ -173,6 +188,14 @@ def register(commands: Any) -> None:
         "--goodput", nargs="+", default=[], metavar="NAME:MS", help="vLLM's form of the SLOs, e.g. ttft:200 tpot:50"
     )
     load.set_defaults(func=_load)
+
+    worker = commands.add_parser("load-worker", help="a Locust worker of a `sluice load --master` campaign")
+    worker.add_argument("--master-host", default="127.0.0.1", help="the master's --master-bind-host")
+    worker.add_argument("--master-port", type=int, default=LOCUST_MASTER_PORT, help="the master's --master-port")
+    worker.add_argument(
+        "--timeout", type=float, default=3900.0, help="seconds after which the worker stops, campaign or not"
+    )
+    worker.set_defaults(func=_load_worker)
 
     replay_command = commands.add_parser(
         "replay", help="send recorded requests (JSONL) to a path, or to two and compare"

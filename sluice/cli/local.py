@@ -31,11 +31,11 @@ def _model_build(args: argparse.Namespace) -> int:
 
 def serve_spec(args: argparse.Namespace) -> Any:
     """The spec `sluice serve` runs: the file (the embedded default unless given) with the flags applied over it."""
-    import yaml
+    from topologies.spec import parse_spec, read_spec_data
 
-    from topologies.spec import parse_spec
-
-    data = yaml.safe_load(Path(args.file).read_text())
+    data = read_spec_data(args.file)
+    if not isinstance(data, dict):
+        return parse_spec(data, args.file)  # names what the file holds instead of a mapping
     frontend = data.setdefault("frontend", {})
     for flag, key in (("port", "port"), ("prometheus_port", "metrics_port"), ("routers", "routers")):
         if getattr(args, flag) is not None:

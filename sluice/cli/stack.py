@@ -7,6 +7,8 @@ import argparse
 import sys
 from typing import Any
 
+from sluice.deploy.errors import UsageError, docker_engine
+
 
 def _render(args: argparse.Namespace) -> int:
     from sluice.deploy.apply import render
@@ -34,7 +36,8 @@ def _prometheus(path: str, frontend_host: str) -> str:
 def _image_build(args: argparse.Namespace) -> int:
     from infra.container_images import build_image, image_size_bytes
 
-    tag = build_image(args.engine, base=args.base, tag=args.tag)
+    with docker_engine():
+        tag = build_image(args.engine, base=args.base, tag=args.tag)
     print(f"{tag}: {image_size_bytes(tag) / 2**30:.2f} GiB")
     return 0
 
@@ -42,6 +45,8 @@ def _image_build(args: argparse.Namespace) -> int:
 def _node(args: argparse.Namespace) -> int:
     from sluice.deploy.node import run_node
 
+    if args.role == "worker" and not args.head:
+        raise UsageError("a worker node needs the head's address: --head ADDRESS")
     run_node(args.role, args.head, args.num_cpus)
     return 1  # run_node replaces this process
 
@@ -50,7 +55,8 @@ def _stack_up(args: argparse.Namespace) -> int:
     from sluice.deploy.container_stack import stack_up
 
     try:
-        running = stack_up(args.file, args.nodes, image=args.image, worker_cpus=args.worker_cpus)
+        with docker_engine():
+            running = stack_up(args.file, args.nodes, image=args.image, worker_cpus=args.worker_cpus)
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
@@ -64,7 +70,8 @@ def _stack_up(args: argparse.Namespace) -> int:
 def _stack_status(args: argparse.Namespace) -> int:
     from sluice.deploy.container_stack import stack_status
 
-    code, output = stack_status(args.file, args.json)
+    with docker_engine():
+        code, output = stack_status(args.file, args.json)
     print(output)
     return code
 
@@ -72,7 +79,8 @@ def _stack_status(args: argparse.Namespace) -> int:
 def _stack_down(args: argparse.Namespace) -> int:
     from sluice.deploy.container_stack import stack_down, stack_name
 
-    removed = stack_down(stack_name(args.file))
+    with docker_engine():
+        removed = stack_down(stack_name(args.file))
     print(f"{removed} container(s) removed")
     return 0
 

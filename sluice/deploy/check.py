@@ -27,6 +27,7 @@ from sluice.deploy.check_contract import api_contract
 from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers
 from sluice.deploy.check_startup import startup_path
 from sluice.deploy.check_versions import versions
+from sluice.deploy.errors import Unreachable, require_url, target_problem
 from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from sluice.deploy.json_reports import CheckReport, Verdict
 
@@ -313,7 +314,11 @@ def check(
     `allow_skip` item. `expected_versions`: `ray` / `vllm` -> the version every replica (and this CLI) must run."""
     allowed = allowed_skips(allow_skip)
     if target is not None:
-        return report(run_checks(None, None, target.rstrip("/"), allowed, expected_versions), as_json)
+        target = require_url("--target", target)
+        problem = target_problem(target)
+        if problem is not None:
+            raise Unreachable(f"the target {target} cannot be reached: {problem}")
+        return report(run_checks(None, None, target, allowed, expected_versions), as_json)
     from sluice.deploy.apply import connect, frontend_url, plan_of
 
     spec, plan = plan_of(path)

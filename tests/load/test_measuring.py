@@ -9,6 +9,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from base.runtime import free_port
 from base.waiting import WaitTimeout, wait_until
 from loadtests.campaign import LOCUST_CSV_PREFIX, LOCUST_HTML, Campaign, run
+from sluice.deploy.exit_codes import EXIT_INCOMPLETE
 
 ROOT = Path(__file__).resolve().parents[2]
 TTFT_MS, GAP_MS = 50.0, 20.0
@@ -159,3 +161,54 @@ def test_a_breached_gate_fails_the_command_and_names_it(server: str, tmp_path: P
     assert "<td>ttft_p99_ms</td>" in page and "<td>BREACHED</td>" in page and "<td>error_ratio</td>" in page
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert {(g["name"], g["held"]) for g in saved["gates"]} == {("ttft_p99_ms", False), ("error_ratio", True)}
+
+
+def _sluice(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sluice.cli.main", *args]
+
+
+def test_a_master_runs_the_campaign_on_workers_started_apart_and_gets_their_rows(
+    server: str, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`sluice load --master` and two `sluice load-worker` processes, as on other machines (here on loopback): the
+    workers get the campaign's settings from the master, send it their rows, and every command ends by itself."""
+    port = str(free_port("127.0.0.1"))
+    began = time.perf_counter()
+    master = subprocess.Popen(
+        _sluice(
+            *("load", "short_long", "--target", server, "--duration", "5", "--users", "4", "--out", str(tmp_path)),
+            *("--tokenizer", str(tiny_model_dir / "tokenizer.json"), "--master", "--expect-workers", "2"),
+            *("--master-port", port),
+        ),
+        cwd=ROOT,
+    )
+    workers = [
+        subprocess.Popen(_sluice("load-worker", "--master-port", port, "--timeout", "120"), cwd=ROOT) for _ in range(2)
+    ]
+    try:
+        assert master.wait(timeout=180) == 0
+        assert [worker.wait(timeout=60) for worker in workers] == [0, 0]
+    finally:
+        for process in (master, *workers):
+            if process.poll() is None:
+                process.kill()
+    ended = time.perf_counter()
+    with (tmp_path / "rows.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len({row["worker"] for row in rows}) == 2 and len(rows) >= 8
+    # The rows are on the master's clock: every send between the command's start and its end.
+    assert all(began < float(row["sent_at"]) < ended for row in rows)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["completed"] == len(rows) and saved["campaign"]["master"]["expect_workers"] == 2
+    assert (tmp_path / f"{LOCUST_CSV_PREFIX}_stats.csv").exists()
+
+
+def test_a_worker_without_a_master_stops_at_its_timeout() -> None:
+    result = subprocess.run(
+        _sluice("load-worker", "--master-port", str(free_port("127.0.0.1")), "--timeout", "3"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == EXIT_INCOMPLETE and "no campaign ended within 3 s" in result.stderr

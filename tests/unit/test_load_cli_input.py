@@ -28,8 +28,21 @@ def _closed_port() -> int:
         (["--duration", "7200"], "duration_s: Input should be less than or equal to 3600"),
         (["--users", "0"], "users: Input should be greater than or equal to 1"),
         (["--spec", "/nonexistent/stack.yaml"], "--spec /nonexistent/stack.yaml"),
+        (["--master", "--workers", "2"], "local workers (--workers) and a master for remote ones (--master) exclude"),
+        (["--master", "--expect-workers", "0"], "master.expect_workers: Input should be greater than or equal to 1"),
+        (["--master", "--master-port", "70000"], "master.port: Input should be less than or equal to 65535"),
     ],
-    ids=["gate-without-value", "gate-not-a-number", "unknown-gate", "duration-past-an-hour", "no-users", "no-spec"],
+    ids=[
+        "gate-without-value",
+        "gate-not-a-number",
+        "unknown-gate",
+        "duration-past-an-hour",
+        "no-users",
+        "no-spec",
+        "master-and-local-workers",
+        "master-expecting-no-worker",
+        "master-port-out-of-range",
+    ],
 )
 def test_a_bad_value_is_a_usage_error_before_any_load(
     arguments: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
