@@ -132,7 +132,7 @@ def policy_problem(routing: Routing) -> tuple[str, str] | None:
     try:
         settings = validate_settings(routing.policy, routing.policy_kwargs)
     except PolicyConfigError as error:
-        return "policy_kwargs", f"{error}; the README's policy table lists each policy's kwargs"
+        return "policy_kwargs", f"{error}; docs/policies.md lists each policy's kwargs"
     body_use = policy_entry(routing.policy).body_use(settings)
     if body_use is not None and not routing.forward_body:
         kwarg, reads = body_use

@@ -197,7 +197,7 @@ def test_without_keys_each_source_address_has_its_own_limit(by_address: Plane) -
 
 
 def test_a_broken_chunked_body_gets_haproxys_400_and_is_never_routed(keyed: Plane, env: Env) -> None:
-    """The connection layer refuses it before any rule runs: HAProxy's built-in page, no reason (README)."""
+    """The connection layer refuses it before any rule runs: HAProxy's built-in page, no reason (docs/data-plane.md)."""
     calls = len(env.behavior.calls)
     head = (
         f"POST {CHAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY_A}\r\n"
