@@ -72,7 +72,7 @@ def register(commands: Any) -> None:
         "apps, show each deployment's replicas as they start, return once the frontend serves every replica. "
         f"A compatible Ray on this machine: `{COMPATIBLE_RAY_START}`.",
     )
-    deploy.add_argument("file")
+    deploy.add_argument("file", help="the stack's spec file")
     deploy.add_argument(
         "--timeout",
         type=float,
@@ -84,18 +84,25 @@ def register(commands: Any) -> None:
         help="what runs on the cluster: every sluice stack, or one stack's policy, replicas, routers, ingress, canary",
     )
     status.add_argument("target", nargs="?", help="a stack's spec file or its name team-name (none: list stacks)")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print an object (schema: sluice/deploy/json_reports.py)")
     down = commands.add_parser("down", help="delete a deployed stack's apps (HAProxy goes with the frontend app)")
     down.add_argument("target", help="the stack's spec file or its name team-name")
     for command in (deploy, status, down):
         command.set_defaults(func=_on_cluster)
 
     canary = commands.add_parser("canary", help="set a deployed stack's share of sessions on the direct path")
-    canary.add_argument("file")
-    canary.add_argument("--weight", type=int, required=True, choices=range(0, 101), metavar="0..100")
+    canary.add_argument("file", help="the deployed stack's spec file")
+    canary.add_argument(
+        "--weight",
+        type=int,
+        required=True,
+        choices=range(0, 101),
+        metavar="0..100",
+        help="percent of sessions on the direct path",
+    )
     canary.add_argument("--watch", type=float, default=0.0, help="follow both paths' measures for this many seconds")
     rollback = commands.add_parser("rollback", help="every new request to the legacy path; drain the direct one")
-    rollback.add_argument("file")
+    rollback.add_argument("file", help="the deployed stack's spec file")
     for command in (canary, rollback):
         command.set_defaults(func=_on_cluster)
     check = commands.add_parser(
@@ -106,7 +113,7 @@ def register(commands: Any) -> None:
     )
     check.add_argument("file", nargs="?", help="the stack's spec (default: the embedded one)")
     check.add_argument("--target", help="check only what this frontend URL shows")
-    check.add_argument("--json", action="store_true")
+    check.add_argument("--json", action="store_true", help="print an object (schema: sluice/deploy/json_reports.py)")
     check.add_argument(
         "--allow-skip",
         action="append",

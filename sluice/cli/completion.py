@@ -17,5 +17,5 @@ def _completion(args: argparse.Namespace) -> int:
 
 def register(commands: Any) -> None:
     completion = commands.add_parser("completion", help="shell completion code for sluice (eval it, or source it)")
-    completion.add_argument("shell", choices=SHELLS)
+    completion.add_argument("shell", choices=SHELLS, help="the shell to complete in")
     completion.set_defaults(func=_completion)

@@ -36,5 +36,5 @@ def register(commands: Any) -> None:
     new.add_argument("--label", default="", help="who the key is for (kept next to the hash)")
     new.set_defaults(func=_api_key_new)
     hash_key = api_key_commands.add_parser("hash", help="the key file line of a key read from standard input")
-    hash_key.add_argument("--label", default="")
+    hash_key.add_argument("--label", default="", help="who the key is for (kept next to the hash)")
     hash_key.set_defaults(func=_api_key_hash)

@@ -200,7 +200,7 @@ def register(commands: Any) -> None:
     replay_command = commands.add_parser(
         "replay", help="send recorded requests (JSONL) to a path, or to two and compare"
     )
-    replay_command.add_argument("recording")
+    replay_command.add_argument("recording", help="a JSONL file of recorded requests")
     replay_command.add_argument("--target", required=True, help="base URL of the path, e.g. http://127.0.0.1:8000")
     replay_command.add_argument("--compare", help="a second base URL: send every request to both and compare")
     replay_command.add_argument("--speed", type=float, default=1.0, help="replay faster (>1) or slower than recorded")

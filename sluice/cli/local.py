@@ -150,14 +150,16 @@ def register(commands: Any) -> None:
     serve = commands.add_parser("serve", help="run a team topology (the embedded default) on 127.0.0.1")
     serve.add_argument("file", nargs="?", default=str(EMBEDDED_SPEC), help="a spec file (default: local-cpu)")
     serve.add_argument("--replicas", type=int, help="replicas of every model")
-    serve.add_argument("--routers", type=int)
-    serve.add_argument("--policy", choices=sorted(policy_names()))
+    serve.add_argument("--routers", type=int, help="router replicas (spec: frontend.routers)")
+    serve.add_argument("--policy", choices=sorted(policy_names()), help="the routing policy (spec: routing.policy)")
     serve.add_argument("--port", type=int, help=f"HAProxy's port on 127.0.0.1 (spec; {HAPROXY_PORT_DEFAULT})")
     serve.add_argument(
         "--prometheus-port", type=int, help=f"HAProxy's metrics port (spec; {HAPROXY_PROMETHEUS_PORT_DEFAULT})"
     )
     serve.add_argument("--verbose", action="store_true", help="stream Ray's and vLLM's logs here too")
-    serve.add_argument("--serve-proxy-port", type=int, default=DEFAULT_SERVE_PROXY_PORT)
+    serve.add_argument(
+        "--serve-proxy-port", type=int, default=DEFAULT_SERVE_PROXY_PORT, help="Serve's own HTTP proxy (off HAProxy's)"
+    )
     serve.add_argument(
         "--api-key-file", help="require `Authorization: Bearer <key>`: a file of key hashes (sluice api-key new)"
     )
@@ -167,7 +169,7 @@ def register(commands: Any) -> None:
     serve.set_defaults(func=_serve)
 
     validate = commands.add_parser("validate", help="check a team topology spec (and its engine args with vLLM)")
-    validate.add_argument("file")
+    validate.add_argument("file", help="the spec file")
     validate.add_argument("--no-engine", action="store_true", help="skip vLLM's check of the engine arguments")
     validate.set_defaults(func=_validate)
     schema = commands.add_parser("schema", help="print the JSON Schema of topology specs (for editors)")

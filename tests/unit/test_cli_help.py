@@ -89,3 +89,17 @@ def test_the_shell_completes_commands_and_options(tmp_path: Path) -> None:
         [sys.executable, "-m", "sluice.cli.main", "completion", "bash"], capture_output=True, text=True, check=True
     ).stdout
     assert "complete " in script and "sluice" in script
+
+
+def test_every_argument_says_what_it_is() -> None:
+    def undescribed(parser: argparse.ArgumentParser, path: str = "sluice") -> list[str]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += undescribed(sub, f"{path} {name}")
+            elif not action.help:
+                found.append(f"{path} {action.option_strings or action.dest}")
+        return found
+
+    assert undescribed(build_parser()) == []
