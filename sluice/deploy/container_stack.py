@@ -12,16 +12,18 @@ import os
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
-from docker.models.containers import Container
 from pydantic import BaseModel
 
 from base.waiting import wait_until
 from infra.container_images import image_tag
 from sluice.deploy.node import RAY_GCS_PORT
 from topologies.spec import load_spec
+
+if TYPE_CHECKING:
+    from docker import DockerClient
+    from docker.models.containers import Container
 
 STACK_LABEL = "sluice.stack"
 ROLE_LABEL = "sluice.role"
@@ -46,6 +48,13 @@ class RunningStack(BaseModel):
     workers: list[StackNode]
     url: str
     metrics_url: str
+
+
+def _client() -> DockerClient:
+    """The Docker SDK is imported when used: without the `stack` extra, the CLI's `docker_engine()` says so."""
+    import docker
+
+    return docker.from_env()
 
 
 def stack_name(path: str) -> str:
@@ -126,7 +135,7 @@ def stack_up(
     """The spec's stack on a head and `nodes` workers in containers; raises if it is already up or does not serve."""
     spec = load_spec(path)
     stack = spec.stack
-    client = docker.from_env()
+    client = _client()
     if client.containers.list(all=True, filters={"label": f"{STACK_LABEL}={stack}"}):
         raise RuntimeError(f"stack {stack} is already up: `sluice stack down {path}` first")
     network = network_name(stack)
@@ -165,7 +174,7 @@ def stack_up(
 def stack_status(path: str, as_json: bool = False) -> tuple[int, str]:
     """`sluice status` of the stack, run on its head (exit code, output)."""
     stack = stack_name(path)
-    heads = docker.from_env().containers.list(filters={"label": [f"{STACK_LABEL}={stack}", f"{ROLE_LABEL}=head"]})
+    heads = _client().containers.list(filters={"label": [f"{STACK_LABEL}={stack}", f"{ROLE_LABEL}=head"]})
     if not heads:
         return 1, f"stack {stack} is not up: `sluice stack up {path}`"
     head = heads[0]
@@ -176,7 +185,7 @@ def stack_status(path: str, as_json: bool = False) -> tuple[int, str]:
 
 def stack_down(stack: str, say: Callable[[str], None] = print) -> int:
     """Remove the containers and network labelled with this stack; how many containers went."""
-    client = docker.from_env()
+    client = _client()
     containers = client.containers.list(all=True, filters={"label": f"{STACK_LABEL}={stack}"})
     for container in containers:
         container.remove(force=True)

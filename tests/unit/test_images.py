@@ -34,7 +34,8 @@ def test_the_dockerfile_is_parametrised_by_base_image_and_engine() -> None:
 
 def test_the_staged_context_holds_the_source_the_ca_bundle_and_the_cpu_wheels(tmp_path: Path) -> None:
     stage_context(tmp_path, "cpu")
-    for name in ("pyproject.toml", "Makefile", "infra/images/Dockerfile", "sluice/deploy/node.py"):
+    names = ("pyproject.toml", "Makefile", "constraints/cpu.txt", "infra/images/Dockerfile", "sluice/deploy/node.py")
+    for name in names:
         assert (tmp_path / "src" / name).is_file(), name
     assert not (tmp_path / "src" / ".venv").exists()
     assert "BEGIN CERTIFICATE" in (tmp_path / "build" / "ca-bundle.crt").read_text()
