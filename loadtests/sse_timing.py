@@ -86,12 +86,33 @@ def _event_text(event: dict[str, object]) -> str:
     """The generated text an OpenAI stream event carries (chat delta content or tool-call arguments, or
     completion text)."""
     text = []
-    for choice in event.get("choices") or []:  # type: ignore[union-attr]
-        delta = choice.get("delta") or {}
-        text.append(choice.get("text") or delta.get("content") or delta.get("reasoning_content") or "")
-        for call in delta.get("tool_calls") or []:
-            text.append((call.get("function") or {}).get("arguments") or "")
+    for choice in _dicts(event.get("choices")):
+        delta = _dict(choice.get("delta"))
+        text.append(_text(choice.get("text")) or _text(delta.get("content")) or _text(delta.get("reasoning_content")))
+        for call in _dicts(delta.get("tool_calls")):
+            text.append(_text(_dict(call.get("function")).get("arguments")))
     return "".join(text)
+
+
+# A stream's events come from a server under test: any field may be missing or of another type.
+def _dict(value: object) -> dict[str, object]:
+    return value if isinstance(value, dict) else {}
+
+
+def _dicts(value: object) -> list[dict[str, object]]:
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _ints(value: object) -> list[int]:
+    return [item for item in value if isinstance(item, int)] if isinstance(value, list) else []
 
 
 def record_stream(
@@ -117,17 +138,19 @@ def record_stream(
             continue
         try:
             event = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):
+            event = None
+        if not isinstance(event, dict):
             row.error = "unparseable event"
             continue
-        usage = event.get("usage") or {}
+        usage = _dict(event.get("usage"))
         if usage:
-            row.output_tokens = int(usage.get("completion_tokens") or 0)
-            row.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            row.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        output.prompt_token_ids.extend(event.get("prompt_token_ids") or [])
-        for choice in event.get("choices") or []:
-            output.token_ids.extend(choice.get("token_ids") or [])
+            row.output_tokens = _count(usage.get("completion_tokens"))
+            row.prompt_tokens = _count(usage.get("prompt_tokens"))
+            row.cached_tokens = _count(_dict(usage.get("prompt_tokens_details")).get("cached_tokens"))
+        output.prompt_token_ids.extend(_ints(event.get("prompt_token_ids")))
+        for choice in _dicts(event.get("choices")):
+            output.token_ids.extend(_ints(choice.get("token_ids")))
         text = _event_text(event)
         if not text:
             continue
