@@ -22,6 +22,7 @@ import yaml
 
 from base.contracts import HEAD_NODE_RESOURCE, NODE_BIND_ALL, NODE_ROLE_CAPACITY, WORKER_NODE_RESOURCE
 from base.runtime import CLUSTER_NODE_ENV, DEFAULT_SERVE_PROXY_PORT, HF_OFFLINE_ENV, is_local_model, process_env
+from builders.network_policy import network_policy
 from builders.plan import StackPlan, build_plan, model_path, serve_config
 from infra.haproxy.config import PROMETHEUS_PATH
 from infra.kuberay import ObjectMeta, RayService, ray_start_resources
@@ -150,12 +151,13 @@ def container_env(spec: StackBase) -> list[dict[str, Any]]:
     return [{"name": key, "value": value} for key, value in env.items()] + entries
 
 
+def _stack_pods(spec: StackBase) -> dict[str, str]:
+    """The labels every object of the stack carries (its pods' selector)."""
+    return {"app.kubernetes.io/name": "sluice", "app.kubernetes.io/instance": spec.stack}
+
+
 def _labels(spec: StackBase, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "sluice",
-        "app.kubernetes.io/instance": spec.stack,
-        "app.kubernetes.io/component": component,
-    }
+    return {**_stack_pods(spec), "app.kubernetes.io/component": component}
 
 
 def _port(name: str, port: int) -> dict[str, Any]:
@@ -271,8 +273,9 @@ def _spec_config_map(spec: StackBase) -> dict[str, Any]:
 
 
 def kuberay_manifests(spec: StackBase, plan: StackPlan, image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
-    """The stack's Kubernetes objects: its RayService (checked against `infra.kuberay`), the frontend's Service and
-    the spec's ConfigMap. `plan`: `pod_plan(spec)`."""
+    """The stack's Kubernetes objects: its RayService (checked against `infra.kuberay`), the frontend's Service, the
+    spec's ConfigMap and the NetworkPolicy that admits only the frontend's ports from outside the stack
+    (`builders.network_policy`). `plan`: `pod_plan(spec)`."""
     spec = pod_spec(spec)
     env = container_env(spec)
     pods = worker_pods(spec)
@@ -287,4 +290,7 @@ def kuberay_manifests(spec: StackBase, plan: StackPlan, image: str = DEFAULT_IMA
         metadata=ObjectMeta(name=plan.stack, labels=_labels(spec, "stack")),
         spec={"serveConfigV2": serve_config_v2(plan), "rayClusterConfig": cluster},
     )
-    return [service.manifest(), _frontend_service(spec), _spec_config_map(spec)]
+    policy = network_policy(
+        f"{spec.stack}-ingress", _labels(spec, "network"), _stack_pods(spec), (FRONTEND_PORT_NAME, METRICS_PORT_NAME)
+    )
+    return [service.manifest(), _frontend_service(spec), _spec_config_map(spec), policy]

@@ -24,8 +24,8 @@ _Dumper.add_representer(str, _string)
 
 
 def render_kuberay(path: str, image: str) -> str:
-    """The stack of the spec file at `path` as a RayService, the frontend's Service and the spec's ConfigMap, for
-    pods running `image`."""
+    """The stack of the spec file at `path` as a RayService, the frontend's Service, the spec's ConfigMap and the
+    stack's NetworkPolicy, for pods running `image`."""
     spec = load_spec(path)
     plan = pod_plan(spec)
     stack = plan.stack
@@ -33,7 +33,8 @@ def render_kuberay(path: str, image: str) -> str:
         f"# Rendered by `sluice render {path} --kuberay --image {image}`:",
         "# `kubectl apply -f` it where KubeRay (>= 1.5) runs. The image holds sluice and its engine (and, for",
         "# `source: tiny`, the tiny model in its cache).",
-        f"# Clients reach the frontend at the Service `{stack}-frontend`.",
+        f"# Clients reach the frontend at the Service `{stack}-frontend`; the NetworkPolicy `{stack}-ingress` admits",
+        "# nothing else from outside the stack (Ray's ports carry no authentication: docs/stacks.md).",
     ]
     if from_hub(spec):
         lines.append(f"# Hub models read HF_TOKEN from the optional Secret `{stack}-hf-token`, key `{HF_TOKEN_KEY}`.")

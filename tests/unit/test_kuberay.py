@@ -27,12 +27,14 @@ from builders.kuberay import (
     GPU_RESOURCE,
     KEYS_MOUNT,
     POD_CACHE_DIR,
+    RAY_HEAD_PORTS,
     SPEC_KEY,
     SPEC_MOUNT,
     kuberay_manifests,
     pod_plan,
     pod_spec,
 )
+from builders.network_policy import KUBERAY_OPERATOR_LABELS, OPERATOR_PORTS
 from builders.plan import serve_config
 from infra.kuberay import RayService, parse_ray_start_resources, ray_start_resources
 from sluice.deploy.apply import render
@@ -45,8 +47,13 @@ KUBERNETES_VERSION = "1.30"
 
 
 def _rendered(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    service, frontend, config_map = yaml.safe_load_all(render_kuberay(str(path), "sluice:test"))
+    service, frontend, config_map, _ = yaml.safe_load_all(render_kuberay(str(path), "sluice:test"))
     return service, frontend, config_map
+
+
+def _network_policy(path: Path) -> dict[str, Any]:
+    *_, policy = yaml.safe_load_all(render_kuberay(str(path), "sluice:test"))
+    return policy
 
 
 def _cluster(service: dict[str, Any]) -> dict[str, Any]:
@@ -301,3 +308,27 @@ def test_duplicate_worker_group_names_are_refused() -> None:
     groups = _groups(service)
     with pytest.raises(ValidationError, match="repeat"):
         RayService.model_validate(_set(service, "spec.rayClusterConfig.workerGroupSpecs", groups + groups))
+
+
+@pytest.mark.parametrize("path", TEAMS, ids=lambda path: path.stem)
+def test_the_network_policy_admits_only_the_frontends_ports_from_outside_the_stack(path: Path) -> None:
+    """Ray's ports carry no authentication in a rendered stack: its NetworkPolicy (Kubernetes' schema) selects every
+    pod of the stack, admits the frontend Service's ports from anywhere, every port from the stack's own pods, and
+    KubeRay's operator on the dashboard's ports only."""
+    policy = _network_policy(path)
+    kubernetes_validate.validate(policy, KUBERNETES_VERSION, strict=True)
+    service, frontend, _ = _rendered(path)
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    cluster = _cluster(service)
+    templates = [cluster["headGroupSpec"]["template"]] + [group["template"] for group in _groups(service)]
+    assert all(selector.items() <= template["metadata"]["labels"].items() for template in templates)
+    public, own, operator = policy["spec"]["ingress"]
+    assert "from" not in public and {p["port"] for p in public["ports"]} == {
+        port["targetPort"] for port in frontend["spec"]["ports"]
+    }
+    assert own == {"from": [{"podSelector": {"matchLabels": selector}}]} and "ports" not in own
+    assert operator["from"][0]["podSelector"]["matchLabels"] == KUBERAY_OPERATOR_LABELS
+    assert {p["port"] for p in operator["ports"]} == set(OPERATOR_PORTS)
+    opened = {p["port"] for rule in (public, operator) for p in rule["ports"]}
+    assert not (set(RAY_HEAD_PORTS.values()) - {RAY_HEAD_PORTS["dashboard"]}) & opened
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
