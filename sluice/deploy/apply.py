@@ -86,7 +86,7 @@ def ensure_models(spec: StackBase) -> None:
 
 def _published(plan: StackPlan) -> bool:
     """Whether every app runs its new version (a redeploy reports DEPLOYING until it does) and the frontend has every
-    model's replicas UP and published to its routers."""
+    model's replicas UP and published to its routers, and a router of each model UP (route calls go to it)."""
     from ray import serve
 
     applications = serve.status().applications
@@ -94,7 +94,10 @@ def _published(plan: StackPlan) -> bool:
         return False
     status = _frontend_status(plan)
     wanted = [model.min_replicas for model in plan.models]
-    if not status or len(status["published"]) != len(wanted):
+    if not status or not status["running"] or len(status["published"]) != len(wanted):
+        return False
+    backends_up = {server["backend"] for server in status["servers"] if server["status"] == "UP"}
+    if any(model.router_backend not in backends_up for model in plan.models):
         return False
     return all(published >= n for published, n in zip(status["published"], wanted, strict=True))
 
