@@ -79,8 +79,10 @@ REASON_BODY_TOO_LARGE = "body_too_large"  # 413: a body over the stack's maximum
 REASON_URL_TOO_LONG = "url_too_long"  # 414: a request line over the maximum
 REASON_CLIENT_LIMIT = "client_limit"  # 429: the client is over its concurrency or rate limit
 REASON_HEADERS_TOO_LARGE = "headers_too_large"  # 431: headers over the maximum
+REASON_TLS_REQUIRED = "tls_required"  # 403: an API key on the plain-HTTP port of a frontend with TLS
 PROTECTION_REASONS = {
     401: REASON_INVALID_API_KEY,
+    403: REASON_TLS_REQUIRED,
     408: REASON_REQUEST_TIMEOUT,
     413: REASON_BODY_TOO_LARGE,
     414: REASON_URL_TOO_LONG,

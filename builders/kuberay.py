@@ -276,6 +276,8 @@ def kuberay_manifests(spec: StackBase, plan: StackPlan, image: str = DEFAULT_IMA
     """The stack's Kubernetes objects: its RayService (checked against `infra.kuberay`), the frontend's Service, the
     spec's ConfigMap and the NetworkPolicy that admits only the frontend's ports from outside the stack
     (`builders.network_policy`). `plan`: `pod_plan(spec)`."""
+    if spec.frontend.tls is not None:
+        raise ValueError("frontend.tls is not rendered for KubeRay yet: terminate TLS at the cluster's Ingress")
     spec = pod_spec(spec)
     env = container_env(spec)
     pods = worker_pods(spec)

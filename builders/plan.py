@@ -66,6 +66,7 @@ def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
         "prometheus_port": frontend.metrics_port,
         "route_timeout_s": spec.routing.route_timeout_s,
         "protection": frontend.protection.model_dump(mode="json"),
+        "tls": frontend.tls.model_dump(mode="json") if frontend.tls else None,
         "staging_server_timeout_s": STAGING_SERVER_TIMEOUT_S if spec.staging else None,
     }
     served = [
@@ -82,7 +83,9 @@ def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
     )
     if spans_nodes:
         apps = [_placed(app) for app in apps]
-    return StackPlan(stack=stack, apps=apps, models=models, url=f"http://{LOOPBACK}:{frontend.port}")
+    return StackPlan(
+        stack=stack, apps=apps, models=models, url=f"{'https' if frontend.tls else 'http'}://{LOOPBACK}:{frontend.port}"
+    )
 
 
 # Where each kind of app runs on a stack across nodes; an LLM app's role is its deployment's.

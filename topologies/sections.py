@@ -17,6 +17,7 @@ from base.contracts import (
 )
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
 from infra.haproxy.protection import FrontendProtection
+from infra.haproxy.tls import FrontendTLS
 from routers.registry import DEFAULT_POLICY, PolicyConfigError, PolicyName, policy_entry, validate_settings
 from services.frontend.canary_guard import AbortCriteria
 from services.frontend.ingress_control import DRAIN_DEADLINE_S_DEFAULT, IngressConfig
@@ -149,11 +150,17 @@ class Frontend(Section):
     metrics_port: int = Field(HAPROXY_PROMETHEUS_PORT_DEFAULT, ge=1, le=65535)
     routers: int = Field(1, ge=1)
     protection: FrontendProtection = FrontendProtection()
+    # TLS on `port` (docs/data-plane.md, TLS at the frontend); None: plain HTTP.
+    tls: FrontendTLS | None = None
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> Frontend:
         if self.metrics_port == self.port:
             raise ValueError(f"metrics_port equals port ({self.port}): give HAProxy's metrics another port")
+        if self.tls is not None:
+            if self.tls.plain_port in (self.port, self.metrics_port):
+                raise ValueError(f"tls.plain_port {self.tls.plain_port} is also the frontend's port or metrics_port")
+            self.tls.pem()  # a TLSError (a ValueError) names the file that cannot be used
         return self
 
 

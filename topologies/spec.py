@@ -233,10 +233,19 @@ def read_spec_data(path: Path | str) -> Any:
 
 
 def _relative_to(data: Any, folder: Path) -> Any:
-    """A key file named by a relative path is relative to the spec file's folder, wherever sluice runs."""
-    keys = data.get("frontend", {}).get("protection", {}).get("api_keys") if isinstance(data, dict) else None
-    if isinstance(keys, dict) and isinstance(keys.get("file"), str) and not Path(keys["file"]).is_absolute():
-        keys["file"] = str((folder / keys["file"]).resolve())
+    """A key, certificate or CA file named by a relative path is relative to the spec file's folder, wherever sluice
+    runs."""
+    frontend = data.get("frontend") if isinstance(data, dict) else None
+    if not isinstance(frontend, dict):
+        return data
+    keys = frontend.get("protection", {}).get("api_keys") if isinstance(frontend.get("protection"), dict) else None
+    tls = frontend.get("tls")
+    for section, fields in ((keys, ("file",)), (tls, ("cert_file", "key_file", "client_ca_file"))):
+        if not isinstance(section, dict):
+            continue
+        for name in fields:
+            if isinstance(section.get(name), str) and not Path(section[name]).is_absolute():
+                section[name] = str((folder / section[name]).resolve())
     return data
 
 

@@ -22,6 +22,7 @@ from base.contracts import (
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
 from infra.haproxy.canary import LOG_SOCKET, WEIGHTS_MAP
 from infra.haproxy.protection import FrontendProtection
+from infra.haproxy.tls import FrontendTLS
 
 # Names inside the rendered config (HAProxy-internal, not part of the wire contract).
 FRONTEND = "sluice_http"
@@ -106,6 +107,8 @@ class HAProxySettings(BaseModel):
     nbthread: int | None = Field(None, ge=1)
     tune_maxrewrite: int = Field(8192, ge=1024)
     protection: FrontendProtection = FrontendProtection()
+    # TLS on `port` (None: plain HTTP there).
+    tls: FrontendTLS | None = None
     # Share of sessions on the direct path at start (the rest go to each app's legacy backend); changed at run time.
     direct_weight: int = Field(DIRECT_WEIGHT_MAX, ge=0, le=DIRECT_WEIGHT_MAX)
 
@@ -121,6 +124,8 @@ class HAProxySettings(BaseModel):
                 raise ValueError(f"unix socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         if self.prometheus_port == self.port:
             raise ValueError("prometheus_port must differ from port")
+        if self.tls is not None and self.tls.plain_port in (self.port, self.prometheus_port):
+            raise ValueError("tls.plain_port must differ from port and prometheus_port")
         for app in self.apps:
             if app.forward_body and app.body_buffer_bytes > self.protection.max_body_bytes:
                 raise ValueError(
@@ -185,6 +190,11 @@ class HAProxySettings(BaseModel):
     def keys_acl_path(self) -> Path:
         """The accepted API key digests, as HAProxy's pattern file (written at start, replaced at run time)."""
         return self.workdir / "api_keys.acl"
+
+    @property
+    def tls_pem_path(self) -> Path:
+        """The frontend's certificate and key as HAProxy loads them (written at start, replaced at run time)."""
+        return self.workdir / "frontend.pem"
 
     @property
     def tune_bufsize(self) -> int:

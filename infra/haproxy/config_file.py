@@ -128,6 +128,17 @@ def _pinned_backend_lines() -> list[str]:
     ]
 
 
+def _public_binds(settings: HAProxySettings) -> list[str]:
+    """The public frontend's listeners: its port (with TLS when the spec has it) and a kept plain-HTTP port."""
+    address = f"{settings.bind_host}:{settings.port}"
+    if settings.tls is None:
+        return [f"    bind {address}"]
+    lines = [f"    bind {address} {settings.tls.bind_options(settings.tls_pem_path)}"]
+    if settings.tls.plain_port is not None:
+        lines.append(f"    bind {settings.bind_host}:{settings.tls.plain_port}")
+    return lines
+
+
 def render_config(settings: HAProxySettings) -> str:
     """The whole haproxy.cfg for the frontend's apps."""
     reason = f"%[var({VAR_REASON})]"
@@ -179,7 +190,7 @@ def render_config(settings: HAProxySettings) -> str:
         "    http-request return status 404",
         "",
         f"frontend {FRONTEND}",
-        f"    bind {settings.bind_host}:{settings.port}",
+        *_public_binds(settings),
         "    unique-id-format %[uuid()]",
         "    # One line per finished request to the frontend replica (the canary guard measures both paths).",
         "    log global",
@@ -205,7 +216,9 @@ def render_config(settings: HAProxySettings) -> str:
         f"    http-request set-var({VAR_REQUEST_ID}) req.fhdr({REQUEST_ID_HEADER})",
         f"    http-after-response set-header {REQUEST_ID_HEADER} %[var({VAR_REQUEST_ID})]"
         f" if {{ var({VAR_REQUEST_ID}) -m found }}",
-        *protection_lines(settings.protection, str(settings.keys_acl_path)),
+        *protection_lines(
+            settings.protection, str(settings.keys_acl_path), settings.tls.plain_port if settings.tls else None
+        ),
         *duplicate_lines(VAR_REQUEST_ID),
         served_replica_line(),
     ]

@@ -108,13 +108,24 @@ def find_haproxy_binary(explicit: Path | str | None = None) -> Path:
     )
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner reads (a private key), replacing it whole."""
+    partial = path.with_suffix(".partial")
+    partial.touch(mode=0o600)
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def write_files(settings: HAProxySettings) -> None:
-    """Write the config, the Lua action and the accepted API key digests into the workdir (the syncer adds the
-    servers at run time; the key watcher replaces the digests). A key list that cannot be used stops here."""
+    """Write the config, the Lua action, the accepted API key digests and the TLS certificate into the workdir (the
+    syncer adds the servers at run time; the watchers replace the digests and the certificate). A key list or a
+    certificate that cannot be used stops here."""
     settings.workdir.mkdir(parents=True, exist_ok=True)
     settings.lua_path.write_text(render_lua(settings))
     keys = settings.protection.api_keys
     settings.keys_acl_path.write_text(render_acl(keys.digests()) if keys is not None else "")
+    if settings.tls is not None:
+        write_private(settings.tls_pem_path, settings.tls.pem())
     settings.weights_map_path.write_text(weights_map([app.name for app in settings.apps], settings.direct_weight))
     settings.config_path.write_text(render_config(settings))
 

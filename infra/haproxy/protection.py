@@ -20,6 +20,7 @@ from base.contracts import (
     REASON_CLIENT_LIMIT,
     REASON_HEADERS_TOO_LARGE,
     REASON_INVALID_API_KEY,
+    REASON_TLS_REQUIRED,
     REASON_URL_TOO_LONG,
     REQUEST_TIMEOUT_S_DEFAULT,
     RETRY_AFTER_HEADER,
@@ -94,11 +95,22 @@ def _refusal(status: int, reason: str, message: str, condition: str, *extra_head
     ]
 
 
-def protection_lines(protection: FrontendProtection, keys_acl: str) -> list[str]:
-    """The public frontend's rules before the route action; `keys_acl`: the key digests' pattern file."""
+def protection_lines(protection: FrontendProtection, keys_acl: str, plain_port: int | None = None) -> list[str]:
+    """The public frontend's rules before the route action; `keys_acl`: the key digests' pattern file;
+    `plain_port`: the plain-HTTP port of a frontend with TLS, where a request carrying a key is refused."""
     limits = protection.client_limits
     lines = [
         "    # Protection of the replicas (infra/haproxy/protection.py): refused here, never routed.",
+        *(
+            _refusal(
+                403,
+                REASON_TLS_REQUIRED,
+                "an API key is not accepted over plain HTTP: use https",
+                f"{{ dst_port {plain_port} }} {{ req.hdr({AUTHORIZATION_HEADER}) -m found }}",
+            )
+            if plain_port is not None
+            else []
+        ),
         *_refusal(
             414,
             REASON_URL_TOO_LONG,

@@ -64,14 +64,33 @@ class RuntimeAPI:
         """Send one command and return HAProxy's whole reply (the socket closes after it)."""
         if "\n" in command or ";" in command:
             raise ValueError(f"one command at a time, without newline or ';': {command!r}")
+        return self._send(command.encode() + b"\n")
+
+    def _send(self, data: bytes) -> str:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(self.timeout_s)
             sock.connect(str(self.socket_path))
-            sock.sendall(command.encode() + b"\n")
+            sock.sendall(data)
             chunks = []
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
         return b"".join(chunks).decode(errors="replace")
+
+    def replace_ssl_cert(self, pem_path: Path | str, pem: str) -> None:
+        """Swap the certificate HAProxy loaded from `pem_path` for `pem` (certificate and key): new handshakes use
+        it, open connections keep theirs. A transaction (`set ssl cert`, then `commit ssl cert`)."""
+        _check_token(str(pem_path))
+        body = pem.strip()
+        if not body or "\n\n" in body:
+            raise ValueError("a PEM payload has no empty line")
+        command = f"set ssl cert {pem_path}"
+        reply = self._send(f"{command} <<\n{body}\n\n".encode())
+        if "Transaction created" not in reply and "Transaction updated" not in reply:
+            raise RuntimeAPIError(command, reply)
+        command = f"commit ssl cert {pem_path}"
+        reply = self.command(command)
+        if "Success" not in reply:
+            raise RuntimeAPIError(command, reply)
 
     def checked(self, command: str) -> None:
         """Run a command whose success reply is empty; any text back is HAProxy's error message."""

@@ -1,8 +1,9 @@
 """The frontend as a Serve application (one replica per stack), so a stack outlives the CLI that deployed it.
 
-The replica supervises HAProxy (restarted at once if it dies alone), runs the syncer, the API key watcher and the
-ingress controller on a background loop of its own, and answers the CLI (`status`, `shift`, `ingress`, `requests`).
-Its declared ingress is the deployment's `user_config`. How and why: services/frontend/README.md.
+The replica supervises HAProxy (restarted at once if it dies alone), runs the syncer, the API key and certificate
+watchers and the ingress controller on a background loop of its own, and answers the CLI (`status`, `shift`,
+`ingress`, `requests`). Its declared ingress is the deployment's `user_config`. How and why:
+services/frontend/README.md.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from services.frontend.background_loop import BackgroundLoop
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.frontend.ingress_control import IngressConfig, IngressController
 from services.frontend.path_log import PathLog
+from services.frontend.tls_watcher import TLSWatcher
 from services.router.route_listener import router_source
 from services.serve_internals import list_replica_endpoints, with_rollout_version
 
@@ -143,9 +145,12 @@ class FrontendReplica:
             sources = [_sources(app, route) for app, route in zip(self._apps, self._settings.apps, strict=True)]
             self._syncer = HAProxySyncer(runtime, self._settings, sources)
             tasks = [asyncio.create_task(self._syncer.run())]
-            watcher = ApiKeyWatcher.for_settings(runtime, self._settings)
-            if watcher is not None:
-                tasks.append(asyncio.create_task(watcher.run()))
+            for watcher in (
+                ApiKeyWatcher.for_settings(runtime, self._settings),
+                TLSWatcher.for_settings(runtime, self._settings),
+            ):
+                if watcher is not None:
+                    tasks.append(asyncio.create_task(watcher.run()))
             try:
                 while self._running():
                     await asyncio.sleep(SUPERVISE_INTERVAL_S)
@@ -210,7 +215,7 @@ class FrontendReplica:
             "master_pid": self._haproxy.pid,
             "worker_pid": self._haproxy.worker_pid,
             "restarts": self.restarts,
-            "url": f"http://{self._settings.bind_host}:{self._settings.port}",
+            "url": f"{'https' if self._settings.tls else 'http'}://{self._settings.bind_host}:{self._settings.port}",
             "runtime_socket": str(self._haproxy.runtime.socket_path),
             # Per app: how many replicas all its routers were last told about.
             "published": [app.published_replicas() for app in self._syncer.apps] if self._syncer is not None else [],

@@ -35,7 +35,8 @@ def _on_cluster(args: argparse.Namespace) -> int:
         connect_to_serve(args.address)
         if args.command == "status":
             return status.status(args.target, args.address, as_json=args.json)
-        return check(args.file or str(EMBEDDED_SPEC), None, args.address, args.json, args.allow_skip, _expected(args))
+        spec = args.file or str(EMBEDDED_SPEC)
+        return check(spec, None, args.address, args.json, args.allow_skip, _expected(args), args.ca_file)
     except PreflightError as error:
         print(error, file=sys.stderr)
         return PREFLIGHT_EXIT_CODE
@@ -59,7 +60,7 @@ def _check(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from None
     if args.target is None:
         return _on_cluster(args)
-    return check(None, args.target, args.address, args.json, args.allow_skip, _expected(args))
+    return check(None, args.target, args.address, args.json, args.allow_skip, _expected(args), args.ca_file)
 
 
 def register(commands: Any) -> None:
@@ -123,6 +124,7 @@ def register(commands: Any) -> None:
     )
     check.add_argument("--expect-ray", metavar="VERSION", help="the Ray version every replica and this CLI must run")
     check.add_argument("--expect-vllm", metavar="VERSION", help="the vLLM version every replica and this CLI must run")
+    check.add_argument("--ca-file", help="the CA an https frontend's certificate is checked against (default: system)")
     check.set_defaults(func=_check)
     for command in (deploy, status, down, canary, rollback, check):
         command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS, else local)")

@@ -8,7 +8,11 @@ URL = "http://127.0.0.1:8000"
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "model": ("sluice model build",),
     "model build": ("sluice model build", "sluice model build --moe"),
-    "serve": ("sluice serve", "sluice serve topologies/teams/kv-aware-cpu.yaml --replicas 3"),
+    "serve": (
+        "sluice serve",
+        "sluice serve topologies/teams/kv-aware-cpu.yaml --replicas 3",
+        "sluice serve --tls-self-signed",
+    ),
     "validate": (f"sluice validate {TEAM}", "sluice validate topologies/teams/gpu-chat-8b.yaml --no-engine"),
     "schema": ("sluice schema > topology.schema.json",),
     "deploy": (f"sluice deploy {TEAM}", f"sluice deploy {TEAM} --address 10.0.0.5:6379 --timeout 900"),
@@ -16,7 +20,11 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "down": ("sluice down platform-local-cpu",),
     "canary": (f"sluice canary {TEAM} --weight 10", f"sluice canary {TEAM} --weight 30 --watch 600"),
     "rollback": (f"sluice rollback {TEAM}",),
-    "check": (f"sluice check {TEAM}", f"sluice check --target {URL} --json"),
+    "check": (
+        f"sluice check {TEAM}",
+        f"sluice check --target {URL} --json",
+        "sluice check --target https://127.0.0.1:8000 --ca-file .cache/tls/ca.pem",
+    ),
     "render": (f"sluice render {TEAM}", f"sluice render {TEAM} --kuberay --image registry.local/sluice:0.1"),
     "image": ("sluice image build",),
     "image build": ("sluice image build", "sluice image build --engine gpu --tag sluice:gpu"),

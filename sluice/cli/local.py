@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from base.contracts import HAPROXY_PORT_DEFAULT, HAPROXY_PROMETHEUS_PORT_DEFAULT
-from base.runtime import DEFAULT_SERVE_PROXY_PORT, default_model_dir, default_moe_model_dir
+from base.runtime import DEFAULT_SERVE_PROXY_PORT, cache_dir, default_model_dir, default_moe_model_dir
 from topologies import EMBEDDED_SPEC
 
 if TYPE_CHECKING:
@@ -45,6 +45,12 @@ def serve_spec(args: argparse.Namespace) -> Any:
         protection["api_keys"] = {"file": str(Path(args.api_key_file).resolve())}
     if args.max_client_concurrency is not None:
         protection.setdefault("client_limits", {})["max_concurrent_requests"] = args.max_client_concurrency
+    if args.tls_self_signed:
+        from infra.tls_certs import throwaway_certificate
+
+        files = throwaway_certificate(cache_dir() / "tls")
+        frontend["tls"] = {"cert_file": str(files.cert), "key_file": str(files.key)}
+        print(f"TLS with a throwaway certificate: clients trust {files.ca} (e.g. curl --cacert {files.ca})")
     if args.policy is not None:
         data["routing"] = {**data.get("routing", {}), "policy": args.policy, "policy_kwargs": {}}
     if args.replicas is not None:
@@ -165,6 +171,11 @@ def register(commands: Any) -> None:
     )
     serve.add_argument(
         "--max-client-concurrency", type=int, help="requests in flight per client (its key, else its address)"
+    )
+    serve.add_argument(
+        "--tls-self-signed",
+        action="store_true",
+        help="TLS on the port with a throwaway CA and certificate for 127.0.0.1 (for local tries)",
     )
     serve.set_defaults(func=_serve)
 

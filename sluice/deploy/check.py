@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -193,6 +194,7 @@ def run_checks(
     base: str,
     allow_skip: Iterable[str] = (),
     expected_versions: dict[str, str] | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> list[Item]:
     items: list[Item] = []
     allowed = allowed_skips(allow_skip)
@@ -208,7 +210,7 @@ def run_checks(
             ok, detail = False, f"{type(error).__name__}: {error}"
         items.append(skipped(name, label, detail, ENABLED_BY[name]) if ok is None else Item(label, ok, detail))
 
-    with check_client() as client:
+    with check_client(verify) as client:
         model = plan.models[0].name if plan else client.get(f"{base}/v1/models").json()["data"][0]["id"]
         frontend = handle = replica_apps = None
         metrics_urls = [f"{base}/metrics"]
@@ -309,18 +311,21 @@ def check(
     as_json: bool,
     allow_skip: Iterable[str] = (),
     expected_versions: dict[str, str] | None = None,
+    ca_file: str | None = None,
 ) -> int:
     """Run the checklist and print it; the exit code. ValueError (before anything runs) for an unknown
-    `allow_skip` item. `expected_versions`: `ray` / `vllm` -> the version every replica (and this CLI) must run."""
+    `allow_skip` item. `expected_versions`: `ray` / `vllm` -> the version every replica (and this CLI) must run.
+    `ca_file`: the CA an https frontend's certificate is checked against (default: the system's)."""
     allowed = allowed_skips(allow_skip)
+    verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
     if target is not None:
         target = require_url("--target", target)
-        problem = target_problem(target)
+        problem = target_problem(target, verify)
         if problem is not None:
             raise Unreachable(f"the target {target} cannot be reached: {problem}")
-        return report(run_checks(None, None, target, allowed, expected_versions), as_json)
+        return report(run_checks(None, None, target, allowed, expected_versions, verify), as_json)
     from sluice.deploy.apply import connect, frontend_url, plan_of
 
     spec, plan = plan_of(path)
     connect(address)
-    return report(run_checks(spec, plan, frontend_url(plan), allowed, expected_versions), as_json)
+    return report(run_checks(spec, plan, frontend_url(plan), allowed, expected_versions, verify), as_json)

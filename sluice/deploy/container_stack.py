@@ -134,6 +134,8 @@ def stack_up(
 ) -> RunningStack:
     """The spec's stack on a head and `nodes` workers in containers; raises if it is already up or does not serve."""
     spec = load_spec(path)
+    if spec.frontend.tls is not None:
+        raise RuntimeError(f"{path}: frontend.tls is not carried into containers yet (its files stay on this host)")
     stack = spec.stack
     client = _client()
     if client.containers.list(all=True, filters={"label": f"{STACK_LABEL}={stack}"}):

@@ -4,6 +4,7 @@ maps them."""
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import Iterator
 
 # A target that does not list its models within this is taken as unreachable.
@@ -18,12 +19,13 @@ class Unreachable(Exception):
     """Something the command needs does not answer (a frontend, a Docker engine): exit `EXIT_UNREACHABLE`."""
 
 
-def target_problem(target: str) -> str | None:
-    """Why the target's OpenAI API cannot be reached (its model list), or None when it answers."""
+def target_problem(target: str, verify: ssl.SSLContext | bool = True) -> str | None:
+    """Why the target's OpenAI API cannot be reached (its model list), or None when it answers; `verify`: what an
+    https target's certificate is checked against."""
     import httpx
 
     try:
-        response = httpx.get(f"{target}/v1/models", timeout=TARGET_PROBE_TIMEOUT_S)
+        response = httpx.get(f"{target}/v1/models", timeout=TARGET_PROBE_TIMEOUT_S, verify=verify)
     except httpx.HTTPError as error:
         return f"{type(error).__name__}: {error}"
     return None if response.status_code == 200 else f"GET /v1/models answered {response.status_code}"

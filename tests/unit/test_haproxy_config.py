@@ -25,6 +25,8 @@ from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
 from infra.haproxy.protection import ClientLimits, FrontendProtection
 from infra.haproxy.servers import replica_server_options
+from infra.haproxy.tls import FrontendTLS
+from infra.tls_certs import throwaway_certificate
 
 
 def settings(tmp_path: Path, **app: object) -> HAProxySettings:
@@ -78,8 +80,16 @@ def protected_settings(tmp_path: Path) -> HAProxySettings:
         api_keys=ApiKeySource(file=keys),
         client_limits=ClientLimits(max_concurrent_requests=4, max_requests_per_window=50),
     )
+    # TLS with a plain port kept: the refusal of keys in clear is rendered too.
+    certs = throwaway_certificate(tmp_path / "tls")
+    tls = FrontendTLS(cert_file=certs.cert, key_file=certs.key, plain_port=18080)
     return HAProxySettings(
-        workdir=tmp_path / "w", apps=[AppRoute(name="llm")], port=18000, prometheus_port=18404, protection=protection
+        workdir=tmp_path / "w",
+        apps=[AppRoute(name="llm")],
+        port=18000,
+        prometheus_port=18404,
+        protection=protection,
+        tls=tls,
     )
 
 

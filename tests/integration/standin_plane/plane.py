@@ -17,8 +17,10 @@ from infra.haproxy.config import HAProxySettings
 from infra.haproxy.process import HAProxyProcess, pid_alive
 from infra.haproxy.protection import FrontendProtection
 from infra.haproxy.runtime_api import RuntimeAPI
+from infra.haproxy.tls import FrontendTLS
 from services.frontend.api_key_watcher import ApiKeyWatcher
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer, ServerPool
+from services.frontend.tls_watcher import TLSWatcher
 from services.serve_internals import ReplicaEndpoint
 from tests.integration.standin_plane.standins import (
     APP,
@@ -46,12 +48,13 @@ class Plane:
     sync_future: concurrent.futures.Future[Any] | None = None
     key_watcher: ApiKeyWatcher | None = None
     key_future: concurrent.futures.Future[Any] | None = None
+    tls_future: concurrent.futures.Future[Any] | None = None
     replicas: list[ReplicaEndpoint] = field(default_factory=list)
     routers: list[ReplicaEndpoint] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.haproxy.settings.port}"
+        return f"{'https' if self.haproxy.settings.tls else 'http'}://{LOOPBACK}:{self.haproxy.settings.port}"
 
     @property
     def runtime(self) -> RuntimeAPI:
@@ -92,6 +95,7 @@ def start_plane(
     sync_timeout_s: float = 5.0,
     protection: FrontendProtection | None = None,
     staging_server_timeout_s: float | None = None,
+    tls: FrontendTLS | None = None,
 ) -> Plane:
     settings = HAProxySettings(
         workdir=workdir,
@@ -102,6 +106,7 @@ def start_plane(
         check_inter_s=check_inter_s,
         protection=protection or FrontendProtection(),
         staging_server_timeout_s=staging_server_timeout_s,
+        tls=tls,
     )
     register_frontend(settings.port)
     haproxy = HAProxyProcess(settings).start()
@@ -119,6 +124,9 @@ def start_plane(
     plane.key_watcher = ApiKeyWatcher.for_settings(haproxy.runtime, settings)
     if plane.key_watcher is not None:
         plane.key_future = loop.submit(plane.key_watcher.run(interval_s=0.2))
+    tls_watcher = TLSWatcher.for_settings(haproxy.runtime, settings)
+    if tls_watcher is not None:
+        plane.tls_future = loop.submit(tls_watcher.run(interval_s=0.2))
     try:
         plane.wait_synced(sync_timeout_s)
     except BaseException:
@@ -128,7 +136,7 @@ def start_plane(
 
 
 def stop_plane(plane: Plane) -> None:
-    for future in (plane.sync_future, plane.key_future):
+    for future in (plane.sync_future, plane.key_future, plane.tls_future):
         if future is not None:
             future.cancel()
     worker = plane.haproxy.worker_pid
