@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
 from base.waiting import WaitTimeout, wait_until
+from sluice.deploy.check import API_CONTRACT, DIRECT_STREAMING
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
@@ -23,7 +25,8 @@ from topologies import EMBEDDED_SPEC
 
 pytestmark = pytest.mark.integration
 
-URL = re.compile(r"sluice is serving at (http://127\.0\.0\.1:\d+):")
+URL = re.compile(r"sluice is serving at (https?://127\.0\.0\.1:\d+):")
+CA = re.compile(r"clients trust (\S+) ")
 STATUS = re.compile(r"sluice status (\S+) --address (\S+)")
 
 
@@ -87,6 +90,56 @@ def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp
         assert process.wait(timeout=90) == 0
         _, alive = psutil.wait_procs(descendants, timeout=30)
         assert not alive, f"left behind after Ctrl-C: {[p.pid for p in alive]}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_sluice_serve_over_tls_passes_the_openai_client_and_the_contract_check(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`sluice serve --tls-self-signed`: the official openai client, given the CA, streams over TLS; `sluice check
+    --target https://... --ca-file` passes the API contract item; plain HTTP on the port is not served."""
+    log = tmp_path / "serve.log"
+    port = free_port()
+    register_frontend(port)
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "sluice.cli.main", "serve", "--serve-proxy-port", str(free_port())),
+                *("--port", str(port), "--prometheus-port", str(free_port()), "--tls-self-signed"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        url, _ = _wait_until_ready(process, log, timeout_s=300)
+        assert url == f"https://127.0.0.1:{port}"
+        ca = CA.findall(log.read_text())[0]
+        client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=httpx.Client(verify=ca, timeout=60)
+        )
+        assert [model.id for model in client.models.list()] == ["sluice-tiny"]
+        stream = client.chat.completions.create(
+            model="sluice-tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=8,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        finishes = [choice.finish_reason for chunk in stream for choice in chunk.choices]
+        assert finishes[-1] == "length"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+        command = [sys.executable, "-m", "sluice.cli.main", "check", "--target", url, "--ca-file", ca, "--json"]
+        checked = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        items = {item["item"]: item for item in json.loads(checked.stdout)["items"]}
+        assert items[API_CONTRACT]["ok"] is True, items[API_CONTRACT]
+        assert items[DIRECT_STREAMING]["ok"] is True, items[DIRECT_STREAMING]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0
     finally:
         if process.poll() is None:
             process.kill()
