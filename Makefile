@@ -36,7 +36,7 @@ for name in sorted(set(found) - set(skipped)):
 endef
 export LOCK_LINES
 
-.PHONY: venv lock lock-cpu lock-gpu model serve test test-unit lint bench bench-replicas bench-routers clean
+.PHONY: venv lock lock-cpu lock-gpu model serve test test-unit lint bench bench-replicas bench-routers soak clean
 
 venv: $(STAMP)
 
@@ -87,6 +87,11 @@ bench-replicas: $(STAMP)
 
 bench-routers: $(STAMP)
 	$(VENV)/bin/sluice bench routers
+
+# Not in CI: the mixed campaign for SOAK_S seconds with leaving clients, a replica kill and a scale 2 -> 3 -> 2.
+SOAK_S ?= 1800
+soak: $(STAMP)
+	$(VENV)/bin/sluice bench soak --duration $(SOAK_S)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

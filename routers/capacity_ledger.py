@@ -3,15 +3,15 @@
 `acquire` grants a token on the least-loaded candidate with room, or queues the caller FIFO until a slot is handed
 to it; `release` is exactly-once (repeats, unknown and late releases are counted no-ops); `reject` gives back the
 token of a request its replica refused and holds that replica full until it reports room (THE REJECTION RULE);
-`reap` takes back tokens older than `token_ttl_s`. A decision costs the same at any replica count. State is in
-memory only: after a restart at most 2 x capacity is admitted per replica until older requests finish (THE RESTART
-BOUND). Algorithm, cost, constants and why: routers/README.md#the-capacity-ledger.
+`reap` takes back tokens older than `token_ttl_s`, and those of a replica out of the set for `gone_after_s` (it
+died: its requests cannot end there, and a Serve replica's id never comes back). A decision costs the same at any
+replica count. State is in memory only: after a restart at most 2 x capacity is admitted per replica until older
+requests finish (THE RESTART BOUND). Algorithm, cost, constants and why: routers/README.md#the-capacity-ledger.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import random
 import time
 import uuid
@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from routers.capacity_candidates import CandidateSet
 from routers.core import CapacityToken
 
 # Far longer than any legitimate request: only tokens whose release was lost are reaped.
@@ -26,6 +27,9 @@ DEFAULT_TOKEN_TTL_S = 600.0
 # Finished token ids remembered to tell a double release from an unknown one (~10-20 MB).
 RELEASED_MEMORY = 100_000
 DEFAULT_REAP_INTERVAL_S = 10.0
+# A replica out of the set this long is gone, and its tokens with it: past a membership blip (a replica marked down
+# and back within a few health checks), well before the TTL (a killed replica's tokens held the soak's ledger).
+DEFAULT_GONE_AFTER_S = 30.0
 # How long a replica that refused a request is held full when none of its tokens ends first: its room was taken by
 # requests the ledger does not meter (another caller's), and those of an LLM run for seconds.
 DEFAULT_REJECT_HOLD_S = 5.0
@@ -48,65 +52,9 @@ class _Grant:
     issued_at: float
 
 
-class _CandidateSet:
-    """One candidate set's members with room, bucketed by load (in_flight / capacity), kept current by `move`."""
-
-    def __init__(self, key: tuple[str, ...], capacity: dict[str, int], in_flight: dict[str, int]) -> None:
-        self.key = key
-        self.alive = True  # False once the ledger dropped it: it no longer sees grants and releases
-        self.members = {r: None for r in key if r in capacity}  # known candidates, deduplicated, in order
-        self._load_of: dict[str, float] = {}
-        # Each bucket a list (a random member in O(1)) and each member's index in its list (removal in O(1)).
-        self._buckets: dict[float, list[str]] = {}
-        self._index: dict[str, int] = {}
-        # A min-heap of bucket loads; a load whose bucket emptied stays until it reaches the top.
-        self._loads: list[float] = []
-        for replica_id in self.members:
-            self.move(replica_id, in_flight.get(replica_id, 0), capacity[replica_id])
-
-    def pick(self, rng: random.Random) -> str | None:
-        """The least-loaded member with room, a random one among equals; None when all are full."""
-        while self._loads:
-            bucket = self._buckets.get(self._loads[0])
-            if bucket is not None:
-                return bucket[0] if len(bucket) == 1 else rng.choice(bucket)
-            heapq.heappop(self._loads)
-        return None
-
-    def move(self, replica_id: str, in_flight: int, capacity: int) -> None:
-        """The replica's in-flight count changed: put it in the bucket of its new load (none when full)."""
-        if replica_id not in self.members:
-            return
-        old = self._load_of.pop(replica_id, None)
-        if old is not None:
-            bucket = self._buckets[old]
-            last = bucket.pop()
-            i = self._index.pop(replica_id)
-            if last != replica_id:
-                bucket[i] = last
-                self._index[last] = i
-            if not bucket:
-                del self._buckets[old]
-        if in_flight >= capacity:
-            return
-        load = in_flight / capacity
-        bucket = self._buckets.get(load)
-        if bucket is None:
-            bucket = self._buckets[load] = []
-            # Rebuild the heap once stale loads outnumber live ones, so it stays O(live buckets).
-            if len(self._loads) >= 2 * len(self._buckets):
-                self._loads = list(self._buckets)
-                heapq.heapify(self._loads)
-            else:
-                heapq.heappush(self._loads, load)
-        self._load_of[replica_id] = load
-        self._index[replica_id] = len(bucket)
-        bucket.append(replica_id)
-
-
 @dataclass(slots=True)
 class _Waiter:
-    candidates: _CandidateSet
+    candidates: CandidateSet
     future: asyncio.Future[CapacityToken] = field(repr=False)
 
 
@@ -119,9 +67,13 @@ class CapacityLedger:
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
         reject_hold_s: float = DEFAULT_REJECT_HOLD_S,
+        gone_after_s: float = DEFAULT_GONE_AFTER_S,
     ) -> None:
         self.token_ttl_s = token_ttl_s
         self.reject_hold_s = reject_hold_s
+        self.gone_after_s = gone_after_s
+        # Replicas that left the set, since when (their tokens go `gone_after_s` later).
+        self._left_at: dict[str, float] = {}
         self._clock = clock
         self._rng = random.Random(seed)
         self._capacity: dict[str, int] = {}
@@ -131,10 +83,10 @@ class CapacityLedger:
         self._held_full: dict[str, float] = {}
         # Least recently used first. A plain dict: iterating an OrderedDict's values hashes every key, and a
         # tuple's hash is O(len) each time.
-        self._sets: dict[tuple[str, ...], _CandidateSet] = {}
+        self._sets: dict[tuple[str, ...], CandidateSet] = {}
         # The tuple the last acquire passed and its set, matched by identity: a tuple cannot change.
         self._last_ids: tuple[str, ...] | None = None
-        self._last_set: _CandidateSet | None = None
+        self._last_set: CandidateSet | None = None
         # Outstanding tokens in issue order (the clock is monotonic), so reaping stops early.
         self._grants: dict[str, _Grant] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
@@ -149,8 +101,13 @@ class CapacityLedger:
         self.rejected = 0
 
     def set_replicas(self, capacities: dict[str, int]) -> None:
-        """Replace the replica set. Replicas left out get no new tokens; their tokens stay until
-        released or reaped (and still count if the replica comes back)."""
+        """Replace the replica set. Replicas left out get no new tokens; their tokens stay until released or reaped
+        (and still count if the replica comes back within `gone_after_s`)."""
+        now = self._clock()
+        for replica_id in self._capacity.keys() - capacities.keys():
+            self._left_at.setdefault(replica_id, now)
+        for replica_id in capacities.keys() & self._left_at.keys():
+            del self._left_at[replica_id]
         self._capacity = {replica_id: max(capacity, 0) for replica_id, capacity in capacities.items()}
         self._held_full = {r: until for r, until in self._held_full.items() if r in self._capacity}
         self._open = sum(self.in_flight(r) < self._room(r) for r in self._capacity)
@@ -209,7 +166,7 @@ class CapacityLedger:
         return True
 
     def reap(self, now: float | None = None) -> int:
-        """Take back every token older than `token_ttl_s`; return how many."""
+        """Take back every token older than `token_ttl_s` or held on a gone replica; return how many."""
         now = self._clock() if now is None else now
         self._end_holds(now)
         cutoff = now - self.token_ttl_s
@@ -218,6 +175,12 @@ class CapacityLedger:
             if grant.issued_at >= cutoff:
                 break
             expired.append(token_id)
+        gone = {r for r, left_at in self._left_at.items() if now - left_at >= self.gone_after_s}
+        if gone:
+            aged = set(expired)
+            expired += [t for t, grant in self._grants.items() if grant.replica_id in gone and t not in aged]
+            for replica_id in gone:
+                del self._left_at[replica_id]
         for token_id in expired:
             self._finish(token_id, self._grants.pop(token_id), _REAPED)
         self.reaped += len(expired)
@@ -253,13 +216,13 @@ class CapacityLedger:
             "held_full": sorted(self._held_full),
         }
 
-    def _candidate_set(self, replica_ids: Sequence[str]) -> _CandidateSet:
+    def _candidate_set(self, replica_ids: Sequence[str]) -> CandidateSet:
         if replica_ids is self._last_ids and self._last_set is not None:
             return self._last_set
         key = replica_ids if isinstance(replica_ids, tuple) else tuple(replica_ids)
         candidates = self._sets.pop(key, None)
         if candidates is None:
-            candidates = _CandidateSet(key, {r: self._room(r) for r in self._capacity}, self._in_flight)
+            candidates = CandidateSet(key, {r: self._room(r) for r in self._capacity}, self._in_flight)
         self._sets[key] = candidates
         if len(self._sets) > MAX_CANDIDATE_SETS:
             self._sets.pop(next(iter(self._sets))).alive = False
@@ -315,7 +278,7 @@ class CapacityLedger:
         if len(self._finished) > RELEASED_MEMORY:
             self._finished.popitem(last=False)
 
-    async def _wait(self, candidates: _CandidateSet, wait_s: float) -> CapacityToken | None:
+    async def _wait(self, candidates: CandidateSet, wait_s: float) -> CapacityToken | None:
         key = self._next_waiter
         self._next_waiter += 1
         waiter = _Waiter(candidates, asyncio.get_running_loop().create_future())

@@ -29,6 +29,7 @@ from routers.consistent_hash import NAME as CONSISTENT_HASH
 from routers.kv_aware import NAME as KV_AWARE
 from routers.round_robin import NAME as ROUND_ROBIN
 from sluice.bench.prefix_reuse import PrefixReuse, campaign_rows, small_cache
+from sluice.bench.stack_variants import deploy_variant, kill_one_replica
 
 PROBES = 600
 REMAP_SESSIONS = 300
@@ -38,27 +39,6 @@ OVER_BUFFER_BYTES = 1024
 # Consistent hash last: the remap back to 2 replicas starts from its ring on the same 3 replicas.
 PREFIX_POLICIES = (ROUND_ROBIN, KV_AWARE, CONSISTENT_HASH)
 HOT_SESSION_POLICIES = (KV_AWARE, CONSISTENT_HASH)
-
-
-def _deploy(data: dict[str, Any], policy: str, replicas: int, **routing: Any) -> Any:
-    """The spec's stack with `policy` (its kwargs from the spec when the spec names it) and `routing` overrides; every
-    other routing field (body forwarding, KV events) as the spec has it, so a policy switch leaves the LLM replicas."""
-    from builders.plan import build_plan
-    from sluice.deploy.apply import apply_plan
-    from topologies.spec import parse_spec
-
-    variant = json.loads(json.dumps(data))
-    spec_routing = variant.get("routing", {})
-    kwargs = spec_routing.get("policy_kwargs", {}) if spec_routing.get("policy") == policy else {}
-    variant["routing"] = {**spec_routing, "policy": policy, "policy_kwargs": kwargs, **routing}
-    for model in variant["models"]:
-        model.pop("autoscaling", None)
-        model["replicas"] = replicas
-    spec = parse_spec(variant)
-    plan = build_plan(spec)
-    if not apply_plan(spec, plan):
-        raise RuntimeError(f"the {policy} stack with {replicas} replicas did not come up")
-    return plan
 
 
 async def _probe(url: str, model: str, sessions: list[str | None]) -> list[str]:
@@ -97,19 +77,6 @@ async def _outcomes(url: str, model: str, requests: list[tuple[str, str]]) -> li
         return await asyncio.gather(*(one(s, p) for s, p in requests))
 
 
-def _kill_one_replica(plan: Any) -> str:
-    """SIGKILL-like end of one LLM replica actor (Serve starts a new one)."""
-    import ray
-
-    from services.serve_internals import list_replica_endpoints
-
-    model = plan.models[0]
-    victim = asyncio.run(list_replica_endpoints(model.llm_app))[0]
-    name = f"SERVE_REPLICA::{model.llm_app}#{victim.deployment}#{victim.replica_id}"
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    return victim.replica_id
-
-
 def fallback_run(plan: Any, model: str) -> dict[str, Any]:
     """Requests of 16 sessions while one replica is killed 1 s in: rejections and p99 latency."""
     requests = [(f"fallback-{i % 16}", "ka lo") for i in range(FALLBACK_REQUESTS)]
@@ -117,7 +84,7 @@ def fallback_run(plan: Any, model: str) -> dict[str, Any]:
     runner = threading.Thread(target=lambda: box.setdefault("out", asyncio.run(_outcomes(plan.url, model, requests))))
     runner.start()
     time.sleep(1.0)
-    killed = _kill_one_replica(plan)
+    killed = kill_one_replica(plan)
     runner.join(timeout=300)
     outcomes = box["out"]
     latencies = sorted(latency for _, latency, _ in outcomes)
@@ -158,19 +125,19 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
     figures: dict[str, Any] = {}
     # A seed per suite run, so no campaign finds an earlier run's prompts in replicas that outlived it.
     reuse = PrefixReuse(out, tokenizer, duration_s, replicas=3, seed=time.time_ns() % 2**31)
-    plan = _deploy(data, CONSISTENT_HASH, 2)
+    plan = deploy_variant(data, CONSISTENT_HASH, 2)
     try:
         rows = campaign_rows(plan, "multi_turn", out / "affinity", tokenizer, duration_s, reuse.next_seed())
         figures["affinity"] = affinity(rows)
         sessions = [f"remap-{i}" for i in range(REMAP_SESSIONS)]
         on_two = asyncio.run(_probe(plan.url, model, sessions))
-        plan = _deploy(data, CONSISTENT_HASH, 3)
+        plan = deploy_variant(data, CONSISTENT_HASH, 3)
         time.sleep(1)
         on_three = asyncio.run(_probe(plan.url, model, sessions))
         figures["remap_out_2_to_3"] = sum(a != b for a, b in zip(on_two, on_three, strict=True)) / len(sessions)
         # Every policy on 3 replicas with the same engine settings (KV events and body forwarding on for all).
         for policy in PREFIX_POLICIES:
-            plan = _deploy(data, policy, 3)
+            plan = deploy_variant(data, policy, 3)
             if policy == ROUND_ROBIN:
                 served = asyncio.run(_probe(plan.url, model, [None] * PROBES))
                 figures["headerless_cv"] = cv(list(Counter(served).values()))
@@ -179,12 +146,12 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
         figures.update(reuse.figures())
         rows = reuse.rows
         on_three = asyncio.run(_probe(plan.url, model, sessions))  # the ring the scale-in starts from
-        plan = _deploy(data, CONSISTENT_HASH, 2)
+        plan = deploy_variant(data, CONSISTENT_HASH, 2)
         time.sleep(1)
         back = asyncio.run(_probe(plan.url, model, sessions))
         figures["remap_in_3_to_2"] = sum(a != b for a, b in zip(on_three, back, strict=True)) / len(sessions)
         # Bodies over the forwarding buffer: routed by their session all the same (the router sees a cut body).
-        plan = _deploy(data, CONSISTENT_HASH, 2, forward_body=True, body_buffer_bytes=OVER_BUFFER_BYTES)
+        plan = deploy_variant(data, CONSISTENT_HASH, 2, forward_body=True, body_buffer_bytes=OVER_BUFFER_BYTES)
         long_prompt = " ka lo mi" * (OVER_BUFFER_BYTES // 5)  # ~1.8 KB, within the model's context
         outcomes = asyncio.run(_outcomes(plan.url, model, [(f"big-{i % 20}", long_prompt) for i in range(100)]))
         by_session: dict[str, set[str]] = {}
@@ -198,7 +165,7 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
         }
         # num_fallback_replicas 2 (the default) versus 0, each while a replica is killed.
         figures["fallbacks"] = {"2": fallback_run(plan, model)}
-        plan = _deploy(data, CONSISTENT_HASH, 2, policy_kwargs={"num_fallback_replicas": 0})
+        plan = deploy_variant(data, CONSISTENT_HASH, 2, policy_kwargs={"num_fallback_replicas": 0})
         figures["fallbacks"]["0"] = fallback_run(plan, model)
     finally:
         from sluice.deploy.apply import delete_plan

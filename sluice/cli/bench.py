@@ -49,6 +49,25 @@ def _bench_paths(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    """The soak on a local Ray of its own (sluice/bench/soak.py)."""
+    import json
+
+    from base.tiny_model import ensure_built
+    from sluice.bench.soak import soak
+    from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
+    from topologies import EMBEDDED_SPEC
+
+    tokenizer = ensure_built(default_model_dir()) / "tokenizer.json"
+    start_local_cluster(log_to_driver=False)
+    try:
+        figures = soak(Path(args.spec or EMBEDDED_SPEC), Path(args.out), tokenizer, args.duration)
+    finally:
+        stop_local_cluster()
+    print(json.dumps(figures, indent=2))
+    return 0 if figures["ledger_outstanding"] == 0 and figures["servers_match"] else 1
+
+
 def _bench_routers(args: argparse.Namespace) -> int:
     from base.tiny_model import ensure_built
     from sluice.bench.kv_decisions import run_kv_aware_bench
@@ -82,3 +101,10 @@ def register(commands: Any) -> None:
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
     routers.add_argument("--model", default=str(default_model_dir()), help="the model whose tokenizer kv_aware uses")
     routers.set_defaults(func=_bench_routers)
+    soak = bench_commands.add_parser(
+        "soak", help="the mixed campaign with leaving clients, a replica kill and a scale 2-3-2; invariants and RSS"
+    )
+    soak.add_argument("--duration", type=float, default=1800.0, help="seconds of load")
+    soak.add_argument("--spec", help="the stack's spec (default: the embedded one; it runs capacity_queue)")
+    soak.add_argument("--out", default=".cache/soak", help="where soak.json and the campaign's files go")
+    soak.set_defaults(func=_bench_soak)

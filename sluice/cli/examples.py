@@ -52,6 +52,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "bench pd": ("sluice bench pd --samples 20",),
     "bench paths": ("sluice bench paths --out .cache/bench",),
     "bench routers": ("sluice bench routers --no-actor",),
+    "bench soak": ("sluice bench soak --duration 1800",),
 }
 
 

@@ -149,6 +149,33 @@ def test_reaper_reclaims_only_expired_tokens() -> None:
     asyncio.run(run())
 
 
+def test_the_tokens_of_a_replica_gone_from_the_set_are_reaped_after_the_grace_and_not_before() -> None:
+    """A killed replica's requests never end there: its tokens go once it has been out of the set for
+    `gone_after_s`; a replica back within the grace keeps them."""
+
+    async def run() -> None:
+        clock = Clock()
+        ledger = CapacityLedger(token_ttl_s=600.0, gone_after_s=30.0, clock=clock)
+        ledger.set_replicas({"a": 2, "b": 2})
+        on_a = [await ledger.acquire(["a"], f"a{i}") for i in range(2)]
+        on_b = await ledger.acquire(["b"], "b")
+        ledger.set_replicas({"b": 2})  # a killed
+        clock.now = 29.0
+        assert ledger.reap() == 0 and ledger.snapshot()["outstanding"] == 3
+        clock.now = 30.0
+        assert ledger.reap() == 2
+        assert ledger.in_flight("a") == 0 and ledger.snapshot()["outstanding"] == 1
+        assert ledger.release(on_a[0].token_id) is False  # a release after all: late, counted
+        # A blip: b leaves and comes back within the grace, its token stays.
+        ledger.set_replicas({})
+        clock.now = 50.0
+        ledger.set_replicas({"b": 2})
+        clock.now = 100.0
+        assert ledger.reap() == 0 and ledger.release(on_b.token_id) is True
+
+    asyncio.run(run())
+
+
 def test_reaper_loop_frees_a_slot_for_a_waiter() -> None:
     async def run() -> None:
         clock = Clock()

@@ -1,0 +1,177 @@
+"""The soak (`make soak`, `sluice bench soak`): a stack under the `mixed` campaign for `duration_s`, with clients that
+leave mid-stream all along, one LLM replica killed at a quarter of the run, a scale 2 -> 3 at 45 % and back to 2 at
+70 %. Then what must hold and what is measured:
+
+- invariants: the capacity ledger holds no token once the load is over (`ledger_outstanding` 0), HAProxy's replica
+  servers UP are the live replicas (`servers_match`), every non-2xx carries its reason;
+- figures: requests, non-2xx by status and reason, streams cut after their headers, clients that left, and the RSS
+  of HAProxy, each router and each LLM replica at start and end, as growth per hour.
+
+The stack runs `capacity_queue` (the policy with a ledger). Loopback only; every loop is bounded by the duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+from base.contracts import SESSION_HEADER_DEFAULT
+from loadtests.campaign import Campaign, run
+from loadtests.sse_timing import StreamRow
+from routers.capacity_queue import NAME as CAPACITY_QUEUE
+from sluice.bench.stack_variants import deploy_variant, kill_one_replica
+
+# When each disturbance lands, as a share of the duration.
+KILL_AT, SCALE_UP_AT, SCALE_DOWN_AT = 0.25, 0.45, 0.7
+USERS = 4  # the campaign's closed-loop users (2 cores serve 2-3 tiny replicas)
+LEAVE_EVERY_S = 0.5  # a client that leaves after its first event, this often
+SETTLE_S = 60.0  # how long the invariants may take to hold once the load is over
+
+
+def _leaving_clients(url: str, model: str, stop: threading.Event, left: list[int]) -> None:
+    """Open a stream, read its first event, hang up; again every `LEAVE_EVERY_S` until `stop`."""
+    body = {"model": model, "messages": [{"role": "user", "content": "leave"}], "max_tokens": 128, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        while not stop.wait(LEAVE_EVERY_S):
+            try:
+                with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                    next(response.iter_lines(), None)
+                left.append(response.status_code)
+            except httpx.HTTPError:
+                left.append(0)
+
+
+def _processes(plan: Any, frontend: dict[str, Any]) -> dict[str, psutil.Process]:
+    """HAProxy's worker, each router replica and each LLM replica (Ray titles a replica's process
+    `ray::ServeReplica:<app>:<deployment>`), by name."""
+    found = {"haproxy": psutil.Process(frontend["worker_pid"] or frontend["master_pid"])}
+    roles = {plan.models[0].router_app: "router", plan.models[0].llm_app: "replica"}
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        title = " ".join(process.info["cmdline"] or [])
+        for app, role in roles.items():
+            if title.startswith(f"ray::ServeReplica:{app}:"):
+                found[f"{role}:{process.info['pid']}"] = process
+    return found
+
+
+def _rss_mb(process: psutil.Process) -> float | None:
+    try:
+        return sum(p.memory_info().rss for p in (process, *process.children(recursive=True))) / 2**20
+    except psutil.Error:
+        return None
+
+
+def _frontend(plan: Any) -> dict[str, Any]:
+    from sluice.deploy.apply import _frontend_status
+
+    return _frontend_status(plan) or {}
+
+
+def _ledger_outstanding(plan: Any) -> int:
+    import ray
+
+    from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
+    from services.serve_internals import list_replica_endpoints
+
+    model = plan.models[0]
+    deployment = asyncio.run(list_replica_endpoints(model.llm_app))[0].deployment
+    ledger = ray.get_actor(ledger_actor_name(model.llm_app, deployment), namespace=LEDGER_NAMESPACE)
+    return int(ray.get(ledger.snapshot.remote(), timeout=30)["outstanding"])
+
+
+def _servers_match(plan: Any) -> bool:
+    from services.serve_internals import list_replica_endpoints
+
+    model = plan.models[0]
+    live = {e.replica_id for e in asyncio.run(list_replica_endpoints(model.llm_app))}
+    servers = _frontend(plan).get("servers", [])
+    up = {s["server"] for s in servers if s["backend"] == model.replica_backend and s["status"] == "UP"}
+    return up == live
+
+
+def _settled(check: Any, timeout_s: float) -> Any:
+    """`check()` once it is truthy, or its last value after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def soak(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict[str, Any]:
+    """Run the soak on the connected Ray cluster; returns (and writes to `out/soak.json`) its figures."""
+    data = yaml.safe_load(spec_path.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    plan = deploy_variant(data, CAPACITY_QUEUE, 2)
+    model = plan.models[0].name
+    started = time.monotonic()
+    before = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
+    campaign = Campaign(
+        workload="mixed",
+        target=plan.url,
+        out=out / "campaign",
+        tokenizer=tokenizer,
+        duration_s=duration_s,
+        users=USERS,
+        model=model,
+        session_header=SESSION_HEADER_DEFAULT,
+        seed=int(time.time()),
+    )
+    load = threading.Thread(target=run, args=(campaign,))
+    stop, left = threading.Event(), []
+    leaving = threading.Thread(target=_leaving_clients, args=(plan.url, model, stop, left))
+    load.start()
+    leaving.start()
+    events = []
+    try:
+        for at, action in ((KILL_AT, "kill"), (SCALE_UP_AT, "scale to 3"), (SCALE_DOWN_AT, "scale to 2")):
+            time.sleep(max(0.0, started + at * duration_s - time.monotonic()))
+            if action == "kill":
+                events.append({"at_s": time.monotonic() - started, "action": f"killed {kill_one_replica(plan)}"})
+            else:
+                plan = deploy_variant(data, CAPACITY_QUEUE, 3 if action == "scale to 3" else 2)
+                events.append({"at_s": time.monotonic() - started, "action": action})
+        load.join(timeout=duration_s + 600)
+    finally:
+        stop.set()
+        leaving.join(timeout=60)
+    hours = (time.monotonic() - started) / 3600
+    after = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
+    rows = [StreamRow.from_csv(row) for row in _csv_rows(campaign.out / "rows.csv")]
+    drained = _settled(lambda: _ledger_outstanding(plan) == 0, SETTLE_S)
+    figures = {
+        "duration_s": duration_s,
+        "events": events,
+        "requests": len(rows),
+        "non_2xx": dict(Counter(f"{r.status} {r.reason or '-'}" for r in rows if not 200 <= r.status < 300)),
+        "cut_streams": sum(1 for r in rows if r.status == 200 and r.error),
+        "clients_left": len(left),
+        "ledger_outstanding": 0 if drained else _ledger_outstanding(plan),
+        "servers_match": bool(_settled(lambda: _servers_match(plan), SETTLE_S)),
+        "rss_mb": {
+            name: {"start": mb, "end": after[name], "growth_per_hour": (after[name] - mb) / hours}
+            for name, mb in before.items()
+            if mb is not None and after.get(name) is not None
+        },
+    }
+    (out / "soak.json").write_text(json.dumps(figures, indent=2))
+    from sluice.deploy.apply import delete_plan
+
+    delete_plan(plan)
+    return figures
+
+
+def _csv_rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))

@@ -1,0 +1,42 @@
+"""A stack redeployed with another policy or replica count, and one of its LLM replicas killed: what the routing
+suite and the soak do to a running stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+
+def deploy_variant(data: dict[str, Any], policy: str, replicas: int, **routing: Any) -> Any:
+    """The spec's stack with `policy` (its kwargs from the spec when the spec names it) and `routing` overrides; every
+    other routing field (body forwarding, KV events) as the spec has it, so a policy switch leaves the LLM replicas."""
+    from builders.plan import build_plan
+    from sluice.deploy.apply import apply_plan
+    from topologies.spec import parse_spec
+
+    variant = json.loads(json.dumps(data))
+    spec_routing = variant.get("routing", {})
+    kwargs = spec_routing.get("policy_kwargs", {}) if spec_routing.get("policy") == policy else {}
+    variant["routing"] = {**spec_routing, "policy": policy, "policy_kwargs": kwargs, **routing}
+    for model in variant["models"]:
+        model.pop("autoscaling", None)
+        model["replicas"] = replicas
+    spec = parse_spec(variant)
+    plan = build_plan(spec)
+    if not apply_plan(spec, plan):
+        raise RuntimeError(f"the {policy} stack with {replicas} replicas did not come up")
+    return plan
+
+
+def kill_one_replica(plan: Any) -> str:
+    """SIGKILL-like end of one LLM replica actor (Serve starts a new one)."""
+    import ray
+
+    from services.serve_internals import list_replica_endpoints
+
+    model = plan.models[0]
+    victim = asyncio.run(list_replica_endpoints(model.llm_app))[0]
+    name = f"SERVE_REPLICA::{model.llm_app}#{victim.deployment}#{victim.replica_id}"
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return victim.replica_id
