@@ -34,6 +34,11 @@ POD_CACHE_DIR = "/var/cache/sluice"
 SPEC_MOUNT = "/etc/sluice-stack"
 SPEC_KEY = "spec.yaml"
 KEYS_MOUNT = "/etc/sluice-keys"
+# The frontend's certificate, key and client CA: the Secret `<stack>-tls`, its keys as `kubectl create secret tls` names
+# them (and `ca.crt` for mTLS), mounted on the head; the files are re-read when Kubernetes updates the Secret.
+TLS_MOUNT = "/etc/sluice-tls"
+TLS_FILES = {"cert_file": "tls.crt", "key_file": "tls.key", "client_ca_file": "ca.crt"}
+PLAIN_PORT_NAME = "sluice-plain"
 # The head runs GCS, the dashboard, Serve's controller, the frontend (HAProxy) and the routers: ~1 GiB idle here.
 HEAD_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
 RAY_HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
@@ -87,14 +92,19 @@ def _pod_cache_dir() -> Iterator[None]:
 
 
 def pod_spec(spec: StackBase) -> StackBase:
-    """The spec as the pods see it: a key file is where the head mounts the key Secret (`KEYS_MOUNT`), whatever its
-    folder on the machine that renders."""
-    keys = spec.frontend.protection.api_keys
-    if keys is None or keys.file is None:
-        return spec
-    moved = keys.model_copy(update={"file": Path(KEYS_MOUNT) / keys.file.name})
-    protection = spec.frontend.protection.model_copy(update={"api_keys": moved})
-    return spec.model_copy(update={"frontend": spec.frontend.model_copy(update={"protection": protection})})
+    """The spec as the pods see it: a key file is where the head mounts the key Secret (`KEYS_MOUNT`), the TLS files
+    where it mounts the TLS Secret (`TLS_MOUNT`), whatever their folders on the machine that renders."""
+    frontend = spec.frontend
+    keys = frontend.protection.api_keys
+    if keys is not None and keys.file is not None:
+        moved = keys.model_copy(update={"file": Path(KEYS_MOUNT) / keys.file.name})
+        frontend = frontend.model_copy(
+            update={"protection": frontend.protection.model_copy(update={"api_keys": moved})}
+        )
+    if frontend.tls is not None:
+        files = {field: Path(TLS_MOUNT) / key for field, key in TLS_FILES.items() if getattr(frontend.tls, field)}
+        frontend = frontend.model_copy(update={"tls": frontend.tls.model_copy(update=files)})
+    return spec.model_copy(update={"frontend": frontend})
 
 
 def pod_plan(spec: StackBase) -> StackPlan:
@@ -177,15 +187,33 @@ def _head_secrets(spec: StackBase) -> tuple[list[dict[str, Any]], list[dict[str,
     return [], [volume], [{"name": "api-keys", "mountPath": KEYS_MOUNT, "readOnly": True}]
 
 
-def _head_group(spec: StackBase, image: str, env: list[dict[str, Any]]) -> dict[str, Any]:
+def _tls_volume(spec: StackBase) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of the frontend's TLS files on the head: the Secret `<stack>-tls`."""
+    tls = spec.frontend.tls
+    if tls is None:
+        return [], []
+    items = [{"key": key, "path": key} for field, key in TLS_FILES.items() if getattr(tls, field)]
+    volume = {"name": "tls", "secret": {"secretName": f"{spec.stack}-tls", "items": items}}
+    return [volume], [{"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}]
+
+
+def public_ports(spec: StackBase) -> dict[str, int]:
+    """The frontend's ports clients reach, by container port name: the API, the metrics, a kept plain-HTTP port."""
     frontend = spec.frontend
+    ports = {FRONTEND_PORT_NAME: frontend.port, METRICS_PORT_NAME: frontend.metrics_port}
+    if frontend.tls is not None and frontend.tls.plain_port is not None:
+        ports[PLAIN_PORT_NAME] = frontend.tls.plain_port
+    return ports
+
+
+def _head_group(spec: StackBase, image: str, env: list[dict[str, Any]]) -> dict[str, Any]:
     ports = [_port(name, port) for name, port in RAY_HEAD_PORTS.items()]
-    ports += [
-        _port(SERVE_PORT_NAME, DEFAULT_SERVE_PROXY_PORT),
-        _port(FRONTEND_PORT_NAME, frontend.port),
-        _port(METRICS_PORT_NAME, frontend.metrics_port),
-    ]
+    ports += [_port(SERVE_PORT_NAME, DEFAULT_SERVE_PROXY_PORT)]
+    ports += [_port(name, port) for name, port in public_ports(spec).items()]
     key_env, volumes, mounts = _head_secrets(spec)
+    tls_volumes, tls_mounts = _tls_volume(spec)
+    volumes += tls_volumes
+    mounts += tls_mounts
     volumes.append({"name": "stack-spec", "configMap": {"name": f"{spec.stack}-spec"}})
     mounts.append({"name": "stack-spec", "mountPath": SPEC_MOUNT, "readOnly": True})
     container = {
@@ -247,8 +275,7 @@ def _frontend_service(spec: StackBase) -> dict[str, Any]:
         "prometheus.io/path": PROMETHEUS_PATH,
     }
     ports = [
-        {"name": FRONTEND_PORT_NAME, "port": frontend.port, "targetPort": FRONTEND_PORT_NAME, "protocol": "TCP"},
-        {"name": METRICS_PORT_NAME, "port": frontend.metrics_port, "targetPort": METRICS_PORT_NAME, "protocol": "TCP"},
+        {"name": name, "port": port, "targetPort": name, "protocol": "TCP"} for name, port in public_ports(spec).items()
     ]
     return {
         "apiVersion": "v1",
@@ -276,8 +303,6 @@ def kuberay_manifests(spec: StackBase, plan: StackPlan, image: str = DEFAULT_IMA
     """The stack's Kubernetes objects: its RayService (checked against `infra.kuberay`), the frontend's Service, the
     spec's ConfigMap and the NetworkPolicy that admits only the frontend's ports from outside the stack
     (`builders.network_policy`). `plan`: `pod_plan(spec)`."""
-    if spec.frontend.tls is not None:
-        raise ValueError("frontend.tls is not rendered for KubeRay yet: terminate TLS at the cluster's Ingress")
     spec = pod_spec(spec)
     env = container_env(spec)
     pods = worker_pods(spec)
@@ -293,6 +318,6 @@ def kuberay_manifests(spec: StackBase, plan: StackPlan, image: str = DEFAULT_IMA
         spec={"serveConfigV2": serve_config_v2(plan), "rayClusterConfig": cluster},
     )
     policy = network_policy(
-        f"{spec.stack}-ingress", _labels(spec, "network"), _stack_pods(spec), (FRONTEND_PORT_NAME, METRICS_PORT_NAME)
+        f"{spec.stack}-ingress", _labels(spec, "network"), _stack_pods(spec), list(public_ports(spec))
     )
     return [service.manifest(), _frontend_service(spec), _spec_config_map(spec), policy]

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from builders.kuberay import HF_TOKEN_KEY, from_hub, kuberay_manifests, pod_plan
+from builders.kuberay import HF_TOKEN_KEY, TLS_FILES, from_hub, kuberay_manifests, pod_plan
 from topologies.spec import load_spec
 
 
@@ -38,6 +38,11 @@ def render_kuberay(path: str, image: str) -> str:
     ]
     if from_hub(spec):
         lines.append(f"# Hub models read HF_TOKEN from the optional Secret `{stack}-hf-token`, key `{HF_TOKEN_KEY}`.")
+    if spec.frontend.tls is not None:
+        files = " ".join(
+            f"--from-file={key}=<{field}>" for field, key in TLS_FILES.items() if getattr(spec.frontend.tls, field)
+        )
+        lines.append(f"# Create first the Secret `{stack}-tls`: kubectl create secret generic {stack}-tls {files}")
     keys = spec.frontend.protection.api_keys
     if keys is not None:
         key = keys.env if keys.env is not None else keys.file.name  # type: ignore[union-attr]

@@ -26,10 +26,12 @@ from base.runtime import DEFAULT_SERVE_PROXY_PORT
 from builders.kuberay import (
     GPU_RESOURCE,
     KEYS_MOUNT,
+    PLAIN_PORT_NAME,
     POD_CACHE_DIR,
     RAY_HEAD_PORTS,
     SPEC_KEY,
     SPEC_MOUNT,
+    TLS_MOUNT,
     kuberay_manifests,
     pod_plan,
     pod_spec,
@@ -37,6 +39,7 @@ from builders.kuberay import (
 from builders.network_policy import KUBERAY_OPERATOR_LABELS, OPERATOR_PORTS
 from builders.plan import serve_config
 from infra.kuberay import RayService, parse_ray_start_resources, ray_start_resources
+from infra.tls_certs import throwaway_certificate
 from sluice.deploy.apply import render
 from sluice.deploy.render_kuberay import render_kuberay
 from topologies.spec import load_spec, parse_spec
@@ -332,3 +335,31 @@ def test_the_network_policy_admits_only_the_frontends_ports_from_outside_the_sta
     opened = {p["port"] for rule in (public, operator) for p in rule["ports"]}
     assert not (set(RAY_HEAD_PORTS.values()) - {RAY_HEAD_PORTS["dashboard"]}) & opened
     assert policy["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_tls_comes_from_the_stacks_tls_secret_on_the_head_and_its_plain_port_is_public(tmp_path: Path) -> None:
+    certs = throwaway_certificate(tmp_path / "certs")
+    data = yaml.safe_load((TEAMS[0]).read_text())
+    data["frontend"]["tls"] = {"cert_file": str(certs.cert), "key_file": str(certs.key), "plain_port": 8080}
+    data["frontend"]["tls"]["client_ca_file"] = str(certs.ca)
+    spec_file = tmp_path / "stack.yaml"
+    spec_file.write_text(yaml.safe_dump(data))
+    rendered = render_kuberay(str(spec_file), "sluice:test")
+    assert f"kubectl create secret generic {load_spec(spec_file).stack}-tls" in rendered
+    service, frontend, config_map, policy = yaml.safe_load_all(rendered)
+    group = _cluster(service)["headGroupSpec"]
+    kubernetes_validate.validate(_as_pod(group["template"], "head"), KUBERNETES_VERSION, strict=True)
+    volume = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == "tls")
+    assert {item["key"] for item in volume["secret"]["items"]} == {"tls.crt", "tls.key", "ca.crt"}
+    assert {"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True} in _container(group)["volumeMounts"]
+    # The frontend (serveConfigV2) and the spec the head holds read the files where the Secret is mounted.
+    frontend_args = next(
+        app["args"]
+        for app in yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+        if app["name"].endswith("-frontend")
+    )
+    assert frontend_args["haproxy"]["tls"]["cert_file"] == f"{TLS_MOUNT}/tls.crt"
+    assert yaml.safe_load(config_map["data"][SPEC_KEY])["frontend"]["tls"]["key_file"] == f"{TLS_MOUNT}/tls.key"
+    public = {p["port"] for p in policy["spec"]["ingress"][0]["ports"]}
+    assert public == {p["targetPort"] for p in frontend["spec"]["ports"]} and PLAIN_PORT_NAME in public
+    assert {"name": PLAIN_PORT_NAME, "containerPort": 8080, "protocol": "TCP"} in _container(group)["ports"]
