@@ -7,25 +7,28 @@ never logged. Details: services/frontend/README.md (API keys).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from infra.api_keys import ApiKeyError, ApiKeySource, render_acl
 from infra.haproxy.config import HAProxySettings
 from infra.haproxy.runtime_api import RuntimeAPI
+from services.frontend.file_watcher import FileWatcher
 
 logger = logging.getLogger(__name__)
 
 KEY_FILE_INTERVAL_S = 1.0
 
 
-class ApiKeyWatcher:
+class ApiKeyWatcher(FileWatcher):
+    watched = "the API key file"
+    interval_s = KEY_FILE_INTERVAL_S
+
     def __init__(self, runtime: RuntimeAPI, settings: HAProxySettings, source: ApiKeySource) -> None:
+        super().__init__(logger)
         self._runtime = runtime
         self._settings = settings
         self._source = source
         self._applied = frozenset(runtime.show_acl(settings.keys_acl_path))
-        self._last_error: str | None = None
 
     @property
     def applied(self) -> frozenset[str]:
@@ -37,11 +40,8 @@ class ApiKeyWatcher:
         try:
             digests = self._source.digests()
         except ApiKeyError as error:
-            if str(error) != self._last_error:
-                logger.error("keeping the %d accepted API keys: %s", len(self._applied), error)
-                self._last_error = str(error)
-            return False
-        self._last_error = None
+            return self._unusable(error, f"the {len(self._applied)} accepted API keys")
+        self._usable()
         if digests == self._applied:
             return False
         self._runtime.replace_acl(self._settings.keys_acl_path, sorted(digests))
@@ -55,11 +55,3 @@ class ApiKeyWatcher:
         """The watcher of a frontend whose keys come from a file (an environment variable is read once, at start)."""
         keys = settings.protection.api_keys
         return cls(runtime, settings, keys) if keys is not None and keys.file is not None else None
-
-    async def run(self, interval_s: float = KEY_FILE_INTERVAL_S) -> None:
-        while True:
-            try:
-                await asyncio.to_thread(self.sync_once)
-            except Exception:  # a runtime API hiccup must not end the watch
-                logger.exception("applying the API key file failed; retrying")
-            await asyncio.sleep(interval_s)

@@ -8,26 +8,29 @@ last good certificate: HAProxy checks the pair before it commits.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from infra.haproxy.config import HAProxySettings
 from infra.haproxy.process import write_private
 from infra.haproxy.runtime_api import RuntimeAPI, RuntimeAPIError
 from infra.haproxy.tls import FrontendTLS, TLSError
+from services.frontend.file_watcher import FileWatcher
 
 logger = logging.getLogger(__name__)
 
 CERT_FILE_INTERVAL_S = 1.0
 
 
-class TLSWatcher:
+class TLSWatcher(FileWatcher):
+    watched = "the certificate files"
+    interval_s = CERT_FILE_INTERVAL_S
+
     def __init__(self, runtime: RuntimeAPI, settings: HAProxySettings, tls: FrontendTLS) -> None:
+        super().__init__(logger)
         self._runtime = runtime
         self._settings = settings
         self._tls = tls
         self._applied = settings.tls_pem_path.read_text()
-        self._last_error: str | None = None
 
     @classmethod
     def for_settings(cls, runtime: RuntimeAPI, settings: HAProxySettings) -> TLSWatcher | None:
@@ -41,20 +44,9 @@ class TLSWatcher:
                 return False
             self._runtime.replace_ssl_cert(self._settings.tls_pem_path, pem)
         except (TLSError, RuntimeAPIError) as error:
-            if str(error) != self._last_error:
-                logger.error("keeping the certificate in use: %s", error)
-                self._last_error = str(error)
-            return False
-        self._last_error = None
+            return self._unusable(error, "the certificate in use")
+        self._usable()
         write_private(self._settings.tls_pem_path, pem)
         self._applied = pem
         logger.info("TLS: the new certificate of %s is in use", self._tls.cert_file)
         return True
-
-    async def run(self, interval_s: float = CERT_FILE_INTERVAL_S) -> None:
-        while True:
-            try:
-                await asyncio.to_thread(self.sync_once)
-            except Exception:  # a runtime API hiccup must not end the watch
-                logger.exception("applying the certificate files failed; retrying")
-            await asyncio.sleep(interval_s)

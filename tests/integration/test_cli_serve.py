@@ -45,6 +45,21 @@ def _wait_until_ready(process: subprocess.Popen, log: Path, timeout_s: float) ->
     return URL.findall(text)[0], STATUS.findall(text)[0]
 
 
+def _serve(log: Path, port: int, *flags: str) -> subprocess.Popen:
+    """`sluice serve` with the frontend on `port` (and free ports for the rest), its output to `log`."""
+    register_frontend(port)
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "sluice.cli.main", "serve", "--serve-proxy-port", str(free_port())),
+                *("--port", str(port), "--prometheus-port", str(free_port()), *flags),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
 def _status(target: str, address: str) -> dict:
     command = [sys.executable, "-m", "sluice.cli.main", "status", target, "--address", address, "--json"]
     status = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -53,19 +68,8 @@ def _status(target: str, address: str) -> dict:
 
 
 def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp_path: Path) -> None:
-    log = tmp_path / "serve.log"
-    port = free_port()
-    register_frontend(port)
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "sluice.cli.main", "serve", "--serve-proxy-port", str(free_port())),
-                *("--port", str(port), "--prometheus-port", str(free_port()), "--policy", "consistent_hash"),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    log, port = tmp_path / "serve.log", free_port()
+    process = _serve(log, port, "--policy", "consistent_hash")
     try:
         url, (stack, address) = _wait_until_ready(process, log, timeout_s=300)
         assert url == f"http://127.0.0.1:{port}"
@@ -101,19 +105,8 @@ def test_sluice_serve_over_tls_passes_the_openai_client_and_the_contract_check(
 ) -> None:
     """`sluice serve --tls-self-signed`: the official openai client, given the CA, streams over TLS; `sluice check
     --target https://... --ca-file` passes the API contract item; plain HTTP on the port is not served."""
-    log = tmp_path / "serve.log"
-    port = free_port()
-    register_frontend(port)
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "sluice.cli.main", "serve", "--serve-proxy-port", str(free_port())),
-                *("--port", str(port), "--prometheus-port", str(free_port()), "--tls-self-signed"),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    log, port = tmp_path / "serve.log", free_port()
+    process = _serve(log, port, "--tls-self-signed")
     try:
         url, _ = _wait_until_ready(process, log, timeout_s=300)
         assert url == f"https://127.0.0.1:{port}"
