@@ -75,9 +75,11 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	$(PY) -m pytest -v tests/unit
 
-# Every path side by side (tiny model and zero-compute stand-in), the overhead's parts, the route call at fixed rates.
+# Every path side by side (tiny model and zero-compute stand-in), the overhead's parts, the route call at fixed rates;
+# then TLS against plain HTTP through one frontend.
 bench: $(STAMP)
 	$(VENV)/bin/sluice bench paths
+	$(VENV)/bin/sluice bench tls
 
 # Replica startup/memory/speed, the direct path's TTFT against the replica port, prefill/decode against plain.
 bench-replicas: $(STAMP)

@@ -1,4 +1,4 @@
-"""Measure TTFT and token throughput of SSE completions against one or more base URLs (HTTP only).
+"""Measure TTFT and token throughput of SSE completions against one or more base URLs (HTTP, or HTTPS with `verify`).
 
 Each line is stamped with `time.perf_counter()` as it arrives, before parsing (docs/design.md §5), and the request
 asks for `Accept-Encoding: identity` so nothing buffers the stream.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import statistics
 import time
 
@@ -89,11 +90,19 @@ async def one_stream(
     )
 
 
-async def probe(urls: list[str], model: str, streams: int, max_tokens: int, timeout_s: float = 300) -> ProbeReport:
-    """Run `streams` concurrent streams spread round-robin over `urls` and summarise them."""
+async def probe(
+    urls: list[str],
+    model: str,
+    streams: int,
+    max_tokens: int,
+    timeout_s: float = 300,
+    verify: ssl.SSLContext | bool = True,
+) -> ProbeReport:
+    """Run `streams` concurrent streams spread round-robin over `urls` and summarise them (`verify`: what an https
+    URL's certificate is checked against)."""
     limits = httpx.Limits(max_connections=streams)
     headers = {"accept-encoding": "identity"}
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers, verify=verify) as client:
         start = time.perf_counter()
         results = await asyncio.gather(
             *(one_stream(client, urls[i % len(urls)], model, max_tokens) for i in range(streams))

@@ -49,6 +49,21 @@ def _bench_paths(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_tls(args: argparse.Namespace) -> int:
+    """TLS against plain HTTP through one frontend, on a local Ray of its own (sluice/bench/tls.py)."""
+    from base.tiny_model import ensure_built
+    from sluice.bench.tls import run_tls_bench
+    from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
+
+    ensure_built(default_model_dir())
+    start_local_cluster(log_to_driver=False)
+    try:
+        run_tls_bench(Path(args.out))
+    finally:
+        stop_local_cluster()
+    return 0
+
+
 def _bench_soak(args: argparse.Namespace) -> int:
     """The soak on a local Ray of its own (sluice/bench/soak.py)."""
     import json
@@ -101,6 +116,9 @@ def register(commands: Any) -> None:
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
     routers.add_argument("--model", default=str(default_model_dir()), help="the model whose tokenizer kv_aware uses")
     routers.set_defaults(func=_bench_routers)
+    tls = bench_commands.add_parser("tls", help="TTFT and tokens/s through one frontend over TLS and over plain HTTP")
+    tls.add_argument("--out", default=".cache/bench", help="where tls.json goes")
+    tls.set_defaults(func=_bench_tls)
     soak = bench_commands.add_parser(
         "soak", help="the mixed campaign with leaving clients, a replica kill and a scale 2-3-2; invariants and RSS"
     )
