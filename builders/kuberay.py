@@ -39,6 +39,9 @@ KEYS_MOUNT = "/etc/sluice-keys"
 TLS_MOUNT = "/etc/sluice-tls"
 TLS_FILES = {"cert_file": "tls.crt", "key_file": "tls.key", "client_ca_file": "ca.crt"}
 PLAIN_PORT_NAME = "sluice-plain"
+# Ray's own token authentication on every port of the cluster: KubeRay (>= 1.5.1) makes the token's Secret and gives
+# it to every Ray container; sluice's processes are Ray's, so they carry it.
+RAY_AUTH = {"mode": "token"}
 # The head runs GCS, the dashboard, Serve's controller, the frontend (HAProxy) and the routers: ~1 GiB idle here.
 HEAD_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
 RAY_HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
@@ -151,6 +154,7 @@ def container_env(spec: StackBase) -> list[dict[str, Any]]:
     brings its own, `base.runtime.engine_env`), Hugging Face offline unless a model comes from the Hub."""
     with _pod_cache_dir():
         env = {"SLUICE_CACHE_DIR": POD_CACHE_DIR, **process_env(), **CLUSTER_NODE_ENV}
+    del env["RAY_AUTH_MODE"]  # KubeRay sets it, with the token (`RAY_AUTH`)
     del env["VLLM_HOST_IP"]
     entries: list[dict[str, Any]] = []
     if from_hub(spec):
@@ -308,6 +312,7 @@ def kuberay_manifests(spec: StackBase, plan: StackPlan, image: str = DEFAULT_IMA
     pods = worker_pods(spec)
     cluster: dict[str, Any] = {
         "rayVersion": version("ray"),
+        "authOptions": RAY_AUTH,
         "headGroupSpec": _head_group(spec, image, env),
         "workerGroupSpecs": [_worker_group(spec, image, env, shape, count) for shape, count in pods.items()],
     }

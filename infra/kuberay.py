@@ -128,8 +128,15 @@ class WorkerGroupSpec(_Model):
         return self
 
 
+class AuthOptions(_Model):
+    # KubeRay >= 1.5.1 with Ray >= 2.52: `token` makes a Secret with a random token and sets RAY_AUTH_MODE and
+    # RAY_AUTH_TOKEN on every Ray container.
+    mode: Literal["disabled", "token"]
+
+
 class RayClusterSpec(_Model):
     rayVersion: str
+    authOptions: AuthOptions | None = None
     enableInTreeAutoscaling: bool | None = None
     headGroupSpec: HeadGroupSpec
     workerGroupSpecs: list[WorkerGroupSpec]

@@ -31,7 +31,7 @@ def render_kuberay(path: str, image: str) -> str:
     stack = plan.stack
     lines = [
         f"# Rendered by `sluice render {path} --kuberay --image {image}`:",
-        "# `kubectl apply -f` it where KubeRay (>= 1.5) runs. The image holds sluice and its engine (and, for",
+        "# `kubectl apply -f` it where KubeRay (>= 1.5.1) runs. The image holds sluice and its engine (and, for",
         "# `source: tiny`, the tiny model in its cache).",
         f"# Clients reach the frontend at the Service `{stack}-frontend`; the NetworkPolicy `{stack}-ingress` admits",
         "# nothing else from outside the stack (Ray's ports carry no authentication: docs/stacks.md).",

@@ -363,3 +363,12 @@ def test_tls_comes_from_the_stacks_tls_secret_on_the_head_and_its_plain_port_is_
     public = {p["port"] for p in policy["spec"]["ingress"][0]["ports"]}
     assert public == {p["targetPort"] for p in frontend["spec"]["ports"]} and PLAIN_PORT_NAME in public
     assert {"name": PLAIN_PORT_NAME, "containerPort": 8080, "protocol": "TCP"} in _container(group)["ports"]
+
+
+@pytest.mark.parametrize("path", TEAMS, ids=lambda path: path.stem)
+def test_rays_token_authentication_is_on_and_no_container_turns_it_off(path: Path) -> None:
+    service, _, _ = _rendered(path)
+    cluster = _cluster(service)
+    assert cluster["authOptions"] == {"mode": "token"}
+    for group in [cluster["headGroupSpec"], *_groups(service)]:
+        assert "RAY_AUTH_MODE" not in {entry["name"] for entry in _container(group)["env"]}
