@@ -1,6 +1,6 @@
 """TLS at the frontend (infra/haproxy/tls.py) on a real HAProxy in front of the stand-ins: streams over TLS with ALPN
-offering h2, a plain port kept beside it that refuses API keys, and a certificate replaced while 8 streams run (none
-cut; new handshakes get the new certificate)."""
+offering h2, a plain port kept beside it that refuses API keys, a certificate replaced while 8 streams run (none cut;
+new handshakes get the new certificate), and client certificates required by a CA (mTLS)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,19 @@ def tls(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSPlane
     replicas = [env.r1.endpoint, env.r2.endpoint]
     plane = start_plane(env.loop, folder / "haproxy", app, replicas, [env.router_a.endpoint], tls=settings)
     yield TLSPlane(plane, folder, first, plain_port)
+    stop_plane(plane)
+
+
+@pytest.fixture(scope="module")
+def mtls(env: Env, tls: TLSPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
+    """A frontend that asks every client for a certificate the throwaway CA signed."""
+    first = tls.first
+    settings = FrontendTLS(cert_file=first.cert, key_file=first.key, client_ca_file=first.ca)
+    app = AppRoute(name=APP, forward_body=True, body_buffer_bytes=BODY_BUFFER_BYTES)
+    replicas = [env.r1.endpoint, env.r2.endpoint]
+    folder = tmp_path_factory.mktemp("mtls")
+    plane = start_plane(env.loop, folder, app, replicas, [env.router_a.endpoint], tls=settings)
+    yield plane
     stop_plane(plane)
 
 
@@ -130,3 +143,18 @@ def test_a_new_certificate_is_served_without_cutting_8_running_streams(tls: TLSP
     assert all(len(events) == EVENTS + 2 and events[-1] == "data: [DONE]" for _, events in results)
     status, events = _stream(tls.plane.url, _trusting(second.ca))
     assert status == 200 and events[-1] == "data: [DONE]"
+
+
+def test_with_a_client_ca_only_clients_holding_a_certificate_it_signed_are_served(tls: TLSPlane, mtls: Plane) -> None:
+    without = _trusting(tls.first.ca)
+    with pytest.raises(httpx.HTTPError):
+        _stream(mtls.url, without)
+    holding = _trusting(tls.first.ca)
+    holding.load_cert_chain(tls.first.client_cert, tls.first.client_key)
+    status, events = _stream(mtls.url, holding)
+    assert status == 200 and events[-1] == "data: [DONE]"
+    stranger = throwaway_certificate(tls.folder / "stranger")  # a client certificate another CA signed
+    foreign = _trusting(tls.first.ca)
+    foreign.load_cert_chain(stranger.client_cert, stranger.client_key)
+    with pytest.raises(httpx.HTTPError):
+        _stream(mtls.url, foreign)
