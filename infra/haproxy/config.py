@@ -159,6 +159,11 @@ class HAProxySettings(BaseModel):
         return self.workdir / "sluice_route.lua"
 
     @property
+    def spoe_path(self) -> Path:
+        """The route agents' SPOE engines (`infra.haproxy.spoe`)."""
+        return self.workdir / "sluice_route.spoe"
+
+    @property
     def retry_socket_path(self) -> Path:
         """Where frontend `sluice_retry` listens for the requests whose pinned replica refused the connection."""
         return self.workdir / "retry.sock"

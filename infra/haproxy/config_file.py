@@ -65,6 +65,7 @@ from infra.haproxy.models import (
     models_list_line,
 )
 from infra.haproxy.protection import REFUSAL_TABLE, protection_lines, protection_tables
+from infra.haproxy.spoe import agent_backend_lines, ask_agent_lines, filter_lines
 from infra.observability.targets import LUA_TARGETS_SERVICE, TARGETS_PATH, router_targets_backend
 
 
@@ -195,6 +196,8 @@ def render_config(settings: HAProxySettings) -> str:
         "    # One line per finished request to the frontend replica (the canary guard measures both paths).",
         "    log global",
         f'    log-format "{log_format(VAR_REQUEST_ID, VAR_REASON)}"',
+        "    # Route calls to each app's route agents (SPOE), sent only when the route action asks.",
+        *filter_lines(settings),
     ]
     if settings.multi_model:
         lines += [
@@ -227,6 +230,7 @@ def render_config(settings: HAProxySettings) -> str:
     lines += [
         "    # Any method but GET/HEAD asks its app's router pool; GET/HEAD rotate over the app's routable replicas.",
         f"    http-request lua.{LUA_ACTION}",
+        *ask_agent_lines(settings),
         *(model_refusal_lines(VAR_REASON, REFUSAL_TABLE) if settings.multi_model else []),
         "    # Backstop: a direct request with neither a replica nor a reason (Lua error) fails like an",
         "    # unreachable router.",
@@ -258,9 +262,10 @@ def render_config(settings: HAProxySettings) -> str:
         lines += legacy_backend_lines(legacy_backend(index), [*_staging_timeout_lines(settings), *health_check_lines()])
         lines += [
             f"backend {router_backend(index)}",
-            "    # Health-checked router pool; the Lua action calls the UP ones itself (never proxied to).",
+            "    # Health-checked routers at Serve's port: the Lua action's HTTP route call when no agent is UP.",
             *health_check_lines(),
             "",
+            *agent_backend_lines(index, settings),
             f"backend {router_targets_backend(index)}",
             "    # The routers' Serve addresses, where their metrics are: read by the target discovery only.",
             "",

@@ -13,6 +13,7 @@ from string import Template
 
 from pydantic import BaseModel
 
+from base import agent_wire
 from base.contracts import (
     APP_HEADER,
     BODY_TOTAL_UNKNOWN,
@@ -79,6 +80,15 @@ from infra.haproxy.config import (
 )
 from infra.haproxy.models import MODEL_JSON_PATH, VAR_ERROR, VAR_MODEL
 from infra.haproxy.protection import COUNTED_REASONS, REFUSAL_TABLE
+from infra.haproxy.spoe import (
+    LUA_REPLY_ACTION,
+    VAR_AGENT_BODY,
+    VAR_AGENT_TRUNCATED,
+    VAR_ASK_AGENT,
+    VAR_ROUTE_STARTED_US,
+    agent_backend,
+    agent_var,
+)
 from infra.observability import METRICS_LUA_TEMPLATE_PATH
 from infra.observability.targets import (
     APP_LABEL,
@@ -118,6 +128,13 @@ def _wire_field(model: type[BaseModel], name: str) -> str:
     return _lua_str(name)
 
 
+def _agent_field(name: str) -> str:
+    """A variable of the agent's answer the Lua action reads; fails if the wire lost it."""
+    if name not in agent_wire.ANSWER_VARS:
+        raise ValueError(f"the route agent sets no variable {name!r}: the Lua action could not read it")
+    return name
+
+
 def _lua_apps(settings: HAProxySettings) -> str:
     """The frontend's apps as a Lua array of tables (what the action needs to route each app's requests)."""
     entries = []
@@ -134,6 +151,7 @@ def _lua_apps(settings: HAProxySettings) -> str:
             "body_buffer_bytes": str(app.body_buffer_bytes),
             "legacy_backend": _lua_str(legacy_backend(index)),
             "router_targets_backend": _lua_str(router_targets_backend(index)),
+            "agent_backend": _lua_str(agent_backend(index)),
             "router_metrics_path": _lua_str(router_metrics_path(app)),
             "replica_metrics_path": _lua_str(replica_metrics_path(app)),
         }
@@ -241,6 +259,20 @@ def render_lua(settings: HAProxySettings) -> str:
         field_prefill_replica_id=_wire_field(RouteReply, "prefill_replica_id"),
         field_prefill_url=_wire_field(RouteReply, "prefill_url"),
         action_name=_lua_str(LUA_ACTION),
+        reply_action_name=_lua_str(LUA_REPLY_ACTION),
+        var_ask_agent=_lua_str(VAR_ASK_AGENT),
+        var_agent_body=_lua_str(VAR_AGENT_BODY),
+        var_agent_truncated=_lua_str(VAR_AGENT_TRUNCATED),
+        var_route_started_us=_lua_str(VAR_ROUTE_STARTED_US),
+        agent_error_var=_lua_str(agent_var(agent_wire.ERROR_VAR)),
+        agent_status_var=_lua_str(agent_var(agent_wire.STATUS_VAR)),
+        agent_reason_var=_lua_str(agent_var(agent_wire.REASON_VAR)),
+        agent_replica_id_var=_lua_str(agent_var(_agent_field("replica_id"))),
+        agent_fallbacks_var=_lua_str(agent_var(_agent_field("fallbacks"))),
+        agent_capacity_token_var=_lua_str(agent_var(_agent_field("capacity_token"))),
+        agent_prefill_replica_id_var=_lua_str(agent_var(_agent_field("prefill_replica_id"))),
+        agent_prefill_url_var=_lua_str(agent_var(_agent_field("prefill_url"))),
+        agent_fallback_pattern=_lua_str(f"[^{agent_wire.FALLBACK_SEPARATOR}]+"),
         retry_action_name=_lua_str(LUA_RETRY_ACTION),
         metrics_service_name=_lua_str(LUA_METRICS_SERVICE),
     )

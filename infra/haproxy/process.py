@@ -24,6 +24,7 @@ from infra.haproxy.config import HAProxySettings
 from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import render_lua
 from infra.haproxy.runtime_api import RuntimeAPI, RuntimeAPIError
+from infra.haproxy.spoe import render_spoe
 
 MIN_SYSTEM_VERSION = (2, 6)
 _MIN_VERSION_TEXT = ".".join(map(str, MIN_SYSTEM_VERSION))
@@ -117,11 +118,12 @@ def write_private(path: Path, text: str) -> None:
 
 
 def write_files(settings: HAProxySettings) -> None:
-    """Write the config, the Lua action, the accepted API key digests and the TLS certificate into the workdir (the
-    syncer adds the servers at run time; the watchers replace the digests and the certificate). A key list or a
-    certificate that cannot be used stops here."""
+    """Write the config, the Lua action, the route agents' SPOE file, the accepted API key digests and the TLS
+    certificate into the workdir (the syncer adds the servers at run time; the watchers replace the digests and the
+    certificate). A key list or a certificate that cannot be used stops here."""
     settings.workdir.mkdir(parents=True, exist_ok=True)
     settings.lua_path.write_text(render_lua(settings))
+    settings.spoe_path.write_text(render_spoe(settings))
     keys = settings.protection.api_keys
     settings.keys_acl_path.write_text(render_acl(keys.digests()) if keys is not None else "")
     if settings.tls is not None:

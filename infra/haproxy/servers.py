@@ -52,6 +52,12 @@ def router_server_options(settings: HAProxySettings) -> list[str]:
     return _check_options(settings)
 
 
+def agent_server_options(settings: HAProxySettings) -> list[str]:
+    """A router's route agent: health-checked on Serve's port, and DOWN at the first failed connection, so the next
+    route call goes to another agent (or over HTTP) at once."""
+    return [*_check_options(settings), "observe", "layer4", "error-limit", "1", "on-error", "mark-down"]
+
+
 def legacy_server_options(settings: HAProxySettings) -> list[str]:
     """A legacy ingress replica: health-checked and load-balanced (it routes to the LLM replicas itself)."""
     return _check_options(settings)

@@ -113,8 +113,7 @@ class HAProxySyncer:
         report = SyncReport()
         for app, (replicas, routers, legacy) in zip(self.apps, endpoints, strict=True):
             for pool, wanted in app.pools(replicas, routers, legacy):
-                # The router targets mirror the routers: not reported twice.
-                self._sync_pool(pool, wanted, stats, report if pool is not app.router_targets else SyncReport())
+                self._sync_pool(pool, wanted, stats, SyncReport() if app.mirrors(pool) else report)
             # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
             backend = app.replicas.backend
             routable = {

@@ -12,7 +12,13 @@ from base.route_wire import Membership
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import legacy_backend
 from infra.haproxy.config import HAProxySettings, replica_backend, router_backend
-from infra.haproxy.servers import legacy_server_options, replica_server_options, router_server_options
+from infra.haproxy.servers import (
+    agent_server_options,
+    legacy_server_options,
+    replica_server_options,
+    router_server_options,
+)
+from infra.haproxy.spoe import agent_backend
 from infra.observability.targets import router_targets_backend
 from services.serve_internals import ReplicaEndpoint
 
@@ -82,7 +88,9 @@ class AppPools:
         self.app = app
         self.sources = sources
         self.replicas = ServerPool(replica_backend(index), replica_server_options(settings))
+        # The routers at Serve's port (the HTTP route call), and their route agents where they told its port.
         self.routers = ServerPool(router_backend(index), router_server_options(settings))
+        self.agents = ServerPool(agent_backend(index), agent_server_options(settings))
         self.legacy = ServerPool(legacy_backend(index), legacy_server_options(settings))
         # The routers' Serve addresses, for the metrics discovery only.
         self.router_targets = ServerPool(router_targets_backend(index), [], checked=False)
@@ -92,14 +100,20 @@ class AppPools:
     def pools(
         self, replicas: list[ReplicaEndpoint], routers: list[ReplicaEndpoint], legacy: list[ReplicaEndpoint]
     ) -> list[tuple[ServerPool, list[ReplicaEndpoint]]]:
-        """Each of the app's pools with the endpoints it should hold (a router's target: its Serve address)."""
-        targets = [router.model_copy(update={"route_port": None}) for router in routers]
+        """Each of the app's pools with the endpoints it should hold: a router at its Serve address in the router
+        pool and the targets, at its agent's port in the agent pool."""
+        at_serve_port = [router.model_copy(update={"route_port": None}) for router in routers]
         return [
             (self.replicas, replicas),
-            (self.routers, routers),
+            (self.routers, at_serve_port),
+            (self.agents, [router for router in routers if router.route_port is not None]),
             (self.legacy, legacy),
-            (self.router_targets, targets),
+            (self.router_targets, at_serve_port),
         ]
+
+    def mirrors(self, pool: ServerPool) -> bool:
+        """Whether the pool holds the app's routers again (not reported twice)."""
+        return pool is self.agents or pool is self.router_targets
 
     def published_replicas(self) -> int:
         """How many replicas every live router has last been told about (0 while one has been told nothing)."""
@@ -114,7 +128,7 @@ def same_address(a: ReplicaEndpoint, b: ReplicaEndpoint) -> bool:
 
 
 def check_port_option(endpoint: ReplicaEndpoint) -> list[str]:
-    """A server at a router's route listener is health-checked on Serve's port (where `/-/healthz` is)."""
+    """A server at a router's route agent is health-checked on Serve's port (where `/-/healthz` is)."""
     return ["port", str(endpoint.port)] if endpoint.route_port is not None else []
 
 

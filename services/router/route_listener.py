@@ -1,125 +1,184 @@
-"""The router replica's route listener: HAProxy's route calls answered on a port of their own, without Serve.
+"""The router replica's route agent: HAProxy's route calls as SPOE messages (SPOP over persistent, pipelined
+connections) on a port of their own, without Serve.
 
-A bare asyncio protocol (one HTTP/1.0 request per connection, then close) calls the very function the HTTP app's
-route endpoint calls, saving Serve's ~0.6 ms of CPU per call. The app tells the listener's port at
-`ROUTE_LISTENER_PATH`; the frontend's router source reads it once per router replica (`with_route_ports`).
-Why, and the protocol's limits: services/router/README.md.
+Each NOTIFY frame carries one route call (`base.agent_wire`); the agent answers with an ACK whose set-var actions
+are the decision, by calling the very function the HTTP app's route endpoint calls (`RouteAnswer`). A decision
+that needs no wait (every policy without a capacity ledger) is made inside the frame's read, with no task; one
+that awaits gets a task, and its ACK goes out when it is done (SPOP's async capability: ACKs in any order). The
+app tells the agent's port at `ROUTE_LISTENER_PATH`; the frontend's router source reads it once per router replica
+(`with_route_ports`). Why, and the protocol's limits: services/router/README.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
+from typing import Any
 
 import httpx
 
-from base.contracts import ROUTE_PATH
+from base.agent_wire import MESSAGE, Answer, answer_variables, request_from_arguments
+from base.route_wire import RouteRefusal
+from services.router import spop
+from services.router.spop import FrameError, FrameType, Status
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 
 logger = logging.getLogger(__name__)
 
-# (status, JSON body) of a route call, from its headers (lower-case names) and body.
-RouteAnswer = Callable[[Mapping[str, str], bytes], Awaitable[tuple[int, str]]]
+# (status, answer) of a route call, from its headers (lower-case names) and body.
+RouteAnswer = Callable[[Mapping[str, str], bytes], Awaitable[tuple[int, Answer]]]
 ROUTE_LISTENER_PATH = "/internal/route-listener"
-# Request line and headers: the Lua action sends a handful of short headers.
-MAX_HEAD_BYTES = 64 * 1024
-# The largest body a frontend forwards to its router (`routing.body_buffer_bytes` is at most 64 MiB).
-MAX_BODY_BYTES = 64 * 1024 * 1024
-# Asking a router replica its listener's port: a local HTTP call; the next sync pass asks again on failure.
+# The largest frame the agent takes: a forwarded body up to its maximum (`routing.body_buffer_bytes` is at most
+# 64 MiB) and the route call's few headers.
+MAX_FRAME_BYTES = 65 * 1024 * 1024
+# Asking a router replica its agent's port: a local HTTP call; the next sync pass asks again on failure.
 LOOKUP_TIMEOUT_S = 2.0
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error", 503: "Service Unavailable"}
+_FAILED = (500, RouteRefusal(reason="router_error"))
 
 
-def _reply(status: int, body: str) -> bytes:
-    payload = body.encode()
-    head = (
-        f"HTTP/1.0 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + payload
+class _Resumed:
+    """Drives a coroutine that has already run up to its first wait (`yielded`) to its end, inside a task."""
+
+    def __init__(self, coroutine: Coroutine[Any, Any, Any], yielded: Any) -> None:
+        self._coroutine = coroutine
+        self._yielded = yielded
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        yielded = self._yielded
+        while True:
+            try:
+                sent = yield yielded
+            except BaseException as error:  # noqa: BLE001 - handed to the coroutine, as `await` would
+                try:
+                    yielded = self._coroutine.throw(error)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    yielded = self._coroutine.send(sent)
+                except StopIteration as done:
+                    return done.value
 
 
-class _RouteCall(asyncio.Protocol):
-    """One connection: read the request whole, answer it, close."""
+class _AgentConnection(asyncio.Protocol):
+    """One connection from one HAProxy thread: the HELLO handshake, then NOTIFY frames until a DISCONNECT."""
 
-    def __init__(self, answer: RouteAnswer, running: set[asyncio.Task[None]]) -> None:
+    def __init__(self, answer: RouteAnswer, session_header: str, running: set[asyncio.Task[None]]) -> None:
         self._answer = answer
+        self._session_header = session_header
         self._running = running
         self._buffer = bytearray()
-        self._body_start = -1
-        self._length = 0
-        self._headers: dict[str, str] = {}
-        self._dispatched = False
         self._transport: asyncio.Transport | None = None
+        self._max_frame = MAX_FRAME_BYTES
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
-        if self._body_start < 0:
-            end = self._buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buffer) > MAX_HEAD_BYTES:
-                    self._finish(400, '{"reason": "request head too large"}')
+        while len(self._buffer) >= 4 and self._transport is not None and not self._transport.is_closing():
+            (length,) = spop.LENGTH.unpack_from(self._buffer)
+            if length > self._max_frame:
+                self._disconnect(Status.TOO_BIG, "frame too big")
                 return
-            self._body_start = end + 4
-            if not self._parse_head(bytes(self._buffer[:end])):
+            if len(self._buffer) < 4 + length:
                 return
-        if not self._dispatched and len(self._buffer) - self._body_start >= self._length:
-            self._dispatched = True
-            body = bytes(self._buffer[self._body_start : self._body_start + self._length])
-            task = asyncio.get_running_loop().create_task(self._respond(body))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            frame = bytes(self._buffer[4 : 4 + length])
+            del self._buffer[: 4 + length]
+            try:
+                self._on_frame(spop.decode_frame(frame))
+            except FrameError as error:
+                logger.warning("route agent: disconnecting HAProxy: %s", error)
+                self._disconnect(error.status, str(error))
 
-    def _parse_head(self, head: bytes) -> bool:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3:
-            self._finish(400, '{"reason": "malformed request line"}')
-            return False
-        self._headers = {
-            name.strip().lower(): value.strip() for name, _, value in (h.partition(":") for h in lines[1:])
-        }
-        try:
-            self._length = int(self._headers.get("content-length", "0"))
-        except ValueError:
-            self._length = -1
-        if not 0 <= self._length <= MAX_BODY_BYTES:
-            self._finish(400, '{"reason": "bad content-length"}')
-            return False
-        if parts[0] != "POST" or not parts[1].endswith(ROUTE_PATH):
-            self._finish(404, '{"reason": "only route calls are answered here"}')
-            return False
-        return True
+    def _on_frame(self, frame: spop.Frame) -> None:
+        if not frame.flags & spop.FLAG_FIN:
+            raise FrameError(Status.FRAG_NOT_SUPPORTED, "fragmented frames are not supported")
+        if frame.kind == FrameType.NOTIFY:
+            self._notify(frame)
+        elif frame.kind == FrameType.HAPROXY_HELLO:
+            self._hello(spop.decode_kv_list(frame.payload))
+        elif frame.kind == FrameType.HAPROXY_DISCONNECT:
+            self._disconnect(Status.NORMAL, "bye")
+        else:
+            raise FrameError(Status.INVALID, f"unexpected frame type {frame.kind}")
 
-    async def _respond(self, body: bytes) -> None:
+    def _hello(self, items: Mapping[str, spop.Value]) -> None:
+        versions = items.get("supported-versions")
+        if not isinstance(versions, bytes) or spop.VERSION not in versions.decode().replace(" ", "").split(","):
+            raise FrameError(Status.BAD_VSN, "SPOP 2.0 is the version spoken here")
+        offered = items.get("max-frame-size")
+        if not isinstance(offered, int) or offered < 256:
+            raise FrameError(Status.BAD_FRAME_SIZE, "no usable max-frame-size")
+        self._max_frame = min(offered, MAX_FRAME_BYTES)
+        reply = {"version": spop.VERSION, "max-frame-size": self._max_frame, "capabilities": spop.CAPABILITIES}
+        self._write(spop.encode_frame(FrameType.AGENT_HELLO, 0, 0, spop.encode_kv_list(reply)))
+        if items.get("healthcheck") is True:
+            self._close()
+
+    def _notify(self, frame: spop.Frame) -> None:
+        arguments = spop.decode_messages(frame.payload).get(MESSAGE)
+        if arguments is None:
+            self._ack(frame, b"")
+            return
+        headers, body = request_from_arguments(arguments, self._session_header)
+        coroutine = self._answer(headers, body)
         try:
-            status, payload = await self._answer(self._headers, body)
+            yielded = coroutine.send(None)  # type: ignore[attr-defined]
+        except StopIteration as done:
+            self._ack_answer(frame, done.value)
+            return
         except Exception:
             logger.exception("route call failed")
-            status, payload = 500, '{"reason": "router_error"}'
-        self._finish(status, payload)
+            self._ack_answer(frame, _FAILED)
+            return
+        task = asyncio.get_running_loop().create_task(self._finish(frame, _Resumed(coroutine, yielded)))  # type: ignore[arg-type]
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
-    def _finish(self, status: int, payload: str) -> None:
+    async def _finish(self, frame: spop.Frame, pending: _Resumed) -> None:
+        try:
+            answered = await pending
+        except Exception:
+            logger.exception("route call failed")
+            answered = _FAILED
+        self._ack_answer(frame, answered)
+
+    def _ack_answer(self, frame: spop.Frame, answered: tuple[int, Answer]) -> None:
+        self._ack(frame, spop.set_var_actions(answer_variables(*answered)))
+
+    def _ack(self, frame: spop.Frame, actions: bytes) -> None:
+        self._write(spop.encode_frame(FrameType.ACK, frame.stream_id, frame.frame_id, actions))
+
+    def _disconnect(self, status: Status, message: str) -> None:
+        payload = spop.encode_kv_list({"status-code": int(status), "message": message})
+        self._write(spop.encode_frame(FrameType.AGENT_DISCONNECT, 0, 0, payload))
+        self._close()
+
+    def _write(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(_reply(status, payload))
+            self._transport.write(data)
+
+    def _close(self) -> None:
+        if self._transport is not None:
             self._transport.close()
 
 
 class RouteListener:
-    """Serves route calls on `host`:`port` (0: a free one) until closed."""
+    """Serves route calls as an SPOE agent on `host`:`port` (0: a free one) until closed."""
 
-    def __init__(self, answer: RouteAnswer) -> None:
+    def __init__(self, answer: RouteAnswer, session_header: str) -> None:
         self._answer = answer
+        self._session_header = session_header
         self._running: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int = 0) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _RouteCall(self._answer, self._running), host, port)
+        self._server = await loop.create_server(
+            lambda: _AgentConnection(self._answer, self._session_header, self._running), host, port
+        )
         return self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from ray.serve.deployment import Application
 
+from base.agent_wire import Answer
 from base.contracts import (
     FAULT_PATH,
     FRONTEND_HEADER,
@@ -164,10 +165,10 @@ def build_router_app(
     membership = FrontendMembership()
     fault = InjectedFault()
 
-    async def answer(headers: Mapping[str, str], body: bytes) -> tuple[int, str]:
-        """A route call's status and JSON reply (the route endpoint's and the route listener's)."""
+    async def answer(headers: Mapping[str, str], body: bytes) -> tuple[int, Answer]:
+        """A route call's status and answer (the route endpoint's, as JSON, and the route agent's, as variables)."""
         if fault.active():
-            return 500, RouteRefusal(reason=REASON_INJECTED_FAULT).model_dump_json()
+            return 500, RouteRefusal(reason=REASON_INJECTED_FAULT)
         route_request = route_request_from(headers, body, settings.session_header)
         if route_request.body_truncated:
             truncated_bodies.inc()
@@ -177,16 +178,17 @@ def build_router_app(
             decision = await policy.decide(membership.routable(replicas(), frontend), route_request)
         except NoReplicaAvailable as refusal:
             REFUSED_TOTAL.labels(settings.target_app, policy.name, refusal.reason).inc()
-            return 503, RouteRefusal(reason=refusal.reason).model_dump_json()
+            return 503, RouteRefusal(reason=refusal.reason)
         routed.inc()
-        return 200, route_reply(decision, prefill_replica).wire_json()
+        return 200, route_reply(decision, prefill_replica)
 
     app.state.answer_route = answer
     app.state.route_listener_port = None
 
     @app.post(ROUTE_PATH)
     async def route(request: Request) -> Response:
-        status, reply = await answer(request.headers, await request.body())
+        status, answered = await answer(request.headers, await request.body())
+        reply = answered.wire_json() if isinstance(answered, RouteReply) else answered.model_dump_json()
         return Response(reply, status_code=status, media_type=_JSON)
 
     @app.get(ROUTE_LISTENER_PATH)
@@ -262,7 +264,7 @@ class RouterReplica:
             await self._prefill_replicas.start()
             prefill = PrefillChooser(prefill_policy, self._prefill_replicas.views, side.route_prefix, side.required)
         self._app = build_router_app(self._settings, policy, self._replicas.views, prefill)
-        self._listener = RouteListener(self._app.state.answer_route)
+        self._listener = RouteListener(self._app.state.answer_route, self._settings.session_header)
         self._app.state.route_listener_port = await self._listener.start(ray.util.get_node_ip_address())
 
     def _live_replicas(self, app: str, capacity: int, ranks: int = 1) -> LiveReplicas:

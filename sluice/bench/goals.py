@@ -5,13 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.bench.summary import FIGURES, LIMIT_PATH
+from sluice.bench.overhead import DEFAULT_VARIANT, variant_label
+from sluice.bench.summary import FIGURES, LIMIT_PATH, PROXY_LIMIT_PATH
 
 TOKENS_RATIO_GOAL = 0.95
 ADDED_MS_GOAL = 1.0
 OVER_PYTHON_PATHS_GOAL = 3.0
-ROUTE_P50_MS_GOAL = 0.5
-ROUTE_P99_MS_GOAL = 2.0
+ROUTE_P50_MS_GOAL = 0.3
+ROUTE_P99_MS_GOAL = 1.5
+# Against the limit a proxy can reach (HAProxy alone), where a burst of streams starts at once.
+PROXY_TTFT_RATIO_GOAL = 1.1
+PROXY_TOKENS_RATIO_GOAL = 0.97
+PROXY_CASES = {"tiny": ("16", "64"), "zero": ("64x256",)}
+ROUTER_CPU_US_GOAL = 50.0
+CPU_POLICIES = ("round_robin", "consistent_hash")
 # Figures where more is better; every other figure is a latency.
 HIGHER_IS_BETTER = {"tokens_per_s"}
 
@@ -24,8 +31,9 @@ def _worse(direct: float, peer: float, figure: str) -> bool:
     return direct < peer if figure in HIGHER_IS_BETTER else direct > peer
 
 
-def judge(tiny: dict[str, Any], zero: dict[str, Any], rates: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    """(goal, what was measured, met) per goal; met is None where the run lacks the path (e.g. no peer)."""
+def judge(tiny: dict[str, Any], zero: dict[str, Any], variants: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(goal, what was measured, met) per goal; met is None where the run lacks the path (e.g. no peer) or the
+    router variant. `variants`: the route call's figures per router variant (`variant_label`), per rate."""
     verdicts: list[tuple[str, str, bool | None]] = []
     ratio = tiny["direct"]["64"]["tokens_per_s"]["ratio"]
     verdicts.append(
@@ -64,18 +72,47 @@ def judge(tiny: dict[str, Any], zero: dict[str, Any], rates: dict[str, Any]) -> 
                 all(v >= OVER_PYTHON_PATHS_GOAL for v in times.values()),
             )
         )
-    at_1000 = rates["1000"]
+    verdicts += _proxy_verdicts({"tiny": tiny, "zero": zero})
+    at_1000 = variants[DEFAULT_VARIANT]["1000"]
     met = at_1000["route_p50_ms"] <= ROUTE_P50_MS_GOAL and at_1000["route_p99_ms"] <= ROUTE_P99_MS_GOAL
     shown = f"p50 {at_1000['route_p50_ms']:.2f} ms, p99 {at_1000['route_p99_ms']:.2f} ms"
     verdicts.append(
         (f"route call p50 ≤ {ROUTE_P50_MS_GOAL} ms, p99 ≤ {ROUTE_P99_MS_GOAL} ms at 1,000 req/s", shown, met)
     )
+    cpu = {
+        policy: variants[label]["1000"]["router_cpu_us_per_decision"]
+        for policy in CPU_POLICIES
+        if (label := variant_label(policy, 1)) in variants
+    }
+    shown = ", ".join(f"{policy}: {value:.0f} µs" for policy, value in cpu.items()) or "not measured"
+    met = all(v <= ROUTER_CPU_US_GOAL for v in cpu.values()) if len(cpu) == len(CPU_POLICIES) else None
+    verdicts.append((f"router CPU per decision ≤ {ROUTER_CPU_US_GOAL:.0f} µs at 1,000 req/s", shown, met))
     return verdicts
 
 
-def breakdown(tiny: dict[str, Any], rates: dict[str, Any]) -> list[tuple[str, str]]:
+def _proxy_verdicts(workloads: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
+    """TTFT p50 and tokens/s of `direct` against HAProxy alone, where a burst of streams starts."""
+    cases = [(name, case) for name, labels in PROXY_CASES.items() for case in labels]
+    ttft = {f"{n} {c}": workloads[n]["direct"][c]["ttft_p50_ms"]["proxy_ratio"] for n, c in cases}
+    tokens = {f"{n} {c}": workloads[n]["direct"][c]["tokens_per_s"]["proxy_ratio"] for n, c in cases}
+    return [
+        (
+            f"TTFT p50 direct ≤ {PROXY_TTFT_RATIO_GOAL}x {PROXY_LIMIT_PATH}",
+            ", ".join(f"{case}: x{value:.2f}" for case, value in ttft.items()),
+            all(v <= PROXY_TTFT_RATIO_GOAL for v in ttft.values()),
+        ),
+        (
+            f"tokens/s direct ≥ {PROXY_TOKENS_RATIO_GOAL}x {PROXY_LIMIT_PATH}",
+            ", ".join(f"{case}: x{value:.2f}" for case, value in tokens.items()),
+            all(v >= PROXY_TOKENS_RATIO_GOAL for v in tokens.values()),
+        ),
+    ]
+
+
+def breakdown(tiny: dict[str, Any], variants: dict[str, Any]) -> list[tuple[str, str]]:
     """Where the direct path's TTFT goes at one stream, part by part."""
     ttft = {path: _median(tiny, path, "1", "ttft_p50_ms") for path in (LIMIT_PATH, "haproxy_only", "direct")}
+    rates = variants[DEFAULT_VARIANT]
     slowest = rates[min(rates, key=int)]
     return [
         ("TTFT p50 at the replica port (1 stream)", f"{ttft[LIMIT_PATH]:.1f} ms"),
@@ -85,7 +122,7 @@ def breakdown(tiny: dict[str, Any], rates: dict[str, Any]) -> list[tuple[str, st
             f"route call as the Lua action times it ({min(rates, key=int)} req/s)",
             f"p50 {slowest['route_p50_ms']:.2f} ms",
         ),
-        ("router CPU per decision (route listener, answer)", f"{slowest['router_cpu_us_per_decision']:.0f} µs"),
+        ("router CPU per decision (route agent, answer)", f"{slowest['router_cpu_us_per_decision']:.0f} µs"),
     ]
 
 

@@ -22,11 +22,18 @@ from base.runtime import LOOPBACK, free_port
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import find_haproxy_binary
 
-RATES = (100, 500, 1000)
+RATES = (100, 1000, 5000)
 RATE_STEP_S = 4.0
 # Keep-alive connections the open-loop client may hold: enough that a slow answer never delays the next request.
 MAX_CONNECTIONS = 256
 ROUTED_CHEAP_PATH = "/v1/models"
+# The stack's own router (the embedded default's policy, one router replica): the route call's goals are judged here.
+DEFAULT_VARIANT = "round_robin x1"
+
+
+def variant_label(policy: str, routers: int) -> str:
+    """A router variant the route call is measured on: its policy and router replica count."""
+    return f"{policy} x{routers}"
 
 
 def passthrough_config(port: int, replica_urls: list[str]) -> str:
@@ -149,29 +156,35 @@ async def post_at_rate(url: str, rate: int, seconds: float, id_prefix: str) -> t
     return ids, statuses
 
 
-def router_process(router_app: str) -> psutil.Process:
-    """The router replica's process (the bench stack runs one router replica)."""
-    for process in psutil.process_iter(["cmdline"]):
-        if " ".join(process.info["cmdline"] or []).startswith(f"ray::ServeReplica:{router_app}:"):
-            return process
-    raise RuntimeError(f"no process of router app {router_app}")
+def router_processes(router_app: str) -> list[psutil.Process]:
+    """The processes of the router app's replicas."""
+    found = [
+        process
+        for process in psutil.process_iter(["cmdline"])
+        if " ".join(process.info["cmdline"] or []).startswith(f"ray::ServeReplica:{router_app}:")
+    ]
+    if not found:
+        raise RuntimeError(f"no process of router app {router_app}")
+    return found
 
 
-def _cpu_s(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return times.user + times.system
+def _cpu_s(processes: list[psutil.Process]) -> float:
+    return sum(times.user + times.system for times in (process.cpu_times() for process in processes))
 
 
 def route_call_rates(url: str, frontend: Any, router_app: str) -> dict[str, Any]:
-    """Route call p50/p99 as timed inside HAProxy's Lua action, and the router's CPU per decision, at each rate."""
-    router = router_process(router_app)
+    """Route call p50/p99 as timed inside HAProxy's Lua action, and the routers' CPU per decision (all of the app's
+    router replicas together), at each rate; with the rate the client reached (it may fall short at the highest)."""
+    router = router_processes(router_app)
     before = _cpu_s(router)
     time.sleep(RATE_STEP_S)
     idle_cpu_s = _cpu_s(router) - before
     results: dict[str, Any] = {}
     for rate in RATES:
         before = _cpu_s(router)
+        sent_at = time.perf_counter()
         ids, statuses = asyncio.run(post_at_rate(url, rate, RATE_STEP_S, f"bench-rate-{rate}-{time.time_ns()}"))
+        elapsed_s = time.perf_counter() - sent_at
         busy_cpu_s = _cpu_s(router) - before
         time.sleep(0.5)  # the frontend logs a request once it has ended
         records = frontend.requests.remote(ids).result(timeout_s=60)
@@ -180,19 +193,24 @@ def route_call_rates(url: str, frontend: Any, router_app: str) -> dict[str, Any]
             raise RuntimeError(f"no route call was logged at {rate} req/s (statuses {dict(statuses)})")
         results[str(rate)] = {
             "requests": len(ids),
+            "reached_req_per_s": len(ids) / elapsed_s,
             "statuses": {str(k): v for k, v in sorted(statuses.items())},
             "route_p50_ms": quantile(route_ms, 0.5),
             "route_p99_ms": quantile(route_ms, 0.99),
-            "router_cpu_us_per_decision": max(busy_cpu_s - idle_cpu_s, 0.0) / len(route_ms) * 1e6,
+            "router_cpu_us_per_decision": max(busy_cpu_s - idle_cpu_s * elapsed_s / RATE_STEP_S, 0.0)
+            / len(route_ms)
+            * 1e6,
         }
     return results
 
 
-def rates_table(results: dict[str, Any]) -> str:
-    lines = [f"{'req/s':>6}{'route p50 ms':>14}{'route p99 ms':>14}{'router CPU µs/decision':>24}{'statuses':>16}"]
-    for rate, entry in results.items():
-        lines.append(
-            f"{rate:>6}{entry['route_p50_ms']:>14.2f}{entry['route_p99_ms']:>14.2f}"
-            f"{entry['router_cpu_us_per_decision']:>24.0f}  {entry['statuses']}"
-        )
+def rates_table(variants: dict[str, Any]) -> str:
+    head = f"{'routers':<20}{'req/s':>6}{'reached':>9}{'route p50 ms':>14}{'route p99 ms':>14}{'CPU µs/decision':>17}"
+    lines = [head + "  statuses"]
+    for variant, results in variants.items():
+        for rate, entry in results.items():
+            lines.append(
+                f"{variant:<20}{rate:>6}{entry['reached_req_per_s']:>9.0f}{entry['route_p50_ms']:>14.2f}"
+                f"{entry['route_p99_ms']:>14.2f}{entry['router_cpu_us_per_decision']:>17.0f}  {entry['statuses']}"
+            )
     return "\n".join(lines)

@@ -23,8 +23,8 @@ from base.quantiles import quantile
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.stream_probe import one_stream
 from sluice.bench.goals import breakdown, judge, verdict_lines
-from sluice.bench.overhead import passthrough_haproxy, rates_table, route_call_rates
-from sluice.bench.summary import Rounds, chart, summarize, table
+from sluice.bench.overhead import DEFAULT_VARIANT, passthrough_haproxy, rates_table, route_call_rates, variant_label
+from sluice.bench.summary import Rounds, chart, proxy_table, summarize, table
 from topologies import EMBEDDED_SPEC
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ CASES = {
     ZERO_COMPUTE: [("64x16", 64, 16), ("64x256", 64, 256)],
 }
 TEAM_FILE = EMBEDDED_SPEC
+# Router variants the route call is measured on after the stack's own: (policy, router replicas).
+VARIANTS = (("consistent_hash", 1), ("consistent_hash", 2))
 
 
 async def _round(urls: list[str], streams: int, max_tokens: int) -> dict[str, float]:
@@ -83,8 +85,10 @@ def interleaved(urls: dict[str, list[str]], cases: list[tuple[str, int, int]]) -
     return rounds
 
 
-def _deploy_stack(folder: Path, name: str, stand_in: str | None = None) -> tuple[Any, dict[str, list[str]]]:
-    """The embedded default with its legacy ingress retained, on free ports; each path's base URLs."""
+def _deploy_stack(
+    folder: Path, name: str, stand_in: str | None = None
+) -> tuple[Any, dict[str, list[str]], dict[str, Any]]:
+    """The embedded default with its legacy ingress retained, on free ports; each path's base URLs, and the spec."""
     from base.runtime import DEFAULT_SERVE_PROXY_PORT, LOOPBACK, free_port
     from builders.plan import build_plan
     from services.serve_internals import list_replica_endpoints
@@ -120,7 +124,7 @@ def _deploy_stack(folder: Path, name: str, stand_in: str | None = None) -> tuple
         "legacy": [f"{e.url}/{model.legacy_app}" for e in legacy],
         "serve_proxy": [f"http://{LOOPBACK}:{DEFAULT_SERVE_PROXY_PORT}/{model.llm_app}"],
     }
-    return plan, urls
+    return plan, urls, data
 
 
 def _delete_stack(plan: StackPlan) -> None:
@@ -147,31 +151,45 @@ def _peer(with_peer: bool) -> Iterator[tuple[Any, str]]:
             yield peer, "measured (in-process executor, like sluice's replicas)"
 
 
-def _measure(out: Path, name: str, stand_in: str | None, peer: Any) -> tuple[Rounds, Any]:
-    plan, urls = _deploy_stack(out, name, stand_in)
+def _measure(out: Path, name: str, stand_in: str | None, peer: Any) -> tuple[Rounds, Any, dict[str, Any]]:
+    plan, urls, data = _deploy_stack(out, name, stand_in)
     with passthrough_haproxy(out, urls["replica_port"]) as haproxy_url:
         ordered = {"replica_port": urls.pop("replica_port"), "haproxy_only": [haproxy_url], **urls}
         if peer is not None:
             ordered["ray_replica_port"] = peer.replica_urls
             ordered["ray_peer"] = [peer.url]
         rounds = interleaved(ordered, CASES[TINY_MODEL if stand_in is None else ZERO_COMPUTE])
-    return rounds, plan
+    return rounds, plan, data
+
+
+def _route_call_variants(plan: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """The route call at fixed rates on the stack's own router (round_robin, one replica), then with
+    consistent_hash on one and on two router replicas (the policy switch leaves the LLM replicas)."""
+    from ray import serve
+
+    from sluice.bench.stack_variants import deploy_variant
+
+    model = plan.models[0]
+    handle = serve.get_app_handle(plan.frontend_app)
+    variants = {DEFAULT_VARIANT: route_call_rates(plan.url, handle, model.router_app)}
+    for policy, routers in VARIANTS:
+        data["frontend"]["routers"] = routers
+        variant = deploy_variant(data, policy, data["models"][0]["replicas"])
+        variants[variant_label(policy, routers)] = route_call_rates(variant.url, handle, model.router_app)
+    return variants
 
 
 def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
-    from ray import serve
-
     from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
 
     out.mkdir(parents=True, exist_ok=True)
     start_local_cluster(log_to_driver=False)
     try:
         with _peer(with_peer) as (peer, peer_note):
-            tiny_rounds, plan = _measure(out, "bench-paths", None, peer)
-        model = plan.models[0]
-        rates = route_call_rates(plan.url, serve.get_app_handle(plan.frontend_app), model.router_app)
+            tiny_rounds, plan, data = _measure(out, "bench-paths", None, peer)
+        rates = _route_call_variants(plan, data)
         _delete_stack(plan)
-        zero_rounds, _ = _measure(out, "bench-zero", ZERO_COMPUTE_STAND_IN, None)
+        zero_rounds, _, _ = _measure(out, "bench-zero", ZERO_COMPUTE_STAND_IN, None)
     finally:
         stop_local_cluster()
     measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -194,8 +212,10 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
         chart(summary, out / f"paths-{workload}.png", f"{workload.replace('_', ' ')}, {measured_at}")
         print(f"\n{workload}: median of {REPETITIONS} interleaved rounds (x ratio to replica_port), {measured_at}:")
         print(table(summary))
+        print(f"\n{workload}: direct against HAProxy alone (the limit a proxy can reach):")
+        print(proxy_table(summary))
     print(f"\nray_peer: {peer_note}; ray_replica_port: the peer's replicas' own ports")
-    print("\nroute call as HAProxy's Lua action times it, open-loop POSTs at fixed rates:")
+    print("\nroute call as HAProxy's Lua action times it (SPOE to the route agents), open-loop POSTs at fixed rates:")
     print(rates_table(rates))
     print("\nthe direct path's TTFT, part by part:")
     print("\n".join(f"  {part:<52}{value}" for part, value in payload["breakdown"].items()))

@@ -9,12 +9,15 @@ from typing import Any
 
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "headers_p50_ms")
 LIMIT_PATH = "replica_port"
+# The limit a proxy can reach: a plain HAProxy in front of the same replica ports.
+PROXY_LIMIT_PATH = "haproxy_only"
 # Rounds per path and case: {path: {case label: [figures of one round, ...]}}.
 Rounds = dict[str, dict[str, list[dict[str, float]]]]
 
 
 def summarize(rounds: Rounds) -> dict[str, Any]:
-    """Median, min and max of every figure per path and case, and the median's ratio to the replica port's."""
+    """Median, min and max of every figure per path and case, and the median's ratio to the replica port's and (where
+    the run has it) to HAProxy alone's."""
     summary: dict[str, Any] = {}
     for path, by_case in rounds.items():
         summary[path] = {}
@@ -22,16 +25,32 @@ def summarize(rounds: Rounds) -> dict[str, Any]:
             entry = {}
             for figure in FIGURES:
                 values = [m[figure] for m in measured]
-                limit = statistics.median(m[figure] for m in rounds[LIMIT_PATH][case])
                 median = statistics.median(values)
                 entry[figure] = {
                     "median": median,
                     "min": min(values),
                     "max": max(values),
-                    "ratio": median / limit if limit else None,
+                    "ratio": _ratio(median, rounds, LIMIT_PATH, case, figure),
+                    "proxy_ratio": _ratio(median, rounds, PROXY_LIMIT_PATH, case, figure),
                 }
             summary[path][case] = entry
     return summary
+
+
+def _ratio(median: float, rounds: Rounds, path: str, case: str, figure: str) -> float | None:
+    if path not in rounds:
+        return None
+    limit = statistics.median(m[figure] for m in rounds[path][case])
+    return median / limit if limit else None
+
+
+def proxy_table(summary: dict[str, Any], path: str = "direct") -> str:
+    """`path` as a ratio to HAProxy alone, beside its ratio to the replica port, per case."""
+    lines = [f"{'streams':>10}{'TTFT p50 ÷ haproxy_only':>26}{'÷ replica_port':>16}{'tok/s ÷ haproxy_only':>24}"]
+    for case, entry in summary[path].items():
+        ttft, tokens = entry["ttft_p50_ms"], entry["tokens_per_s"]
+        lines.append(f"{case:>10}{ttft['proxy_ratio']:>26.2f}{ttft['ratio']:>16.2f}{tokens['proxy_ratio']:>24.2f}")
+    return "\n".join(lines)
 
 
 def table(summary: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sluice.bench.goals import breakdown, judge
+from sluice.bench.overhead import DEFAULT_VARIANT, variant_label
 from sluice.bench.summary import FIGURES, summarize
 
 
@@ -24,46 +25,62 @@ def tiny(direct_tokens: float, direct_ms: float, peer_ms: float) -> dict:
 
 def zero(direct_tokens: float) -> dict:
     cases = ("64x16", "64x256")
-    paths = {"replica_port": 5000.0, "direct": direct_tokens, "legacy": 1000.0, "serve_proxy": 1500.0}
-    return summarize({p: {c: rounds(t, 50.0) for c in cases} for p, t in paths.items()})
+    paths = {"replica_port": 5000.0, "haproxy_only": 4900.0, "direct": direct_tokens, "legacy": 1000.0}
+    return summarize({p: {c: rounds(t, 50.0) for c in cases} for p, t in {**paths, "serve_proxy": 1500.0}.items()})
 
 
-RATES = {"100": {"route_p50_ms": 0.3, "route_p99_ms": 1.0, "router_cpu_us_per_decision": 90.0}}
+RATES = {"100": {"route_p50_ms": 0.2, "route_p99_ms": 1.0, "router_cpu_us_per_decision": 90.0}}
 
 
-def verdicts(direct_tokens: float, direct_ms: float, peer_ms: float, zero_tokens: float, p99: float) -> dict:
-    rates = {**RATES, "1000": {"route_p50_ms": 0.4, "route_p99_ms": p99, "router_cpu_us_per_decision": 80.0}}
-    return {goal: met for goal, _, met in judge(tiny(direct_tokens, direct_ms, peer_ms), zero(zero_tokens), rates)}
+def verdicts(
+    direct_tokens: float, direct_ms: float, peer_ms: float, zero_tokens: float, p99: float, cpu_us: float = 40.0
+) -> dict:
+    at_1000 = {"route_p50_ms": 0.25, "route_p99_ms": p99, "router_cpu_us_per_decision": cpu_us}
+    variants = {
+        DEFAULT_VARIANT: {**RATES, "1000": at_1000},
+        variant_label("consistent_hash", 1): {**RATES, "1000": {**at_1000, "router_cpu_us_per_decision": 45.0}},
+    }
+    summaries = tiny(direct_tokens, direct_ms, peer_ms), zero(zero_tokens)
+    return {goal: met for goal, _, met in judge(*summaries, variants)}
 
 
 def test_every_goal_met_and_each_one_missed_on_its_own() -> None:
-    assert all(verdicts(980, 10.5, 12.0, 4800, 1.5).values())
+    assert all(verdicts(980, 10.5, 12.0, 4800, 1.2).values())
     missed = {
-        "tokens": verdicts(900, 10.5, 12.0, 4800, 1.5),
-        "added": verdicts(980, 11.5, 12.0, 4800, 1.5),
-        "peer": verdicts(980, 10.5, 10.2, 4800, 1.5),
-        "python paths": verdicts(980, 10.5, 12.0, 4000, 1.5),
+        "tokens": verdicts(900, 10.5, 12.0, 4800, 1.2),
+        "added": verdicts(980, 11.5, 12.0, 4800, 1.2),
+        "peer": verdicts(980, 10.5, 10.2, 4800, 1.2),
+        "python paths": verdicts(980, 10.5, 12.0, 4000, 1.2),
         "route": verdicts(980, 10.5, 12.0, 4800, 2.5),
+        "cpu": verdicts(980, 10.5, 12.0, 4800, 1.2, cpu_us=60.0),
     }
-    assert [g for g, met in missed["tokens"].items() if not met] == ["tokens/s direct/replica ≥ 0.95 at 64 streams"]
+    assert {g for g, met in missed["tokens"].items() if not met} == {
+        "tokens/s direct/replica ≥ 0.95 at 64 streams",
+        "tokens/s direct ≥ 0.97x haproxy_only",
+    }
     assert {g for g, met in missed["added"].items() if not met} == {
         "ttft_p50_ms added ≤ 1.0 ms",
         "itl_p99_ms added ≤ 1.0 ms",
+        "TTFT p50 direct ≤ 1.1x haproxy_only",
     }
     assert [g for g, met in missed["peer"].items() if not met] == ["direct ≥ Ray's HAProxy peer on every figure"]
-    assert [g for g, met in missed["python paths"].items() if not met] == [
-        "direct ≥ 3.0x serve_proxy tokens/s (zero compute)"
-    ]
+    assert {g for g, met in missed["python paths"].items() if not met} == {
+        "direct ≥ 3.0x serve_proxy tokens/s (zero compute)",
+        "tokens/s direct ≥ 0.97x haproxy_only",
+    }
     assert [g for g, met in missed["route"].items() if not met] == [
-        "route call p50 ≤ 0.5 ms, p99 ≤ 2.0 ms at 1,000 req/s"
+        "route call p50 ≤ 0.3 ms, p99 ≤ 1.5 ms at 1,000 req/s"
     ]
+    assert [g for g, met in missed["cpu"].items() if not met] == ["router CPU per decision ≤ 50 µs at 1,000 req/s"]
 
 
 def test_without_the_peer_its_goal_is_not_judged_and_the_breakdown_adds_up() -> None:
     summary = tiny(980, 10.5, 12.0)
     del summary["ray_peer"]
-    rates = {**RATES, "1000": RATES["100"]}
-    assert {met for goal, _, met in judge(summary, zero(4800), rates) if "peer" in goal} == {None}
-    parts = dict(breakdown(summary, rates))
+    variants = {DEFAULT_VARIANT: {**RATES, "1000": RATES["100"]}}
+    judged = {goal: met for goal, _, met in judge(summary, zero(4800), variants)}
+    assert {met for goal, met in judged.items() if "peer" in goal} == {None}
+    assert judged["router CPU per decision ≤ 50 µs at 1,000 req/s"] is None, "consistent_hash was not measured"
+    parts = dict(breakdown(summary, variants))
     assert parts["+ HAProxy alone (no Lua, no route call)"] == "+0.2 ms"
     assert parts["+ sluice's Lua action, route call and router"] == "+0.3 ms"

@@ -26,6 +26,7 @@ from infra.haproxy.config import (
 )
 from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
+from infra.haproxy.spoe import AGENT_BACKEND
 from infra.observability import DASHBOARD_PATH
 from infra.observability.dashboard import Dashboard, GridPos, load_dashboard, metric_names
 from infra.observability.targets import ROUTER_TARGETS_BACKEND, TARGETS_PATH, router_targets_backend
@@ -199,10 +200,12 @@ def test_the_syncer_keeps_each_router_s_serve_address_as_a_target(tmp_path: Path
     syncer = make_syncer(tmp_path, runtime, [endpoint("a", 1001)], routers, now)
     report = asyncio.run(syncer.sync_once())
     assert report.added == ["a", "r"], "a router is reported once"
-    assert runtime.servers[(ROUTER_BACKEND, "r")]["addr"] == "127.0.0.1:2999"
+    assert runtime.servers[(AGENT_BACKEND, "r")]["addr"] == "127.0.0.1:2999"
+    assert runtime.servers[(ROUTER_BACKEND, "r")]["addr"] == "127.0.0.1:2001"
     target = runtime.servers[(ROUTER_TARGETS_BACKEND, "r")]
     assert (target["addr"], target["state"], target["options"]) == ("127.0.0.1:2001", "ready", [])
-    assert "health down r" in runtime.commands and runtime.commands.count("health down r") == 1
+    # The router and its agent start DOWN until checked; the target is never checked.
+    assert runtime.commands.count("health down r") == 2
     # The router is replaced on a new Serve port, then leaves: its target follows.
     routers[:] = [router.model_copy(update={"port": 2002})]
     now[0] = 1.0

@@ -1,96 +1,177 @@
-"""The router's route listener answers route calls like its HTTP app, and HAProxy's router servers point at it
-while their health checks probe Serve's port."""
+"""The router's route agent speaks SPOP as HAProxy does: the HELLO handshake, NOTIFY frames answered by ACKs whose
+set-var actions are the route call's answer (pipelined, in any order), errors answered by AGENT-DISCONNECT; HAProxy's
+agent servers point at it while their health checks probe Serve's port."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import pytest
+
+from base.agent_wire import ANSWER_VARS, BODY_ARG, MESSAGE, REPLY_VARS, Answer, answer_variables
+from base.contracts import FRONTEND_HEADER, REQUEST_ID_HEADER
+from base.route_wire import RouteRefusal, RouteReply
 from infra.haproxy.config import ROUTER_BACKEND
-from services.router.route_listener import MAX_HEAD_BYTES, RouteListener
+from infra.haproxy.spoe import AGENT_BACKEND
+from services.router import spop
+from services.router.route_listener import RouteListener
+from services.router.spop import FrameType, Status
 from tests.support.syncer_fakes import FakeRuntime, endpoint, make_syncer
 
 LOOPBACK = "127.0.0.1"
+SESSION = "x-session-id"
+HELLO = {"supported-versions": "2.0", "max-frame-size": 16380, "capabilities": "pipelining,async", "engine-id": "e1"}
 
 
-async def _echo(headers: Mapping[str, str], body: bytes) -> tuple[int, str]:
-    return 200, json.dumps({"headers": dict(headers), "body": body.decode()})
-
-
-async def _exchange(port: int, *pieces: bytes) -> bytes:
-    """Send the request in pieces (as a slow network would) and read until the listener closes."""
-    reader, writer = await asyncio.open_connection(LOOPBACK, port)
-    for piece in pieces:
-        writer.write(piece)
-        await writer.drain()
-        await asyncio.sleep(0.01)
-    reply = await asyncio.wait_for(reader.read(), 5)
-    writer.close()
-    return reply
-
-
-def _call(*pieces: bytes) -> tuple[int, bytes]:
-    async def run() -> bytes:
-        listener = RouteListener(_echo)
-        port = await listener.start(LOOPBACK)
-        try:
-            return await _exchange(port, *pieces)
-        finally:
-            listener.close()
-
-    reply = asyncio.run(run())
-    head, _, body = reply.partition(b"\r\n\r\n")
-    assert b"connection: close" in head.lower()
-    return int(head.split(b" ", 2)[1]), body
-
-
-def test_a_route_call_gets_the_answer_with_lower_case_headers_and_the_whole_body() -> None:
-    request = b"POST /app-router/internal/route HTTP/1.0\r\nX-Session-Id: s1\r\nContent-Length: 12\r\n\r\n"
-    status, body = _call(request, b'{"model":', b" 1}")
-    assert status == 200
-    answer = json.loads(body)
-    assert answer["headers"]["x-session-id"] == "s1" and answer["body"] == '{"model": 1}'
-
-
-def test_anything_but_a_route_call_is_refused_with_a_status() -> None:
-    assert _call(b"GET /app-router/internal/route HTTP/1.0\r\n\r\n")[0] == 404
-    assert _call(b"POST /metrics HTTP/1.0\r\nContent-Length: 0\r\n\r\n")[0] == 404
-    assert _call(b"POST /internal/route HTTP/1.0\r\nContent-Length: x\r\n\r\n")[0] == 400
-    assert _call(b"garbage\r\n\r\n")[0] == 400
-    assert _call(b"POST /internal/route HTTP/1.0\r\nX-Big: " + b"a" * MAX_HEAD_BYTES)[0] == 400
-
-
-def test_a_failing_answer_is_a_500_not_a_dropped_connection() -> None:
-    async def failing(headers: Mapping[str, str], body: bytes) -> tuple[int, str]:
+async def _answer(headers: Mapping[str, str], body: bytes) -> tuple[int, Answer]:
+    session = headers.get(SESSION, "")
+    if session == "refuse":
+        return 503, RouteRefusal(reason="no_replica")
+    if session == "fail":
         raise RuntimeError("policy bug")
+    if session == "slow":
+        await asyncio.sleep(0.05)
+    fallbacks = [headers.get(REQUEST_ID_HEADER, "none"), headers.get(FRONTEND_HEADER, "none")]
+    return 200, RouteReply(replica_id=f"r-{session}-{len(body)}", fallbacks=fallbacks, capacity_token="t1")
 
-    async def run() -> bytes:
-        listener = RouteListener(failing)
+
+def _notify(stream_id: int, frame_id: int, arguments: dict[str, spop.Value]) -> bytes:
+    payload = spop.encode_string(MESSAGE) + bytes((len(arguments),)) + spop.encode_kv_list(arguments)
+    return spop.encode_frame(FrameType.NOTIFY, stream_id, frame_id, payload)
+
+
+def _hello(items: dict[str, spop.Value] = HELLO) -> bytes:
+    return spop.encode_frame(FrameType.HAPROXY_HELLO, 0, 0, spop.encode_kv_list(items))
+
+
+def _variables(payload: bytes | memoryview) -> dict[str, spop.Value]:
+    """An ACK's set-var actions as name -> value (all in the transaction's scope)."""
+    variables: dict[str, spop.Value] = {}
+    offset = 0
+    while offset < len(payload):
+        assert (payload[offset], payload[offset + 1], payload[offset + 2]) == (spop.ACTION_SET_VAR, 3, 2)
+        name, offset = spop.decode_bytes(payload, offset + 3)
+        variables[name.decode()], offset = spop.decode_value(payload, offset)
+    return variables
+
+
+async def _read_frames(reader: asyncio.StreamReader, count: int) -> list[spop.Frame]:
+    frames = []
+    for _ in range(count):
+        (length,) = spop.LENGTH.unpack(await asyncio.wait_for(reader.readexactly(4), 5))
+        frames.append(spop.decode_frame(await reader.readexactly(length)))
+    return frames
+
+
+def _exchange(*writes: bytes, replies: int, closes: bool = False) -> list[spop.Frame]:
+    async def run() -> list[spop.Frame]:
+        listener = RouteListener(_answer, SESSION)
         port = await listener.start(LOOPBACK)
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
         try:
-            return await _exchange(port, b"POST /internal/route HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+            for data in writes:
+                writer.write(data)
+            await writer.drain()
+            frames = await _read_frames(reader, replies)
+            if closes:
+                assert await asyncio.wait_for(reader.read(), 5) == b""
+            return frames
         finally:
+            writer.close()
             listener.close()
 
-    assert asyncio.run(run()).startswith(b"HTTP/1.0 500")
+    return asyncio.run(run())
 
 
-def test_a_router_server_points_at_its_listener_and_is_checked_on_serves_port(tmp_path: Path) -> None:
+@pytest.mark.parametrize("value", [0, 1, 239, 240, 2287, 2288, 65535, 2**32 - 1, 2**32, 2**63 - 1])
+def test_varints_round_trip_at_every_length_boundary(value: int) -> None:
+    encoded = spop.encode_varint(value)
+    assert spop.decode_varint(encoded + b"\xff", 0) == (value, len(encoded))
+    assert (len(encoded) == 1) == (value < 240)
+
+
+def test_typed_values_round_trip_and_truncated_data_is_an_invalid_frame() -> None:
+    for value, decoded in [(None, None), (True, True), (False, False), (7, 7), (2**40, 2**40), ("é", "é".encode())]:
+        assert spop.decode_value(spop.encode_value(value), 0)[0] == decoded
+    with pytest.raises(spop.FrameError) as error:
+        spop.decode_value(spop.encode_value("long string")[:-2], 0)
+    assert error.value.status == Status.INVALID
+
+
+def test_the_hello_handshake_agrees_on_version_frame_size_and_pipelining() -> None:
+    [reply] = _exchange(_hello(), replies=1)
+    items = spop.decode_kv_list(reply.payload)
+    assert reply.kind == FrameType.AGENT_HELLO and reply.flags & spop.FLAG_FIN
+    assert items == {"version": b"2.0", "max-frame-size": 16380, "capabilities": b"pipelining,async"}
+
+
+def test_a_health_check_hello_is_answered_then_closed() -> None:
+    [reply] = _exchange(_hello({**HELLO, "healthcheck": True}), replies=1, closes=True)
+    assert reply.kind == FrameType.AGENT_HELLO
+
+
+def test_each_notify_is_acked_with_its_answer_as_variables_in_any_order() -> None:
+    frames = [
+        _notify(11, 1, {SESSION: b"slow", REQUEST_ID_HEADER: b"req-1", FRONTEND_HEADER: b"fe", BODY_ARG: b"abc"}),
+        _notify(12, 1, {SESSION: b"quick", REQUEST_ID_HEADER: b"req-2"}),
+        _notify(13, 4, {SESSION: b"refuse"}),
+        _notify(14, 1, {SESSION: b"fail"}),
+    ]
+    replies = _exchange(_hello(), b"".join(frames), replies=5)
+    acks = {frame.stream_id: frame for frame in replies[1:]}
+    # The slow decision's ACK comes last: the others did not wait behind it.
+    assert replies[-1].stream_id == 11 and all(frame.kind == FrameType.ACK for frame in replies[1:])
+    assert acks[13].frame_id == 4
+    assert _variables(acks[11].payload) == {
+        "status": 200,
+        "replica_id": b"r-slow-3",
+        "fallbacks": b"req-1,fe",
+        "capacity_token": b"t1",
+    }
+    assert _variables(acks[12].payload)["fallbacks"] == b"req-2,none"
+    assert _variables(acks[13].payload) == {"status": 503, "reason": b"no_replica"}
+    assert _variables(acks[14].payload) == {"status": 500, "reason": b"router_error"}
+
+
+def test_every_reply_field_has_a_variable() -> None:
+    reply = RouteReply(replica_id="a", fallbacks=["b"], capacity_token="t", prefill_replica_id="p", prefill_url="u")
+    assert set(answer_variables(200, reply)) == {"status", *REPLY_VARS} and set(REPLY_VARS) <= set(ANSWER_VARS)
+
+
+@pytest.mark.parametrize(
+    ("data", "status"),
+    [
+        (_hello({**HELLO, "supported-versions": "1.0"}), Status.BAD_VSN),
+        (_hello({**HELLO, "max-frame-size": 10}), Status.BAD_FRAME_SIZE),
+        (spop.encode_frame(FrameType.ACK, 0, 0, b""), Status.INVALID),
+        (spop.LENGTH.pack(3) + b"abc", Status.INVALID),
+        (spop.LENGTH.pack(2**31), Status.TOO_BIG),
+        (spop.encode_frame(FrameType.HAPROXY_DISCONNECT, 0, 0, b""), Status.NORMAL),
+    ],
+)
+def test_a_bad_frame_or_a_disconnect_is_answered_with_agent_disconnect_then_closed(data: bytes, status: Status) -> None:
+    [reply] = _exchange(data, replies=1, closes=True)
+    assert reply.kind == FrameType.AGENT_DISCONNECT
+    assert spop.decode_kv_list(reply.payload)["status-code"] == status
+
+
+def test_agent_servers_point_at_the_agent_and_are_checked_on_serves_port(tmp_path: Path) -> None:
     runtime = FakeRuntime()
     routers = [endpoint("r", 2001).model_copy(update={"route_port": 3001})]
     syncer = make_syncer(tmp_path, runtime, [endpoint("a", 1001)], routers, [0.0])
     asyncio.run(syncer.sync_once())
-    server = runtime.servers[(ROUTER_BACKEND, "r")]
-    assert server["addr"] == "127.0.0.1:3001" and server["options"][-2:] == ["port", "2001"]
-    # The listener's port learnt after the server was added: the server moves to it, checks stay on Serve's port.
+    agent = runtime.servers[(AGENT_BACKEND, "r")]
+    assert agent["addr"] == "127.0.0.1:3001" and agent["options"][-2:] == ["port", "2001"]
+    assert runtime.servers[(ROUTER_BACKEND, "r")]["addr"] == "127.0.0.1:2001"
+    # A router whose agent's port is not known yet: only its HTTP route call; the agent server comes with the port.
     routers[:] = [endpoint("q", 2002)]
     asyncio.run(syncer.sync_once())
+    assert (AGENT_BACKEND, "q") not in runtime.servers and (ROUTER_BACKEND, "q") in runtime.servers
     routers[:] = [endpoint("q", 2002).model_copy(update={"route_port": 3002})]
-    assert asyncio.run(syncer.sync_once()).moved == ["q"]
-    moved = runtime.servers[(ROUTER_BACKEND, "q")]
-    assert moved["addr"] == "127.0.0.1:3002" and moved["check_port"] == 2002
-    # A fresh syncer (e.g. the frontend restarted) adopts a router server at its listener instead of replacing it.
+    asyncio.run(syncer.sync_once())
+    assert runtime.servers[(AGENT_BACKEND, "q")]["addr"] == "127.0.0.1:3002"
+    # A fresh syncer (e.g. the frontend restarted) adopts the servers instead of replacing them.
     again = make_syncer(tmp_path, runtime, [endpoint("a", 1001)], routers, [1.0])
-    assert not asyncio.run(again.sync_once()).changed and set(again.apps[0].routers.live) == {"q"}
+    assert not asyncio.run(again.sync_once()).changed and set(again.apps[0].agents.live) == {"q"}

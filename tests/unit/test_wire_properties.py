@@ -11,13 +11,18 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from base.contracts import ROUTE_PATH
+from base.agent_wire import BODY_ARG, MESSAGE, Answer
+from base.contracts import REQUEST_ID_HEADER
+from base.route_wire import RouteReply
 from loadtests.sse_timing import StreamRow, record_stream
-from services.router.route_listener import _RouteCall
+from services.router import spop
+from services.router.route_listener import _AgentConnection
 from services.router.route_request import fields_from_body, route_request_from
+from services.router.spop import FrameType
 from topologies.problems import SpecError
 from topologies.spec import parse_spec
 
+SESSION_HEADER = "x-session-id"
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -38,22 +43,22 @@ class _Transport:
 
 
 def _feed(chunks: list[bytes]) -> tuple[_Transport, list[tuple[dict[str, str], bytes]]]:
-    """Feed a route call's bytes in these chunks; the transport and the calls the answer got."""
+    """Feed a route agent's connection these chunks; the transport and the calls the answer got."""
     calls: list[tuple[dict[str, str], bytes]] = []
 
-    async def answer(headers: Any, body: bytes) -> tuple[int, str]:
+    async def answer(headers: Any, body: bytes) -> tuple[int, Answer]:
         calls.append((dict(headers), body))
-        return 200, '{"replica_id": "r"}'
+        return 200, RouteReply(replica_id="r")
 
     async def run() -> _Transport:
         transport = _Transport()
         running: set[asyncio.Task[None]] = set()
-        call = _RouteCall(answer, running)
-        call.connection_made(transport)  # type: ignore[arg-type]
+        connection = _AgentConnection(answer, SESSION_HEADER, running)
+        connection.connection_made(transport)  # type: ignore[arg-type]
         for chunk in chunks:
             if transport.closed:
                 break
-            call.data_received(chunk)
+            connection.data_received(chunk)
         if running:
             await asyncio.gather(*running)
         return transport
@@ -66,34 +71,52 @@ def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True) if data[a:b]]
 
 
+def _frame_kinds(written: list[bytes]) -> list[int]:
+    data = b"".join(written)
+    kinds, offset = [], 0
+    while offset < len(data):
+        (length,) = spop.LENGTH.unpack_from(data, offset)
+        kinds.append(data[offset + 4])
+        offset += 4 + length
+    return kinds
+
+
 header_values = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=20)
+HELLO = spop.encode_frame(
+    FrameType.HAPROXY_HELLO, 0, 0, spop.encode_kv_list({"supported-versions": "2.0", "max-frame-size": 16380})
+)
 
 
 @PROPERTY_SETTINGS
 @given(
     body=st.binary(max_size=600),
-    headers=st.dictionaries(st.from_regex(r"x-[a-z]{1,8}", fullmatch=True), header_values, max_size=4),
+    session=st.none() | header_values,
+    request_id=st.none() | header_values,
     cuts=st.lists(st.integers(min_value=0, max_value=900), max_size=8),
 )
 def test_a_route_call_cut_anywhere_is_answered_once_with_its_exact_body(
-    body: bytes, headers: dict[str, str], cuts: list[int]
+    body: bytes, session: str | None, request_id: str | None, cuts: list[int]
 ) -> None:
-    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    request = f"POST {ROUTE_PATH} HTTP/1.0\r\ncontent-length: {len(body)}\r\n{head}\r\n".encode() + body
-    transport, calls = _feed(_split(request, cuts))
+    arguments: dict[str, spop.Value] = {BODY_ARG: body}
+    for name, value in ((SESSION_HEADER, session), (REQUEST_ID_HEADER, request_id)):
+        arguments[name] = value.encode() if value is not None else None
+    payload = spop.encode_string(MESSAGE) + bytes((len(arguments),)) + spop.encode_kv_list(arguments)
+    notify = spop.encode_frame(FrameType.NOTIFY, 5, 1, payload)
+    transport, calls = _feed(_split(HELLO + notify, cuts))
     assert len(calls) == 1 and calls[0][1] == body
-    assert all(calls[0][0][name] == value for name, value in headers.items())
-    assert len(transport.written) == 1 and transport.written[0].startswith(b"HTTP/1.0 200 ") and transport.closed
+    assert calls[0][0].get(SESSION_HEADER) == session and calls[0][0].get(REQUEST_ID_HEADER) == request_id
+    assert _frame_kinds(transport.written) == [FrameType.AGENT_HELLO, FrameType.ACK] and not transport.closed
 
 
 @PROPERTY_SETTINGS
 @given(data=st.binary(max_size=400), cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6))
-def test_any_bytes_get_at_most_one_reply_and_never_an_exception(data: bytes, cuts: list[int]) -> None:
-    transport, calls = _feed(_split(data, cuts))
-    assert len(transport.written) <= 1 and len(calls) <= 1
-    if transport.written:
-        status = int(transport.written[0].split(b" ")[1])
-        assert status in (200, 400, 404) and transport.closed
+def test_any_bytes_get_whole_frames_back_and_never_an_exception(data: bytes, cuts: list[int]) -> None:
+    transport, calls = _feed(_split(HELLO + data, cuts))
+    kinds = _frame_kinds(transport.written)
+    assert kinds[0] == FrameType.AGENT_HELLO and len(calls) <= len(kinds) - 1
+    assert set(kinds[1:]) <= {FrameType.ACK, FrameType.AGENT_DISCONNECT}
+    if FrameType.AGENT_DISCONNECT in kinds:
+        assert kinds[-1] == FrameType.AGENT_DISCONNECT and transport.closed
 
 
 json_values = st.recursive(

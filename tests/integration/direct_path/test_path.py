@@ -22,6 +22,7 @@ from base.contracts import (
 )
 from base.waiting import wait_until
 from infra.haproxy.config import router_backend
+from infra.haproxy.spoe import agent_backend
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.support.llm_cluster import LLMCluster, direct_stack
@@ -77,15 +78,23 @@ def test_every_post_is_served_by_the_replica_the_router_chose(stack, client, rou
     assert mismatches == []
 
 
-def test_haproxy_calls_each_routers_route_listener_and_checks_its_serve_port(stack, client) -> None:
+def test_haproxy_asks_each_routers_agent_over_a_kept_connection_and_checks_its_serve_port(stack, client) -> None:
     routers = asyncio.run(list_replica_endpoints(stack.spec.router_app))
+    for _ in range(10):
+        response = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers={"x-session-id": "agent"})
+        assert response.status_code == 200, response.text
     stats = stack.runtime.show_stat()
+    kept = 0
     for router in routers:
-        stat = stats[(router_backend(0), router.replica_id)]
-        host, port = stat.addr.rsplit(":", 1)
-        assert stat.status.startswith("UP") and int(port) != router.port, stat
-        reply = client.post(f"http://{host}:{port}{stack.spec.router_route_prefix}{ROUTE_PATH}")
+        agent = stats[(agent_backend(0), router.replica_id)]
+        assert agent.status.startswith("UP") and int(agent.addr.rsplit(":", 1)[1]) != router.port, agent
+        kept += agent.scur
+        # The HTTP route call stays on Serve's port (Ray's contract, tools, the fallback).
+        assert stats[(router_backend(0), router.replica_id)].addr == f"{router.host}:{router.port}"
+        reply = client.post(f"{router.url}{stack.spec.router_route_prefix}{ROUTE_PATH}")
         assert reply.status_code == 200 and reply.json()["replica_id"], reply.text
+    # SPOE keeps its connections to the agents open between route calls.
+    assert kept >= 1
 
 
 def test_a_session_sticks_and_unsessioned_requests_spread(stack, client, llm_cluster: LLMCluster) -> None:
