@@ -71,11 +71,20 @@ class _AgentConnection(asyncio.Protocol):
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._max_frame = MAX_FRAME_BYTES
+        self._batch: list[bytes] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        # What this read answers goes out in one write: a burst of frames costs one send, not one per frame.
+        self._batch = []
+        try:
+            self._read_frames(data)
+        finally:
+            self._flush()
+
+    def _read_frames(self, data: bytes) -> None:
         self._buffer += data
         while len(self._buffer) >= 4 and self._transport is not None and not self._transport.is_closing():
             (length,) = spop.LENGTH.unpack_from(self._buffer)
@@ -157,10 +166,18 @@ class _AgentConnection(asyncio.Protocol):
         self._close()
 
     def _write(self, data: bytes) -> None:
-        if self._transport is not None and not self._transport.is_closing():
+        if self._batch is not None:
+            self._batch.append(data)
+        elif self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
 
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch:
+            self._write(b"".join(batch))
+
     def _close(self) -> None:
+        self._flush()
         if self._transport is not None:
             self._transport.close()
 

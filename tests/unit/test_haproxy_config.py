@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from base import contracts
+from base import agent_wire, contracts
 from infra.api_keys import ApiKeySource, key_digest, key_hash_line
 from infra.haproxy import config_file as haproxy_config
 from infra.haproxy import protection as frontend_protection
@@ -25,6 +25,7 @@ from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
 from infra.haproxy.protection import ClientLimits, FrontendProtection
 from infra.haproxy.servers import replica_server_options
+from infra.haproxy.spoe import VAR_ASK_AGENT, agent_backend, render_spoe
 from infra.haproxy.tls import FrontendTLS
 from infra.tls_certs import throwaway_certificate
 
@@ -329,3 +330,26 @@ def test_a_staging_frontend_lets_a_request_ask_for_a_short_server_timeout(tmp_pa
     assert config.count(cut_short) == 2
     write_files(staging)
     assert "Configuration file is valid" in check_config(staging)
+
+
+def test_each_app_asks_its_own_route_agents_with_the_wire_from_agent_wire(tmp_path: Path) -> None:
+    apps = [AppRoute(name="a", model="m-a"), AppRoute(name="b", model="m-b", session_header="x-conv")]
+    s = HAProxySettings(workdir=tmp_path, apps=apps, port=18000, prometheus_port=18404, route_timeout_s=3.0)
+    spoe, config = render_spoe(s), render_config(s)
+    scopes = spoe.split("\n[")[1:]
+    assert len(scopes) == 2
+    for index, (scope, app) in enumerate(zip(scopes, apps, strict=True)):
+        assert f"use-backend {agent_backend(index)}" in scope and "timeout processing 1500ms" in scope
+        registered = re.search(r"register-var-names (.*)", scope).group(1).split()  # type: ignore[union-attr]
+        assert set(registered) == {agent_wire.ERROR_VAR, *agent_wire.ANSWER_VARS}
+        arguments = dict(a.split("=", 1) for a in re.search(r"args (.*)", scope).group(1).split())  # type: ignore[union-attr]
+        assert set(arguments) == {*agent_wire.HEADER_ARGS, app.session_header, agent_wire.BODY_ARG}
+        assert arguments[app.session_header] == f"req.fhdr({app.session_header})"
+        assert f"filter spoe engine sluice_route_{index} config {s.spoe_path}" in config
+        assert (
+            f"send-spoe-group sluice_route_{index} {agent_wire.MESSAGE} if {{ var({VAR_ASK_AGENT}) -m int eq {index} }}"
+            in config
+        )
+        assert f"backend {agent_backend(index)}\n" in config
+    # The message is sent after the route action names the app, and the reply action reads the answer after it.
+    assert config.index("lua.sluice_route\n") < config.index("send-spoe-group") < config.index("lua.sluice_route_reply")
