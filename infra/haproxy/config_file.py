@@ -65,7 +65,7 @@ from infra.haproxy.models import (
     models_list_line,
 )
 from infra.haproxy.protection import REFUSAL_TABLE, protection_lines, protection_tables
-from infra.haproxy.spoe import agent_backend_lines, ask_agent_lines, filter_lines
+from infra.haproxy.spoe import agent_backend_lines, ask_agent_lines, failure_table_lines, filter_lines
 from infra.observability.targets import LUA_TARGETS_SERVICE, TARGETS_PATH, router_targets_backend
 
 
@@ -279,6 +279,7 @@ def render_config(settings: HAProxySettings) -> str:
         "    # Requests failed closed with a 503, by reason: the router's own pass through, so room for any few.",
         "    stick-table type string len 32 size 64 store http_req_cnt",
         "",
+        *failure_table_lines(),
         *protection_tables(settings.protection),
         *running_table_lines(),
         *rollback_table_lines(),

@@ -81,6 +81,8 @@ from infra.haproxy.config import (
 from infra.haproxy.models import MODEL_JSON_PATH, VAR_ERROR, VAR_MODEL
 from infra.haproxy.protection import COUNTED_REASONS, REFUSAL_TABLE
 from infra.haproxy.spoe import (
+    AGENT_FAILURE_TABLE,
+    AGENT_FAILURES,
     LUA_REPLY_ACTION,
     VAR_AGENT_BODY,
     VAR_AGENT_TRUNCATED,
@@ -245,6 +247,8 @@ def render_lua(settings: HAProxySettings) -> str:
         fallback_refused=_lua_str(FALLBACK_REFUSED),
         fallback_reasons=_lua_list(list(FALLBACK_REASONS)),
         refusal_table=_lua_str(REFUSAL_TABLE),
+        agent_failure_table=_lua_str(AGENT_FAILURE_TABLE),
+        agent_failure_reasons=_lua_list(list(AGENT_FAILURES)),
         refusal_reasons=_lua_list(list(COUNTED_REASONS)),
         replica_id_pattern=_lua_str(LUA_REPLICA_ID_PATTERN),
         token_pattern=_lua_str(LUA_TOKEN_PATTERN),

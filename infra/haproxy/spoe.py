@@ -31,6 +31,12 @@ IDLE_TIMEOUT_S = 30.0
 # this runs out (HAProxy 2.8's SPOE does not hand the lost frame to another connection), and the HTTP route call
 # to another router then has the rest.
 AGENT_TIMEOUT_SHARE = 0.5
+# Failed agent exchanges (each then made over HTTP), counted by kind: SPOE's processing timeout, or any other error.
+AGENT_FAILURE_TABLE = "sluice_route_agent_failures"
+FAILURE_TIMEOUT = "timeout"
+FAILURE_ERROR = "error"
+AGENT_FAILURES = (FAILURE_TIMEOUT, FAILURE_ERROR)
+SPOE_ERROR_TIMEOUT = 1
 
 
 def agent_backend(index: int) -> str:
@@ -92,8 +98,25 @@ def ask_agent_lines(settings: HAProxySettings) -> list[str]:
         f" if {{ var({VAR_ASK_AGENT}) -m int eq {index} }}"
         for index in range(len(settings.apps))
     ]
-    lines.append(f"    http-request lua.{LUA_REPLY_ACTION} if {{ var({VAR_ASK_AGENT}) -m found }}")
+    error = agent_var(agent_wire.ERROR_VAR)
+    timed_out = f"{{ var({error}) -m int eq {SPOE_ERROR_TIMEOUT} }}"
+    lines += [
+        "    # sc2 counts refusals, which never reach a route call.",
+        f"    http-request track-sc2 str({FAILURE_TIMEOUT}) table {AGENT_FAILURE_TABLE} if {timed_out}",
+        f"    http-request track-sc2 str({FAILURE_ERROR}) table {AGENT_FAILURE_TABLE}"
+        f" if {{ var({error}) -m found }} !{timed_out}",
+        f"    http-request lua.{LUA_REPLY_ACTION} if {{ var({VAR_ASK_AGENT}) -m found }}",
+    ]
     return lines
+
+
+def failure_table_lines() -> list[str]:
+    return [
+        f"backend {AGENT_FAILURE_TABLE}",
+        "    # Route calls whose agent exchange failed (then made over HTTP), by kind.",
+        f"    stick-table type string len 16 size {len(AGENT_FAILURES) * 4} store http_req_cnt",
+        "",
+    ]
 
 
 def agent_backend_lines(index: int, settings: HAProxySettings) -> list[str]:

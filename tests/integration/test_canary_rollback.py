@@ -76,7 +76,7 @@ def _ingress(stack: TeamStack) -> dict:
 
 
 def _routers(stack: TeamStack) -> list[str]:
-    """Each router replica's fault endpoint, on Serve's port (HAProxy's router servers are the route listeners)."""
+    """Each router replica's fault endpoint, on Serve's port (HAProxy's route calls go to the route agents)."""
     model = stack.plan.models[0]
     return [f"{e.url}/{model.router_app}{FAULT_PATH}" for e in asyncio.run(list_replica_endpoints(model.router_app))]
 

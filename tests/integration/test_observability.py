@@ -1,7 +1,7 @@
 """Observability of a running stack: Prometheus finds every router and replica through the frontend, and every
 metric the shipped dashboard queries is exported by some component.
 
-Two setups: the session's tiny-model replicas behind a capacity_queue stack (real Serve ports, a real route listener
+Two setups: the session's tiny-model replicas behind a capacity_queue stack (real Serve ports, a real route agent
 beside each router's Serve port, a real ledger), and a stand-in data plane (HAProxy and its syncer over stand-in
 replicas and routers) whose routers can be made to refuse and whose replicas can move.
 """
@@ -17,7 +17,8 @@ import pytest
 
 from base.contracts import REASON_NO_REPLICA, REASON_UNKNOWN_REPLICA_ID, SERVE_REASON_HEADER
 from base.waiting import wait_until
-from infra.haproxy.config import PROMETHEUS_PATH, ROUTER_BACKEND, SLUICE_METRICS_PATH
+from infra.haproxy.config import PROMETHEUS_PATH, SLUICE_METRICS_PATH
+from infra.haproxy.spoe import AGENT_BACKEND
 from infra.observability.dashboard import load_dashboard, metric_names
 from infra.observability.targets import (
     APP_LABEL,
@@ -106,12 +107,12 @@ def test_the_frontend_lists_every_live_replica_and_router_where_its_metrics_are(
     assert by_replica(discovered(metrics_port_address, ROLE_REPLICA)) == {
         r.replica_id: (_address(r), "/metrics") for r in replicas
     }
-    # A router's target is its Serve port (its metrics), not the route listener HAProxy's route calls go to.
+    # A router's target is its Serve port (its metrics), not the route agent HAProxy's route calls go to.
     assert by_replica(discovered(metrics_port_address, ROLE_ROUTER)) == {
         r.replica_id: (_address(r), f"/{ROUTER_APP}/metrics") for r in routers
     }
     stats = stack.runtime.show_stat()
-    assert all(stats[(ROUTER_BACKEND, r.replica_id)].addr != _address(r) for r in routers)
+    assert all(stats[(AGENT_BACKEND, r.replica_id)].addr != _address(r) for r in routers)
     everything = discovered(metrics_port_address)
     assert {g["labels"][ROLE_LABEL] for g in everything} == {ROLE_ROUTER, ROLE_REPLICA}
     assert {g["labels"][APP_LABEL] for g in everything} == {llm_cluster.app}

@@ -29,7 +29,7 @@ from base.contracts import (
 )
 from base.waiting import wait_until
 from infra.haproxy.apps import AppRoute
-from infra.haproxy.spoe import AGENT_BACKEND, AGENT_TIMEOUT_SHARE
+from infra.haproxy.spoe import AGENT_BACKEND, AGENT_TIMEOUT_SHARE, FAILURE_TIMEOUT
 from tests.integration.standin_plane.plane import Plane, start_plane, stop_plane
 from tests.integration.standin_plane.standins import (
     APP,
@@ -43,11 +43,13 @@ from tests.integration.standin_plane.standins import (
     RouterStandIn,
     assert_fail_closed,
 )
+from tests.support.frontend_metrics import frontend_counts
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 ROUTER = "router-a"
+AGENT_FAILURES_COUNTER = "sluice_frontend_route_agent_failures_total"
 CHAT = {"model": "stand-in", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -64,6 +66,9 @@ class AgentEnv:
 
     def agent_calls(self) -> list[dict]:
         return [json.loads(line) for line in self.calls.read_text().splitlines()]
+
+    def failures(self) -> dict[str, int]:
+        return frontend_counts(self.plane.haproxy.settings.prometheus_port, AGENT_FAILURES_COUNTER)
 
     def agent_up(self) -> bool:
         stat = self.plane.runtime.show_stat().get((AGENT_BACKEND, ROUTER))
@@ -161,20 +166,24 @@ def test_agent_refusals_and_bad_answers_fail_closed_with_their_reasons(
 
 def test_a_stalled_agent_leaves_the_request_to_the_http_route_call_within_the_route_timeout(env: AgentEnv) -> None:
     env.answer("stall")
-    http_calls = len(env.behavior.calls)
+    http_calls, failures = len(env.behavior.calls), env.failures()
     started = time.monotonic()
     response = _post(env)
     elapsed = time.monotonic() - started
     assert response.status_code == 200 and response.headers[REPLICA_HEADER] == "r2", response.text
     assert len(env.behavior.calls) == http_calls + 1
     assert ROUTE_TIMEOUT_S * AGENT_TIMEOUT_SHARE <= elapsed < ROUTE_TIMEOUT_S + 0.5, elapsed
+    assert env.failures() == {**failures, FAILURE_TIMEOUT: failures[FAILURE_TIMEOUT] + 1}
 
 
 def test_a_killed_agent_costs_no_request(env: AgentEnv) -> None:
     env.answer("choose", ["r1"])
     assert _post(env).headers[REPLICA_HEADER] == "r1"
+    failures = env.failures()
     os.kill(env.agent.pid, signal.SIGKILL)
     env.agent.wait()
     responses = [_post(env) for _ in range(10)]
     assert [(r.status_code, r.headers.get(REPLICA_HEADER)) for r in responses] == [(200, "r2")] * 10
     wait_until(10, lambda: not env.agent_up(), "the dead agent's server to go DOWN", poll_s=0.05)
+    # The requests that met the dead agent are counted; the rest went straight to the HTTP route call.
+    assert 1 <= sum(env.failures().values()) - sum(failures.values()) <= len(responses)

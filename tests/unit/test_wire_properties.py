@@ -1,5 +1,5 @@
-"""Property-based tests (hypothesis) of what parses untrusted bytes: the router's route listener (a route call's
-HTTP/1.0 request however the network cuts it), the route call's body fields, the load generator's SSE reader and
+"""Property-based tests (hypothesis) of what parses untrusted bytes: the router's route agent (SPOP frames however
+the network cuts them, and any bytes at all), the route call's body fields, the load generator's SSE reader and
 the spec loader. Each either answers or refuses in its documented way, never raises."""
 
 from __future__ import annotations
