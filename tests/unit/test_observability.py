@@ -151,7 +151,7 @@ def test_the_metrics_frontend_listens_on_the_bind_host_and_serves_the_discovery(
     metrics = config[config.index("frontend sluice_prometheus") : config.index("frontend sluice_http")]
     assert "bind 10.0.0.5:18404" in metrics
     assert f"http-request use-service lua.sluice_targets if {{ path {TARGETS_PATH} }}" in metrics
-    # Each app's routers are kept twice: health-checked at their Serve ports and agents, and their Serve addresses (targets).
+    # Each app's routers are kept thrice: at Serve's port and at their agents (both checked), and as targets.
     for index in range(2):
         assert f"backend {router_targets_backend(index)}\n" in config
     assert router_targets_backend(0) == ROUTER_TARGETS_BACKEND != ROUTER_BACKEND
