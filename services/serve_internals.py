@@ -91,8 +91,8 @@ class ReplicaEndpoint(BaseModel):
     deployment: str
     host: str
     port: int
-    # A router replica's route listener (services.router.route_listener): HAProxy's route calls go there, its health
-    # checks still to `port`.
+    # A router replica's route agent (services.router.route_listener): HAProxy's route calls go there over SPOE, its
+    # health checks still to `port`.
     route_port: int | None = None
 
     @property
@@ -101,7 +101,7 @@ class ReplicaEndpoint(BaseModel):
 
     @property
     def haproxy_port(self) -> int:
-        """The port HAProxy's server points at: the route listener's, else Serve's."""
+        """The port HAProxy's server points at: the route agent's, else Serve's."""
         return self.route_port or self.port
 
 

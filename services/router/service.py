@@ -1,7 +1,7 @@
 """The router service: the control plane of the direct-streaming path (docs/design.md §1, §3).
 
-HAProxy asks `POST /internal/route` (on the replica's route listener, or on this app) which replica of the target
-app should serve a request; the router answers a `RouteReply` (primary, fallbacks, capacity token, and for
+HAProxy asks which replica of the target app should serve a request (an SPOE message to the replica's route agent,
+or `POST /internal/route` on this app); the router answers a `RouteReply` (primary, fallbacks, capacity token, and for
 prefill/decode the prefill replica) or a 503 `RouteRefusal` with a reason. It decides only: the request and its
 tokens go from HAProxy straight to the chosen replica. `RouterReplica` is the Serve deployment; its candidates are
 Serve's endpoint list, narrowed per frontend. What it talks to, and why each interval: services/router/README.md.

@@ -150,7 +150,7 @@ def fault_injection(client: httpx.Client, base: str, spec: StackBase, plan: Stac
     from services.serve_internals import list_replica_endpoints
 
     first = plan.models[0]
-    # Each router replica's app on Serve's port (HAProxy's router servers point at the route listeners).
+    # Each router replica's app on Serve's port (HAProxy's route calls go to the route agents).
     urls = [f"{e.url}/{first.router_app}{FAULT_PATH}" for e in asyncio.run(list_replica_endpoints(first.router_app))]
     for url in urls:
         client.post(url, json={"seconds": FAULT_SECONDS}).raise_for_status()
