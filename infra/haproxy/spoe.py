@@ -5,7 +5,8 @@ reached over persistent, pipelined connections from each HAProxy thread. The Lua
 request (its forwarded body and truncation in variables) and names the app in `VAR_ASK_AGENT`; the rule after it
 sends that app's message; the reply action then reads the variables the agent set (`base.agent_wire`) or the
 error HAProxy set. An app whose agents' backend has no usable server (routers that have not told their agent's port
-yet, or stand-ins that speak only HTTP) is routed with the HTTP route call instead. Why: infra/haproxy/README.md.
+yet, or stand-ins that speak only HTTP), or no router UP at Serve's port (the operator's switch: maintenance there
+takes the app off its agents too), is routed with the HTTP route call instead. Why: infra/haproxy/README.md.
 """
 
 from __future__ import annotations
