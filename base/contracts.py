@@ -170,6 +170,8 @@ MAX_HEADER_BYTES_DEFAULT = 16 * 1024
 MAX_URL_BYTES_DEFAULT = 8 * 1024
 # Router reply when no replica can be chosen (policy reasons such as `capacity_timeout` pass through).
 REASON_NO_REPLICA = "no_replica"
+# A router whose decision raised answers the route call with this reason (500) instead of dropping the call.
+REASON_ROUTER_ERROR = "router_error"
 FAIL_CLOSED_REASONS = (
     REASON_ROUTER_UNREACHABLE,
     REASON_ROUTER_NON_200,

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from base.agent_wire import MESSAGE, Answer, answer_variables, request_from_arguments
+from base.contracts import REASON_ROUTER_ERROR
 from base.route_wire import RouteRefusal
 from services.router import spop
 from services.router.spop import FrameError, FrameType, Status
@@ -34,7 +35,7 @@ ROUTE_LISTENER_PATH = "/internal/route-listener"
 MAX_FRAME_BYTES = 65 * 1024 * 1024
 # Asking a router replica its agent's port: a local HTTP call; the next sync pass asks again on failure.
 LOOKUP_TIMEOUT_S = 2.0
-_FAILED = (500, RouteRefusal(reason="router_error"))
+_FAILED = (500, RouteRefusal(reason=REASON_ROUTER_ERROR))
 
 
 class _Resumed:

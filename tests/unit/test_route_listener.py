@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from base.agent_wire import ANSWER_VARS, BODY_ARG, MESSAGE, REPLY_VARS, Answer, answer_variables
-from base.contracts import FRONTEND_HEADER, REQUEST_ID_HEADER
+from base.contracts import FRONTEND_HEADER, REASON_ROUTER_ERROR, REQUEST_ID_HEADER
 from base.route_wire import RouteRefusal, RouteReply
 from infra.haproxy.config import ROUTER_BACKEND
 from infra.haproxy.spoe import AGENT_BACKEND
@@ -132,7 +132,7 @@ def test_each_notify_is_acked_with_its_answer_as_variables_in_any_order() -> Non
     }
     assert _variables(acks[12].payload)["fallbacks"] == b"req-2,none"
     assert _variables(acks[13].payload) == {"status": 503, "reason": b"no_replica"}
-    assert _variables(acks[14].payload) == {"status": 500, "reason": b"router_error"}
+    assert _variables(acks[14].payload) == {"status": 500, "reason": REASON_ROUTER_ERROR.encode()}
 
 
 def test_every_reply_field_has_a_variable() -> None:
