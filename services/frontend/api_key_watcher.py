@@ -24,9 +24,7 @@ class ApiKeyWatcher(FileWatcher):
     interval_s = KEY_FILE_INTERVAL_S
 
     def __init__(self, runtime: RuntimeAPI, settings: HAProxySettings, source: ApiKeySource) -> None:
-        super().__init__(logger)
-        self._runtime = runtime
-        self._settings = settings
+        super().__init__(runtime, settings, logger)
         self._source = source
         self._applied = frozenset(runtime.show_acl(settings.keys_acl_path))
 

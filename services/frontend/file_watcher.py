@@ -8,6 +8,9 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 
+from infra.haproxy.config import HAProxySettings
+from infra.haproxy.runtime_api import RuntimeAPI
+
 
 class FileWatcher(ABC):
     # Says in the logs what is watched ("the API key file", "the certificate files").
@@ -15,7 +18,9 @@ class FileWatcher(ABC):
     # How often the file is read.
     interval_s = 1.0
 
-    def __init__(self, logger: logging.Logger) -> None:
+    def __init__(self, runtime: RuntimeAPI, settings: HAProxySettings, logger: logging.Logger) -> None:
+        self._runtime = runtime
+        self._settings = settings
         self._logger = logger
         self._last_error: str | None = None
 

@@ -26,9 +26,7 @@ class TLSWatcher(FileWatcher):
     interval_s = CERT_FILE_INTERVAL_S
 
     def __init__(self, runtime: RuntimeAPI, settings: HAProxySettings, tls: FrontendTLS) -> None:
-        super().__init__(logger)
-        self._runtime = runtime
-        self._settings = settings
+        super().__init__(runtime, settings, logger)
         self._tls = tls
         self._applied = settings.tls_pem_path.read_text()
 

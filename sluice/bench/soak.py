@@ -72,9 +72,9 @@ def _rss_mb(process: psutil.Process) -> float | None:
 
 
 def _frontend(plan: Any) -> dict[str, Any]:
-    from sluice.deploy.apply import _frontend_status
+    from sluice.deploy.apply import frontend_status
 
-    return _frontend_status(plan) or {}
+    return frontend_status(plan) or {}
 
 
 def _ledger_outstanding(plan: Any) -> int:
@@ -90,13 +90,11 @@ def _ledger_outstanding(plan: Any) -> int:
 
 
 def _servers_match(plan: Any) -> bool:
-    from services.serve_internals import list_replica_endpoints
+    """Every live replica UP in HAProxy's map and nothing else (what `sluice check` asks)."""
+    from sluice.deploy.check import server_map
 
-    model = plan.models[0]
-    live = {e.replica_id for e in asyncio.run(list_replica_endpoints(model.llm_app))}
-    servers = _frontend(plan).get("servers", [])
-    up = {s["server"] for s in servers if s["backend"] == model.replica_backend and s["status"] == "UP"}
-    return up == live
+    frontend = _frontend(plan)
+    return "servers" in frontend and server_map(frontend, plan)[0]
 
 
 def _settled(check: Any, timeout_s: float) -> Any:

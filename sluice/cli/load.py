@@ -12,7 +12,7 @@ from typing import Any
 from base.runtime import default_model_dir
 from loadtests.campaign import LOCUST_MASTER_PORT
 from loadtests.workloads import WORKLOADS
-from sluice.deploy.errors import Unreachable, UsageError, require_url, target_problem
+from sluice.deploy.errors import Unreachable, UsageError, require_url, served_models
 from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from topologies import EMBEDDED_SPEC
 
@@ -100,9 +100,11 @@ def _load(args: argparse.Namespace) -> int:
     if args.workload == "routing":
         return _routing_suite(args)
     campaign = _campaign(args)
-    problem = target_problem(campaign.target)
-    if problem is not None:
-        raise Unreachable(f"the target {campaign.target} cannot be reached: {problem}")
+    models = served_models(campaign.target)
+    if campaign.model is None:
+        if not models:
+            raise Unreachable(f"the target {campaign.target} serves no model")
+        campaign = campaign.model_copy(update={"model": models[0]})
     summary, breached = run(campaign)
     print(f"{summary.ok}/{summary.requests} requests ok; rows, summary.json and report.html in {campaign.out}")
     for breach in breached:

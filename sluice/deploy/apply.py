@@ -59,7 +59,7 @@ def quiet_ray_loggers(verbose: bool) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
+def frontend_status(plan: StackPlan) -> dict[str, Any] | None:
     from ray import serve
 
     try:
@@ -70,7 +70,7 @@ def _frontend_status(plan: StackPlan) -> dict[str, Any] | None:
 
 def frontend_url(plan: StackPlan) -> str:
     """Where the deployed frontend listens, as it reports it: the head node's address on a stack across nodes."""
-    status = _frontend_status(plan)
+    status = frontend_status(plan)
     return status["url"] if status and status.get("url") else plan.url
 
 
@@ -92,7 +92,7 @@ def _published(plan: StackPlan) -> bool:
     applications = serve.status().applications
     if any(app.name not in applications or applications[app.name].status.value != "RUNNING" for app in plan.apps):
         return False
-    status = _frontend_status(plan)
+    status = frontend_status(plan)
     wanted = [model.min_replicas for model in plan.models]
     if not status or not status["running"] or len(status["published"]) != len(wanted):
         return False
@@ -100,6 +100,25 @@ def _published(plan: StackPlan) -> bool:
     if any(model.router_backend not in backends_up for model in plan.models):
         return False
     return all(published >= n for published, n in zip(status["published"], wanted, strict=True))
+
+
+def _frontend_lag(plan: StackPlan) -> str:
+    """What the frontend still lacks: not running, or each model's replicas published and servers not UP."""
+    status = frontend_status(plan)
+    if not status or not status["running"]:
+        return "the frontend's HAProxy is not running (or the frontend does not answer)"
+    not_up = [f"{s['backend']}/{s['server']} {s['status']}" for s in status["servers"] if s["status"] != "UP"]
+    published = ", ".join(
+        f"{model.name} {n} of {model.min_replicas} replicas published"
+        for model, n in zip(plan.models, status["published"], strict=False)
+    )
+    backends = {server["backend"] for server in status["servers"] if server["status"] == "UP"}
+    no_router = [model.router_backend for model in plan.models if model.router_backend not in backends]
+    return (
+        f"the frontend has not every replica UP in HAProxy yet: {published or 'nothing published'}; "
+        f"servers not UP: {', '.join(not_up) or 'none'}; "
+        f"router backends with no router UP: {', '.join(no_router) or 'none'}"
+    )
 
 
 def apply_plan(spec: StackBase, plan: StackPlan, timeout_s: float | None = None, source: str = "sluice serve") -> bool:
@@ -132,7 +151,7 @@ def apply_plan(spec: StackBase, plan: StackPlan, timeout_s: float | None = None,
     try:
         (failed,) = wait_until(deadline - time.monotonic(), settled, "the stack", poll_s=_POLL_S)
     except WaitTimeout:
-        stuck = progress.stuck() or [f"{plan.frontend_app}: the frontend has not every replica UP in HAProxy yet"]
+        stuck = progress.stuck() or [f"{plan.frontend_app}: {_frontend_lag(plan)}"]
         waited = time.monotonic() - started
         print(f"\ndeploy timed out after {waited:.0f} s; still not ready:\n" + "\n".join(stuck), file=sys.stderr)
         return False

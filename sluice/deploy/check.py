@@ -28,7 +28,7 @@ from sluice.deploy.check_contract import api_contract
 from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers
 from sluice.deploy.check_startup import startup_path
 from sluice.deploy.check_versions import versions
-from sluice.deploy.errors import Unreachable, require_url, target_problem
+from sluice.deploy.errors import require_url, served_models
 from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from sluice.deploy.json_reports import CheckReport, Verdict
 
@@ -320,9 +320,7 @@ def check(
     verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
     if target is not None:
         target = require_url("--target", target)
-        problem = target_problem(target, verify)
-        if problem is not None:
-            raise Unreachable(f"the target {target} cannot be reached: {problem}")
+        served_models(target, verify)
         return report(run_checks(None, None, target, allowed, expected_versions, verify), as_json)
     from sluice.deploy.apply import connect, frontend_url, plan_of
 

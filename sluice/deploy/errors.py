@@ -19,16 +19,24 @@ class Unreachable(Exception):
     """Something the command needs does not answer (a frontend, a Docker engine): exit `EXIT_UNREACHABLE`."""
 
 
-def target_problem(target: str, verify: ssl.SSLContext | bool = True) -> str | None:
-    """Why the target's OpenAI API cannot be reached (its model list), or None when it answers; `verify`: what an
-    https target's certificate is checked against."""
+def served_models(target: str, verify: ssl.SSLContext | bool = True) -> list[str]:
+    """The ids of the models the target's OpenAI API lists; `Unreachable` when it cannot be reached or does not
+    answer its model list. `verify`: what an https target's certificate is checked against."""
     import httpx
 
     try:
         response = httpx.get(f"{target}/v1/models", timeout=TARGET_PROBE_TIMEOUT_S, verify=verify)
     except httpx.HTTPError as error:
-        return f"{type(error).__name__}: {error}"
-    return None if response.status_code == 200 else f"GET /v1/models answered {response.status_code}"
+        problem = f"{type(error).__name__}: {error}"
+    else:
+        if response.status_code == 200:
+            try:
+                return [str(model["id"]) for model in response.json()["data"]]
+            except (ValueError, KeyError, TypeError):
+                problem = "GET /v1/models answered no OpenAI model list"
+        else:
+            problem = f"GET /v1/models answered {response.status_code}"
+    raise Unreachable(f"the target {target} cannot be reached: {problem}")
 
 
 def require_url(flag: str, url: str) -> str:

@@ -21,7 +21,7 @@ from builders.plan import PlannedModel, StackPlan, build_plan
 from infra.haproxy.canary import legacy_backend
 from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
 from sluice.deploy import registry
-from sluice.deploy.apply import _frontend_status
+from sluice.deploy.apply import frontend_status
 from sluice.deploy.json_reports import StackList, StackState, StatusReport, canary_state
 from sluice.deploy.preflight import cluster_spans_nodes
 from topologies.spec import StackBase, load_spec, parse_spec
@@ -272,7 +272,7 @@ def status(target: str | None, address: str, as_json: bool = False) -> int:
             ranked = zip(report["apps"][model.llm_app]["replicas"], endpoints_of[model.llm_app], strict=True)
             for replica, endpoint in ranked:
                 replica["rank"] = _gang_rank(model, endpoint)
-    report["frontend"] = _frontend_status(plan)
+    report["frontend"] = frontend_status(plan)
     ingress = ingress_state(plan) if report["frontend"] else None
     report["ingress"] = {"mode": spec.ingress.mode, **(ingress or {})}
     report["canary"] = {

@@ -3,8 +3,10 @@ module, and removed after it."""
 
 from __future__ import annotations
 
+import io
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,9 +59,21 @@ def team_stack(
     ensure_models(spec)
     register_frontend(port)
     try:
-        assert apply_plan(spec, plan)
+        _deploy(spec, plan)
         yield TeamStack(spec, plan, path, f"http://127.0.0.1:{port}")
     finally:
         for app in reversed(plan.apps):
             if app.name in serve.status().applications:
                 serve.delete(app.name)
+
+
+def _deploy(spec: Any, plan: StackPlan) -> None:
+    """Deploy, or fail with deploy's own reason in the message: CI shows a failed fixture's message, not its
+    captured output."""
+    said = io.StringIO()
+    with redirect_stderr(said):
+        deployed = apply_plan(spec, plan)
+    sys.stderr.write(said.getvalue())
+    if not deployed:
+        reason = " ".join(said.getvalue().split())
+        raise AssertionError(f"{spec.name} did not deploy: {reason[:3000] or 'deploy said nothing'}")

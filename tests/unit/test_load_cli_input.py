@@ -4,6 +4,10 @@ does not answer, before any load is sent and with no traceback."""
 from __future__ import annotations
 
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -66,6 +70,43 @@ def test_an_unreachable_target_exits_3_naming_it(tmp_path: Path, capsys: pytest.
     code = main(["load", "mixed", "--target", target, "--duration", "5", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == EXIT_UNREACHABLE and f"the target {target} cannot be reached" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+@contextmanager
+def _models_answering(body: bytes) -> Iterator[str]:
+    """A loopback server whose every GET answers 200 with `body`: a target that is up but lists no model."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"), [(b"not json", "answered no OpenAI model list"), (b'{"data": []}', "serves no model")]
+)
+def test_a_target_listing_no_model_exits_3_saying_so(
+    body: bytes, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _models_answering(body) as target:
+        code = main(["load", "mixed", "--target", target, "--duration", "5", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == EXIT_UNREACHABLE and message in err, err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 

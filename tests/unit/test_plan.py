@@ -20,6 +20,7 @@ from services.frontend.app import FrontendArgs
 from services.replica.llm_config import LLMAppConfig
 from services.router.settings import RouterAppArgs
 from sluice.cli.main import main
+from sluice.deploy import apply
 from sluice.deploy.apply import render
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
 from sluice.deploy.status import app_roles, degraded_reasons, model_line, prefill_pairs
@@ -202,6 +203,23 @@ def test_status_says_why_a_stack_is_degraded() -> None:
         "app platform-local-cpu-frontend is DEPLOY_FAILED",
         "HAProxy is not running",
     ]
+
+
+def test_a_deploy_deadline_names_what_the_frontend_still_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = build_plan(load_spec(TEAMS / "local-cpu.yaml"))
+    [model] = plan.models
+    monkeypatch.setattr(apply, "frontend_status", lambda _: None)
+    assert "HAProxy is not running" in apply._frontend_lag(plan)
+    servers = [
+        {"backend": model.replica_backend, "server": "r1", "status": "UP"},
+        {"backend": model.replica_backend, "server": "r2", "status": "DOWN"},
+        {"backend": model.router_backend, "server": "router1", "status": "MAINT"},
+    ]
+    monkeypatch.setattr(apply, "frontend_status", lambda _: {"running": True, "published": [1], "servers": servers})
+    lag = apply._frontend_lag(plan)
+    assert f"{model.name} 1 of 2 replicas published" in lag
+    assert f"{model.replica_backend}/r2 DOWN, {model.router_backend}/router1 MAINT" in lag
+    assert f"router backends with no router UP: {model.router_backend}" in lag
 
 
 def test_without_a_cluster_the_cli_says_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
