@@ -88,7 +88,9 @@ def test_a_move_to_the_legacy_path_without_a_legacy_replica_is_refused(tmp_path:
     assert ingress.weight == 100 and runtime.maps == {}
 
 
-def _guard_a_canary(ingress: IngressController, log: PathLog, weight: int, reason: str | None) -> None:
+def _guard_a_canary(
+    ingress: IngressController, runtime: RecordingRuntime, log: PathLog, weight: int, reason: str | None
+) -> None:
     """A canary at `weight` whose direct path answered every other request 503 for `reason`, under the guard."""
 
     async def canary() -> None:
@@ -102,11 +104,22 @@ def _guard_a_canary(ingress: IngressController, log: PathLog, weight: int, reaso
                     reason=reason if status == 503 else None,
                 )
             )  # fmt: skip
+        rollbacks_before = sum(ingress.rollbacks.values())
         guard = asyncio.create_task(ingress.guard())
-        for _ in range(20):
+        for _ in range(40):
             await asyncio.sleep(0.05)
             if ingress.abort is not None:
                 break
+        # A rollback under way ends before the guard stops: the weight back to 0, the count published.
+        for _ in range(200):
+            if ingress.abort is None or (
+                sum(ingress.rollbacks.values()) > rollbacks_before
+                and all(
+                    runtime.tables.get((ROLLBACK_TABLE, c, ROLLBACK_COUNTER)) == n for c, n in ingress.rollbacks.items()
+                )
+            ):
+                break
+            await asyncio.sleep(0.05)
         guard.cancel()
 
     asyncio.run(canary())
@@ -119,7 +132,7 @@ def test_the_guard_rolls_a_breaching_canary_back_names_the_criterion_and_counts_
     ingress, runtime, log = controller(tmp_path)
     ingress.config = IngressConfig(abort=AbortCriteria(min_requests=5))
     with caplog.at_level(logging.WARNING, logger=ingress_control.__name__):
-        _guard_a_canary(ingress, log, 40, REASON_ROUTER_UNREACHABLE)
+        _guard_a_canary(ingress, runtime, log, 40, REASON_ROUTER_UNREACHABLE)
     assert ingress.abort is not None and ingress.abort.breach.criterion == "ratio_503"
     assert ingress.abort.weight_before == 40 and ingress.weight == 0 and runtime.maps == {"app": "0"}
     assert "ratio_503" in ingress.abort.describe()
@@ -128,7 +141,7 @@ def test_the_guard_rolls_a_breaching_canary_back_names_the_criterion_and_counts_
     assert [r.getMessage() for r in warnings] == [ingress.abort.describe()]
     assert runtime.tables == {(ROLLBACK_TABLE, "ratio_503", ROLLBACK_COUNTER): 1}
     # A second rollback counts on; a restarted HAProxy (an empty table) gets the counts again.
-    _guard_a_canary(ingress, log, 40, REASON_ROUTER_UNREACHABLE)
+    _guard_a_canary(ingress, runtime, log, 40, REASON_ROUTER_UNREACHABLE)
     assert runtime.tables == {(ROLLBACK_TABLE, "ratio_503", ROLLBACK_COUNTER): 2}
     runtime.tables.clear()
     ingress.publish_rollbacks()
@@ -139,7 +152,7 @@ def test_the_guard_leaves_a_canary_whose_only_503s_were_injected_faults(tmp_path
     monkeypatch.setattr(ingress_control, "GUARD_INTERVAL_S", 0.05)
     ingress, runtime, log = controller(tmp_path)
     ingress.config = IngressConfig(abort=AbortCriteria(min_requests=5))
-    _guard_a_canary(ingress, log, 40, REASON_INJECTED_FAULT)
+    _guard_a_canary(ingress, runtime, log, 40, REASON_INJECTED_FAULT)
     assert ingress.abort is None and ingress.weight == 40 and runtime.maps == {"app": "40"}
     assert not ingress.rollbacks and not runtime.tables
 
