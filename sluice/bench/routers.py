@@ -1,5 +1,5 @@
-"""`sluice bench routers`: decision time per policy, ring rebuild time, ledger round trips (kv_aware's rows, with
-its tokenizer: `sluice.bench.kv_decisions`).
+"""`sluice bench routers`: decision time per policy, ring rebuild time, ledger round trips, the route agent alone
+(`sluice.bench.route_agent`), and kv_aware's rows with its tokenizer (`sluice.bench.kv_decisions`).
 
 Aims (issue 3): ring lookup ≤ 5 µs and rebuild ≤ 50 ms at 1,024 replicas. Issue 13: a decision at 1,024 replicas
 ≤ 10 µs for round_robin, power_of_two and consistent_hash, ≤ 50 µs for capacity_queue, and no policy's cost
@@ -24,6 +24,7 @@ from routers.power_of_two import NAME as POWER_OF_TWO
 from routers.power_of_two import PowerOfTwo
 from routers.round_robin import NAME as ROUND_ROBIN
 from routers.round_robin import RoundRobin
+from sluice.bench.route_agent import agent_cpu_per_decision, agent_table
 
 SIZES = (8, 128, 1024)
 DECISIONS = 20_000
@@ -130,6 +131,8 @@ def run_router_bench(with_actor: bool = True) -> None:
     print(f"ledger acquire+release, in-process: {local:.1f} µs")
     if with_actor:
         print(f"ledger acquire+release, Ray actor:  {_actor_round_trip_us():.0f} µs")
+    print("\nthe route agent in a process of its own, SPOE NOTIFY frames at fixed rates (transport included):")
+    print(agent_table(agent_cpu_per_decision((ROUND_ROBIN, CONSISTENT_HASH))))
 
 
 def _actor_round_trip_us() -> float:

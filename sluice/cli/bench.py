@@ -112,7 +112,7 @@ def register(commands: Any) -> None:
     paths.add_argument("--out", default=".cache/bench", help="where paths.json and the charts go")
     paths.add_argument("--no-peer", action="store_true", help="skip Ray's own direct streaming (the peer)")
     paths.set_defaults(func=_bench_paths)
-    routers = bench_commands.add_parser("routers", help="policy decision time, ring rebuild, ledger round trip")
+    routers = bench_commands.add_parser("routers", help="policy decisions, ring rebuild, ledger, route agent")
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
     routers.add_argument("--model", default=str(default_model_dir()), help="the model whose tokenizer kv_aware uses")
     routers.set_defaults(func=_bench_routers)

@@ -1,0 +1,177 @@
+"""The route agent alone (issue 29): sluice's SPOE agent (`RouteListener`) answering with the router's own answer
+(`build_router_app`'s, the policy behind it, `AGENT_REPLICAS` static replicas) in a process of its own, fed NOTIFY
+frames over `CONNECTIONS` persistent connections, as HAProxy sends them, at fixed rates (open loop) by this process.
+
+Its CPU per decision is what the transport and the decision cost without a Serve replica around them; `sluice bench
+paths` measures the same agent inside the router's Serve replica behind a real HAProxy. The gap between the two is
+the replica's share. The agent runs uvloop, as Ray runs a replica's event loops. CPU per decision: the agent
+process's CPU over a step, less its idle CPU over as long, per decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from typing import Any
+
+from base.agent_wire import BODY_ARG, MESSAGE, STATUS_VAR
+from base.contracts import FRONTEND_HEADER, REQUEST_ID_HEADER
+from base.runtime import LOOPBACK
+
+AGENT_RATES = (100, 1000, 2000)
+AGENT_STEP_S = 4.0
+# HAProxy opens a few connections per agent server (one per thread that has sent a frame).
+CONNECTIONS = 4
+AGENT_REPLICAS = 8
+SESSION_HEADER = "x-session-id"
+SESSIONS = 97
+HELLO = {"supported-versions": "2.0", "max-frame-size": 16380, "capabilities": "pipelining,async", "engine-id": "b"}
+# Beyond the step itself: the last ACKs of a step must arrive within this.
+DRAIN_S = 10.0
+
+
+def _serve_agent(policy: str, ports: Any) -> None:
+    """The agent process: the router's answer for `policy` behind a `RouteListener` on a loopback port."""
+    import uvloop
+
+    from routers.core import ReplicaView
+    from services.router.route_listener import RouteListener
+    from services.router.service import build_router_app
+    from services.router.settings import RouterSettings, build_policy
+
+    endpoint = f"http://{LOOPBACK}:1"  # never called: the agent only names replicas
+    views = tuple(ReplicaView(replica_id=f"replica-{i}", endpoint=endpoint) for i in range(AGENT_REPLICAS))
+    settings = RouterSettings(target_app="bench-llm", policy=policy)
+    app = build_router_app(settings, build_policy(settings), lambda: views)
+
+    async def serve() -> None:
+        listener = RouteListener(app.state.answer_route, SESSION_HEADER)
+        ports.put(await listener.start(LOOPBACK))
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
+def _notify(index: int) -> bytes:
+    from services.router import spop
+
+    arguments: dict[str, spop.Value] = {
+        FRONTEND_HEADER: b"bench-frontend",
+        REQUEST_ID_HEADER: f"bench-agent-{index}".encode(),
+        SESSION_HEADER: f"session-{index % SESSIONS}".encode(),
+        BODY_ARG: b"",
+    }
+    payload = spop.encode_string(MESSAGE) + bytes((len(arguments),)) + spop.encode_kv_list(arguments)
+    return spop.encode_frame(spop.FrameType.NOTIFY, index + 1, 1, payload)
+
+
+def _decided(frame: bytes) -> bool:
+    """Whether an agent's frame is an ACK whose set-var actions answer status 200 (a replica chosen)."""
+    from services.router import spop
+
+    decoded = spop.decode_frame(frame)
+    if decoded.kind != spop.FrameType.ACK:
+        return False
+    payload, offset = decoded.payload, 0
+    while offset < len(payload):
+        name, offset = spop.decode_bytes(payload, offset + 3)  # action type, argument count, scope
+        value, offset = spop.decode_value(payload, offset)
+        if name.decode() == STATUS_VAR:
+            return value == 200
+    return False
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    from services.router import spop
+
+    (length,) = spop.LENGTH.unpack(await reader.readexactly(4))
+    return await reader.readexactly(length)
+
+
+async def send_at_rate(port: int, rate: int, seconds: float) -> int:
+    """NOTIFY frames at `rate` for `seconds`, round-robin over `CONNECTIONS` connections; the count of ACKs that chose a
+    replica."""
+    from services.router import spop
+
+    connections: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    for _ in range(CONNECTIONS):
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(spop.encode_frame(spop.FrameType.HAPROXY_HELLO, 0, 0, spop.encode_kv_list(HELLO)))
+        await _read_frame(reader)
+        connections.append((reader, writer))
+    total = int(rate * seconds)
+    acks = 0
+
+    async def read_acks(reader: asyncio.StreamReader, count: int) -> None:
+        nonlocal acks
+        for _ in range(count):
+            frame = await _read_frame(reader)
+            acks += _decided(frame)
+
+    readers = [
+        asyncio.create_task(read_acks(reader, len(range(i, total, CONNECTIONS))))
+        for i, (reader, _) in enumerate(connections)
+    ]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        for index in range(total):
+            delay = started + index / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            connections[index % CONNECTIONS][1].write(_notify(index))
+        await asyncio.wait_for(asyncio.gather(*readers), DRAIN_S)
+    finally:
+        for task in readers:
+            task.cancel()
+        for _, writer in connections:
+            writer.close()
+    return acks
+
+
+def agent_cpu_per_decision(policies: tuple[str, ...], rates: tuple[int, ...] = AGENT_RATES) -> dict[str, Any]:
+    """Per policy and rate: the agent process's CPU µs per decision and its ACKs that chose a replica, of the frames
+    sent."""
+    import psutil
+
+    def cpu_s(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+    spawn = multiprocessing.get_context("spawn")
+    results: dict[str, Any] = {}
+    for policy in policies:
+        ports = spawn.Queue()
+        agent = spawn.Process(target=_serve_agent, args=(policy, ports), daemon=True)
+        agent.start()
+        try:
+            port = ports.get(timeout=120)
+            process = psutil.Process(agent.pid)
+            before = cpu_s(process)
+            time.sleep(AGENT_STEP_S)
+            idle_cpu_s = cpu_s(process) - before
+            results[policy] = {}
+            for rate in rates:
+                before, started = cpu_s(process), time.perf_counter()
+                acks = asyncio.run(send_at_rate(port, rate, AGENT_STEP_S))
+                elapsed_s = time.perf_counter() - started
+                busy_cpu_s = cpu_s(process) - before - idle_cpu_s * elapsed_s / AGENT_STEP_S
+                results[policy][str(rate)] = {
+                    "frames": int(rate * AGENT_STEP_S),
+                    "acks": acks,
+                    "cpu_us_per_decision": max(busy_cpu_s, 0.0) / max(acks, 1) * 1e6,
+                }
+        finally:
+            agent.kill()
+            agent.join(timeout=10)
+    return results
+
+
+def agent_table(results: dict[str, Any]) -> str:
+    lines = [f"{'route agent alone':<34}{'req/s':>8}{'ACKs':>10}{'CPU µs/decision':>17}"]
+    for policy, by_rate in results.items():
+        for rate, entry in by_rate.items():
+            acks = f"{entry['acks']}/{entry['frames']}"
+            lines.append(f"{policy:<34}{rate:>8}{acks:>10}{entry['cpu_us_per_decision']:>17.0f}")
+    return "\n".join(lines)
