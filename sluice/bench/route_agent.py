@@ -11,7 +11,9 @@ process's CPU over a step, less its idle CPU over as long, per decision.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
+import select
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -27,12 +29,15 @@ AGENT_REPLICAS = 8
 SESSION_HEADER = "x-session-id"
 SESSIONS = 97
 HELLO = {"supported-versions": "2.0", "max-frame-size": 16380, "capabilities": "pipelining,async", "engine-id": "b"}
+# The agent process imports the router's modules before it prints its port.
+AGENT_START_S = 120.0
 # Beyond the step itself: the last ACKs of a step must arrive within this.
 DRAIN_S = 10.0
 
 
-def _serve_agent(policy: str, ports: Any) -> None:
-    """The agent process: the router's answer for `policy` behind a `RouteListener` on a loopback port."""
+def _serve_agent(policy: str) -> None:
+    """The agent process (`python -m sluice.bench.route_agent POLICY`): the router's answer for `policy` behind a
+    `RouteListener` on a loopback port, which it prints on its first line."""
     import uvloop
 
     from routers.core import ReplicaView
@@ -47,7 +52,7 @@ def _serve_agent(policy: str, ports: Any) -> None:
 
     async def serve() -> None:
         listener = RouteListener(app.state.answer_route, SESSION_HEADER)
-        ports.put(await listener.start(LOOPBACK))
+        print(await listener.start(LOOPBACK), flush=True)
         await asyncio.Event().wait()
 
     uvloop.run(serve())
@@ -139,14 +144,17 @@ def agent_cpu_per_decision(policies: tuple[str, ...], rates: tuple[int, ...] = A
         times = process.cpu_times()
         return times.user + times.system
 
-    spawn = multiprocessing.get_context("spawn")
     results: dict[str, Any] = {}
     for policy in policies:
-        ports = spawn.Queue()
-        agent = spawn.Process(target=_serve_agent, args=(policy, ports), daemon=True)
-        agent.start()
+        # A plain child process, ended and reaped here: multiprocessing would leave its resource tracker behind.
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "sluice.bench.route_agent", policy], stdout=subprocess.PIPE, text=True
+        )
         try:
-            port = ports.get(timeout=120)
+            assert agent.stdout is not None
+            if not select.select([agent.stdout], [], [], AGENT_START_S)[0]:
+                raise RuntimeError(f"the route agent did not start within {AGENT_START_S:g} s")
+            port = int(agent.stdout.readline())
             process = psutil.Process(agent.pid)
             before = cpu_s(process)
             time.sleep(AGENT_STEP_S)
@@ -164,7 +172,9 @@ def agent_cpu_per_decision(policies: tuple[str, ...], rates: tuple[int, ...] = A
                 }
         finally:
             agent.kill()
-            agent.join(timeout=10)
+            agent.wait(timeout=10)
+            if agent.stdout is not None:
+                agent.stdout.close()
     return results
 
 
@@ -175,3 +185,7 @@ def agent_table(results: dict[str, Any]) -> str:
             acks = f"{entry['acks']}/{entry['frames']}"
             lines.append(f"{policy:<34}{rate:>8}{acks:>10}{entry['cpu_us_per_decision']:>17.0f}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _serve_agent(sys.argv[1])

@@ -1,8 +1,10 @@
 """The route-agent bench drives the real agent in a process of its own: every NOTIFY it sends is answered by an ACK
-that chose a replica, and the agent's CPU per decision is measured (the numbers themselves are `make bench`'s)."""
+that chose a replica, the agent's CPU per decision is measured, and no process is left (the numbers themselves are
+`make bench`'s)."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 
 from routers.consistent_hash import NAME as CONSISTENT_HASH
@@ -12,7 +14,10 @@ from sluice.bench import route_agent
 
 def test_every_frame_is_answered_with_a_decision_and_its_cpu_is_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(route_agent, "AGENT_STEP_S", 1.0)
+    children_before = {child.pid for child in psutil.Process().children(recursive=True)}
     results = route_agent.agent_cpu_per_decision((ROUND_ROBIN, CONSISTENT_HASH), rates=(200,))
+    # The agent processes are ended and reaped, and nothing else of theirs stays behind.
+    assert {child.pid for child in psutil.Process().children(recursive=True)} <= children_before
     for policy in (ROUND_ROBIN, CONSISTENT_HASH):
         entry = results[policy]["200"]
         assert entry["frames"] == 200 and entry["acks"] == 200, results
