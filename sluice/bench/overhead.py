@@ -168,24 +168,30 @@ def router_processes(router_app: str) -> list[psutil.Process]:
     return found
 
 
-def _cpu_s(processes: list[psutil.Process]) -> float:
+def cpu_s(processes: list[psutil.Process]) -> float:
     return sum(times.user + times.system for times in (process.cpu_times() for process in processes))
+
+
+def cpu_us_per_decision(busy_cpu_s: float, idle_cpu_s: float, elapsed_s: float, idle_s: float, decisions: int) -> float:
+    """CPU µs per decision over a step of `elapsed_s`: its CPU less the idle CPU (measured over `idle_s`) over as
+    long."""
+    return max(busy_cpu_s - idle_cpu_s * elapsed_s / idle_s, 0.0) / max(decisions, 1) * 1e6
 
 
 def route_call_rates(url: str, frontend: Any, router_app: str) -> dict[str, Any]:
     """Route call p50/p99 as timed inside HAProxy's Lua action, and the routers' CPU per decision (all of the app's
     router replicas together), at each rate; with the rate the client reached (it may fall short at the highest)."""
     router = router_processes(router_app)
-    before = _cpu_s(router)
+    before = cpu_s(router)
     time.sleep(RATE_STEP_S)
-    idle_cpu_s = _cpu_s(router) - before
+    idle_cpu_s = cpu_s(router) - before
     results: dict[str, Any] = {}
     for rate in RATES:
-        before = _cpu_s(router)
+        before = cpu_s(router)
         sent_at = time.perf_counter()
         ids, statuses = asyncio.run(post_at_rate(url, rate, RATE_STEP_S, f"bench-rate-{rate}-{time.time_ns()}"))
         elapsed_s = time.perf_counter() - sent_at
-        busy_cpu_s = _cpu_s(router) - before
+        busy_cpu_s = cpu_s(router) - before
         time.sleep(0.5)  # the frontend logs a request once it has ended
         records = frontend.requests.remote(ids).result(timeout_s=60)
         route_ms = [r["route_s"] * 1000 for r in records if r["route_s"] is not None]
@@ -197,9 +203,9 @@ def route_call_rates(url: str, frontend: Any, router_app: str) -> dict[str, Any]
             "statuses": {str(k): v for k, v in sorted(statuses.items())},
             "route_p50_ms": quantile(route_ms, 0.5),
             "route_p99_ms": quantile(route_ms, 0.99),
-            "router_cpu_us_per_decision": max(busy_cpu_s - idle_cpu_s * elapsed_s / RATE_STEP_S, 0.0)
-            / len(route_ms)
-            * 1e6,
+            "router_cpu_us_per_decision": cpu_us_per_decision(
+                busy_cpu_s, idle_cpu_s, elapsed_s, RATE_STEP_S, len(route_ms)
+            ),
         }
     return results
 

@@ -140,9 +140,7 @@ def agent_cpu_per_decision(policies: tuple[str, ...], rates: tuple[int, ...] = A
     sent."""
     import psutil
 
-    def cpu_s(process: psutil.Process) -> float:
-        times = process.cpu_times()
-        return times.user + times.system
+    from sluice.bench.overhead import cpu_s, cpu_us_per_decision
 
     results: dict[str, Any] = {}
     for policy in policies:
@@ -155,7 +153,7 @@ def agent_cpu_per_decision(policies: tuple[str, ...], rates: tuple[int, ...] = A
             if not select.select([agent.stdout], [], [], AGENT_START_S)[0]:
                 raise RuntimeError(f"the route agent did not start within {AGENT_START_S:g} s")
             port = int(agent.stdout.readline())
-            process = psutil.Process(agent.pid)
+            process = [psutil.Process(agent.pid)]
             before = cpu_s(process)
             time.sleep(AGENT_STEP_S)
             idle_cpu_s = cpu_s(process) - before
@@ -164,11 +162,11 @@ def agent_cpu_per_decision(policies: tuple[str, ...], rates: tuple[int, ...] = A
                 before, started = cpu_s(process), time.perf_counter()
                 acks = asyncio.run(send_at_rate(port, rate, AGENT_STEP_S))
                 elapsed_s = time.perf_counter() - started
-                busy_cpu_s = cpu_s(process) - before - idle_cpu_s * elapsed_s / AGENT_STEP_S
+                busy_cpu_s = cpu_s(process) - before
                 results[policy][str(rate)] = {
                     "frames": int(rate * AGENT_STEP_S),
                     "acks": acks,
-                    "cpu_us_per_decision": max(busy_cpu_s, 0.0) / max(acks, 1) * 1e6,
+                    "cpu_us_per_decision": cpu_us_per_decision(busy_cpu_s, idle_cpu_s, elapsed_s, AGENT_STEP_S, acks),
                 }
         finally:
             agent.kill()

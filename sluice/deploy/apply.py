@@ -84,6 +84,12 @@ def ensure_models(spec: StackBase) -> None:
             ensure_built(Path(model_path(source)), moe)
 
 
+def _routerless_backends(plan: StackPlan, status: dict[str, Any]) -> list[str]:
+    """The models' router backends with no server UP in the frontend's report."""
+    backends_up = {server["backend"] for server in status["servers"] if server["status"] == "UP"}
+    return [model.router_backend for model in plan.models if model.router_backend not in backends_up]
+
+
 def _published(plan: StackPlan) -> bool:
     """Whether every app runs its new version (a redeploy reports DEPLOYING until it does) and the frontend has every
     model's replicas UP and published to its routers, and a router of each model UP (route calls go to it)."""
@@ -96,8 +102,7 @@ def _published(plan: StackPlan) -> bool:
     wanted = [model.min_replicas for model in plan.models]
     if not status or not status["running"] or len(status["published"]) != len(wanted):
         return False
-    backends_up = {server["backend"] for server in status["servers"] if server["status"] == "UP"}
-    if any(model.router_backend not in backends_up for model in plan.models):
+    if _routerless_backends(plan, status):
         return False
     return all(published >= n for published, n in zip(status["published"], wanted, strict=True))
 
@@ -112,8 +117,7 @@ def _frontend_lag(plan: StackPlan) -> str:
         f"{model.name} {n} of {model.min_replicas} replicas published"
         for model, n in zip(plan.models, status["published"], strict=False)
     )
-    backends = {server["backend"] for server in status["servers"] if server["status"] == "UP"}
-    no_router = [model.router_backend for model in plan.models if model.router_backend not in backends]
+    no_router = _routerless_backends(plan, status)
     return (
         f"the frontend has not every replica UP in HAProxy yet: {published or 'nothing published'}; "
         f"servers not UP: {', '.join(not_up) or 'none'}; "
