@@ -159,6 +159,19 @@ def node_role_resources(role: NodeRole | None) -> dict[str, float]:
 ROUTE_PATH = "/internal/route"
 # The frontend's syncer publishes the replica ids it can route to here, on every router replica.
 MEMBERSHIP_PATH = "/internal/membership"
+# Table decisions (opt-in per stack): a router whose policy is a pure function of the replica set (a rotation, a
+# hash ring) publishes that set here (`RouteTable`), and the frontend's Lua decides each request from it, with no
+# route call. Each HAProxy thread fetches it every TABLE_REFRESH_S and holds it TABLE_LEASE_S at most: a router that
+# stops answering, refuses (a fault, no replica), leaves or goes DOWN takes its table with it, and requests go back to
+# route calls (which fail closed as before).
+ROUTE_TABLE_PATH = "/internal/route-table"
+TABLE_REFRESH_S = 0.25
+TABLE_LEASE_S = 1.0
+TABLE_ROTATION = "rotation"
+TABLE_RING = "ring"
+TABLE_KINDS = (TABLE_ROTATION, TABLE_RING)
+# 404 from a router whose policy decides each request itself (load, tokens, the prompt): it has no table.
+REASON_NO_TABLE = "no_table"
 APP_HEADER = "x-sluice-app"
 HAPROXY_PORT_DEFAULT = 8000
 HAPROXY_PROMETHEUS_PORT_DEFAULT = 8404

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from base.contracts import RANK_SEPARATOR
+from base.contracts import RANK_SEPARATOR, TABLE_KINDS
 
 
 class RouteReply(BaseModel):
@@ -42,6 +42,25 @@ def replica_of(endpoint_id: str) -> str:
 def endpoint_id(replica_id: str, rank: int | None) -> str:
     """What the router ranks: a replica, or one engine rank of a data-parallel replica."""
     return replica_id if rank is None else f"{replica_id}{RANK_SEPARATOR}{rank}"
+
+
+class RouteTable(BaseModel):
+    """What a router publishes for table decisions (`ROUTE_TABLE_PATH`): how its policy ranks (`kind`: a rotation
+    over the sorted ids, or the consistent-hash ring built from them), the ranked fallbacks per decision, and the
+    replica ids it would rank for the asking frontend. Flat, parsed by the Lua action with patterns."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str
+    fallbacks: int = Field(ge=0)
+    replica_ids: list[str] = Field(min_length=1)
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        if value not in TABLE_KINDS:
+            raise ValueError(f"table kind {value!r} is none of {TABLE_KINDS}")
+        return value
 
 
 class RouteRefusal(BaseModel):

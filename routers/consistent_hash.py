@@ -15,6 +15,7 @@ from itertools import islice
 import mmh3
 from pydantic import Field
 
+from base.contracts import TABLE_RING
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, InFlightTracker, ReplicaView, RouteRequest, RoutingPolicy
 from routers.entry import PolicyContext, PolicyEntry, PolicySettings
 
@@ -180,4 +181,12 @@ def _body_use(settings: ConsistentHashSettings) -> tuple[str, str] | None:
     return ("user_affinity", "user_affinity reads the body's `user`") if settings.user_affinity else None
 
 
-ENTRY = PolicyEntry(NAME, ConsistentHashSettings, _build, body_use=_body_use)
+def _table(settings: ConsistentHashSettings) -> tuple[str, int] | None:
+    """A ring the frontend can walk itself: not with bounded load (each decision reads live load) nor user affinity
+    (the key is in the body)."""
+    if settings.load_factor is not None or settings.user_affinity:
+        return None
+    return TABLE_RING, settings.num_fallback_replicas
+
+
+ENTRY = PolicyEntry(NAME, ConsistentHashSettings, _build, body_use=_body_use, table=_table)

@@ -46,6 +46,10 @@ def _reads_no_body(settings: Any) -> tuple[str, str] | None:
     return None
 
 
+def _no_table(settings: Any) -> tuple[str, int] | None:
+    return None
+
+
 def adapter_class_name(policy: str) -> str:
     """`consistent_hash` -> `ConsistentHashRequestRouter`."""
     return "".join(part.title() for part in policy.split("_")) + "RequestRouter"
@@ -74,6 +78,9 @@ class PolicyEntry:
     needs_prompt: bool = False
     # Scores replicas by their engines' KV events: the replicas publish them (vLLM's `--kv-events-config`).
     kv_events: bool = False
+    # (table kind, fallbacks per decision) when these settings make each decision a function of the replica set and
+    # the request's headers alone: the frontend can then decide from the router's table (`base.route_wire.RouteTable`).
+    table: Callable[[Any], tuple[str, int] | None] = _no_table
 
     @property
     def prefill_refusal(self) -> str:

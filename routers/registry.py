@@ -93,6 +93,12 @@ def build_policy(policy: str, kwargs: dict[str, Any], context: PolicyContext | N
     return policy_entry(policy).build(settings, context or PolicyContext())
 
 
+def table_of(policy: str, kwargs: dict[str, Any]) -> tuple[str, int] | None:
+    """(table kind, fallbacks) when the frontend can decide for `policy` with `kwargs` from a router's table, else
+    None."""
+    return policy_entry(policy).table(validate_settings(policy, kwargs))
+
+
 def handle_policy(policy: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The policy (and kwargs) DeploymentHandle calls to a deployment routed by `policy` use."""
     if policy_entry(policy).needs_prompt:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from base.contracts import TABLE_ROTATION
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
 from routers.entry import PolicyContext, PolicyEntry, PolicySettings
 
@@ -45,4 +46,8 @@ def _build(settings: RoundRobinSettings, context: PolicyContext) -> RoundRobin:
     return RoundRobin()
 
 
-ENTRY = PolicyEntry(NAME, RoundRobinSettings, _build)
+def _table(settings: RoundRobinSettings) -> tuple[str, int]:
+    return TABLE_ROTATION, DEFAULT_NUM_FALLBACK_REPLICAS
+
+
+ENTRY = PolicyEntry(NAME, RoundRobinSettings, _build, table=_table)

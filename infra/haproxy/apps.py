@@ -33,6 +33,9 @@ class AppRoute(BaseModel):
     forward_body: bool = False
     body_buffer_bytes: int = Field(BODY_BUFFER_BYTES_DEFAULT, ge=1024, le=64 * 1024 * 1024)
     session_header: str = SESSION_HEADER_DEFAULT
+    # Decide from the routers' table when their policy has one (`base.route_wire.RouteTable`): no route call per
+    # request while the table is in force (infra/haproxy/README.md). Off: every routed request asks a router.
+    table_decisions: bool = False
     # Route prefix of the router deployment: the route call goes to `<prefix>/internal/route` ("" = at the root).
     router_route_prefix: str = ""
     # Route prefix of the LLM app: a replica serves vLLM's paths under it, so the frontend prepends it.

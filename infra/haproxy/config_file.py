@@ -66,6 +66,7 @@ from infra.haproxy.models import (
 )
 from infra.haproxy.protection import REFUSAL_TABLE, protection_lines, protection_tables
 from infra.haproxy.spoe import agent_backend_lines, ask_agent_lines, failure_table_lines, filter_lines
+from infra.haproxy.tables import count_lines, decision_table_lines
 from infra.observability.targets import LUA_TARGETS_SERVICE, TARGETS_PATH, router_targets_backend
 
 
@@ -230,6 +231,7 @@ def render_config(settings: HAProxySettings) -> str:
     lines += [
         "    # Any method but GET/HEAD asks its app's router pool; GET/HEAD rotate over the app's routable replicas.",
         f"    http-request lua.{LUA_ACTION}",
+        *count_lines(),
         *ask_agent_lines(settings),
         *(model_refusal_lines(VAR_REASON, REFUSAL_TABLE) if settings.multi_model else []),
         "    # Backstop: a direct request with neither a replica nor a reason (Lua error) fails like an",
@@ -280,6 +282,7 @@ def render_config(settings: HAProxySettings) -> str:
         "    stick-table type string len 32 size 64 store http_req_cnt",
         "",
         *failure_table_lines(),
+        *decision_table_lines(),
         *protection_tables(settings.protection),
         *running_table_lines(),
         *rollback_table_lines(),

@@ -46,8 +46,13 @@ from base.contracts import (
     REASON_UNPARSEABLE_REPLICA_ID,
     REQUEST_ID_HEADER,
     ROUTE_PATH,
+    ROUTE_TABLE_PATH,
+    TABLE_LEASE_S,
+    TABLE_REFRESH_S,
+    TABLE_RING,
+    TABLE_ROTATION,
 )
-from base.route_wire import RouteRefusal, RouteReply
+from base.route_wire import RouteRefusal, RouteReply, RouteTable
 from infra.haproxy.canary import (
     ROLLBACK_COUNTER,
     ROLLBACK_TABLE,
@@ -91,6 +96,7 @@ from infra.haproxy.spoe import (
     agent_backend,
     agent_var,
 )
+from infra.haproxy.tables import TABLE_DECISION_TABLE, VAR_TABLE_KIND
 from infra.observability import METRICS_LUA_TEMPLATE_PATH
 from infra.observability.targets import (
     APP_LABEL,
@@ -105,6 +111,7 @@ from infra.observability.targets import (
     router_metrics_path,
     router_targets_backend,
 )
+from routers.consistent_hash import HASH_SEED, VIRTUAL_NODES
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS
 
 
@@ -146,6 +153,8 @@ def _lua_apps(settings: HAProxySettings) -> str:
             "replica_backend": _lua_str(replica_backend(index)),
             "router_backend": _lua_str(router_backend(index)),
             "route_path": _lua_str(app.router_route_prefix + ROUTE_PATH),
+            "tables": _lua_bool(app.table_decisions),
+            "table_path": _lua_str(app.router_route_prefix + ROUTE_TABLE_PATH),
             "prefix": _lua_str(app.replica_route_prefix),
             "session_header": _lua_str(app.session_header),
             "forward_body": _lua_bool(app.forward_body),
@@ -165,11 +174,17 @@ def _lua_apps(settings: HAProxySettings) -> str:
     return "{\n" + "\n".join(entries) + "\n}"
 
 
-# The Lua source with `$placeholders` for every constant (string.Template; `$$` is a literal `$`): the route action,
-# then, in the same chunk, the metrics frontend's services (counters and target discovery).
+# The Lua source with `$placeholders` for every constant (string.Template; `$$` is a literal `$`): the table
+# decisions (and the helpers the rest shares), the route action, then, in the same chunk, the metrics frontend's
+# services (counters and target discovery).
 LUA_TEMPLATE = Template(
     "\n".join(
-        path.read_text() for path in (Path(__file__).with_name("sluice_route.lua.tmpl"), METRICS_LUA_TEMPLATE_PATH)
+        path.read_text()
+        for path in (
+            Path(__file__).with_name("route_tables.lua.tmpl"),
+            Path(__file__).with_name("sluice_route.lua.tmpl"),
+            METRICS_LUA_TEMPLATE_PATH,
+        )
     )
 )
 
@@ -256,6 +271,17 @@ def render_lua(settings: HAProxySettings) -> str:
         url_pattern=_lua_str(LUA_URL_PATTERN),
         max_id_length=str(MAX_ID_LENGTH),
         rotation_candidates=str(1 + DEFAULT_NUM_FALLBACK_REPLICAS),
+        table_refresh_ms=str(round(TABLE_REFRESH_S * 1000)),
+        table_lease_s=repr(float(TABLE_LEASE_S)),
+        var_table_kind=_lua_str(VAR_TABLE_KIND),
+        table_decision_table=_lua_str(TABLE_DECISION_TABLE),
+        table_rotation=_lua_str(TABLE_ROTATION),
+        table_ring=_lua_str(TABLE_RING),
+        table_field_kind=_wire_field(RouteTable, "kind"),
+        table_field_fallbacks=_wire_field(RouteTable, "fallbacks"),
+        table_field_ids=_wire_field(RouteTable, "replica_ids"),
+        ring_seed=str(HASH_SEED),
+        ring_virtual_nodes=str(VIRTUAL_NODES),
         field_reason=_wire_field(RouteRefusal, "reason"),
         field_replica_id=_wire_field(RouteReply, "replica_id"),
         field_fallbacks=_wire_field(RouteReply, "fallbacks"),

@@ -32,6 +32,7 @@ from base.contracts import (
     REASON_INJECTED_FAULT,
     REASON_NO_PREFILL_REPLICA,
     ROUTE_PATH,
+    ROUTE_TABLE_PATH,
     NodeRole,
     node_role_resources,
 )
@@ -42,11 +43,13 @@ from routers.capacity_queue import CapacityQueue
 from routers.core import Decision, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
 from routers.kv_aware import KVAware, ReplicaEvents
 from routers.metrics import LEDGER_METRICS
+from routers.registry import table_of
 from services.router.kv_subscriber import KVEventSubscriber
 from services.router.live_replicas import LiveReplicas
 from services.router.membership import FrontendMembership
 from services.router.route_listener import ROUTE_LISTENER_PATH, RouteListener
 from services.router.route_request import route_request_from
+from services.router.route_table import table_answer
 from services.router.settings import RouterAppArgs, RouterSettings, build_policy, build_prefill_policy
 from services.serve_internals import REPLICA_LOGGER, list_replica_endpoints, with_rollout_version
 
@@ -190,6 +193,15 @@ def build_router_app(
         status, answered = await answer(request.headers, await request.body())
         reply = answered.wire_json() if isinstance(answered, RouteReply) else answered.model_dump_json()
         return Response(reply, status_code=status, media_type=_JSON)
+
+    # A prefill/decode router pairs each request with a prefill replica: no table can say that.
+    table_rule = table_of(settings.policy, settings.policy_kwargs) if prefill is None else None
+
+    @app.get(ROUTE_TABLE_PATH)
+    async def route_table(request: Request) -> Response:
+        views = membership.routable(replicas(), request.headers.get(FRONTEND_HEADER) or None)
+        status, table = table_answer(table_rule, views, fault.active())
+        return Response(table.model_dump_json(), status_code=status, media_type=_JSON)
 
     @app.get(ROUTE_LISTENER_PATH)
     async def route_listener() -> Response:
