@@ -105,6 +105,7 @@ def _route(
         forward_body=routing.forward_body,
         body_buffer_bytes=routing.body_buffer_bytes,
         session_header=routing.session_header,
+        table_decisions=routing.table_decisions,
         router_route_prefix=f"/{router_app}",
         replica_route_prefix=f"/{llm_app}",
     )

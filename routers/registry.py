@@ -99,6 +99,11 @@ def table_of(policy: str, kwargs: dict[str, Any]) -> tuple[str, int] | None:
     return policy_entry(policy).table(validate_settings(policy, kwargs))
 
 
+def table_policy_choices() -> str:
+    """The policies the frontend can decide from a table with their default kwargs, for a message: `a or b`."""
+    return _one_of([name for name, entry in _ENTRIES.items() if entry.table(entry.settings()) is not None])
+
+
 def handle_policy(policy: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The policy (and kwargs) DeploymentHandle calls to a deployment routed by `policy` use."""
     if policy_entry(policy).needs_prompt:

@@ -18,7 +18,14 @@ from base.contracts import (
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
 from infra.haproxy.protection import FrontendProtection
 from infra.haproxy.tls import FrontendTLS
-from routers.registry import DEFAULT_POLICY, PolicyConfigError, PolicyName, policy_entry, validate_settings
+from routers.registry import (
+    DEFAULT_POLICY,
+    PolicyConfigError,
+    PolicyName,
+    policy_entry,
+    table_policy_choices,
+    validate_settings,
+)
 from services.frontend.canary_guard import AbortCriteria
 from services.frontend.ingress_control import DRAIN_DEADLINE_S_DEFAULT, IngressConfig
 from services.replica.llm_config import EngineArgValue
@@ -108,6 +115,9 @@ class Routing(Section):
     # The replicas publish vLLM's KV events: None, when the policy scores by them (kv_aware); true keeps them on
     # under any policy (comparing policies on the same replicas), false turns them off (kv_aware then approximates).
     kv_events: bool | None = None
+    # The frontend ranks each request from the routers' table (a rotation, a hash ring) with no route call, where the
+    # policy is a function of the replica set and the request's headers (docs/data-plane.md, table decisions).
+    table_decisions: bool = False
 
     @field_validator("session_header")
     @classmethod
@@ -134,6 +144,12 @@ def policy_problem(routing: Routing) -> tuple[str, str] | None:
         settings = validate_settings(routing.policy, routing.policy_kwargs)
     except PolicyConfigError as error:
         return "policy_kwargs", f"{error}; docs/policies.md lists each policy's kwargs"
+    if routing.table_decisions and policy_entry(routing.policy).table(settings) is None:
+        return "table_decisions", (
+            f"{routing.policy} with these kwargs decides each request from live state or the body, which no table "
+            f"holds: choose {table_policy_choices()} with kwargs that keep a table (docs/policies.md), or set "
+            "routing.table_decisions: false"
+        )
     body_use = policy_entry(routing.policy).body_use(settings)
     if body_use is not None and not routing.forward_body:
         kwarg, reads = body_use

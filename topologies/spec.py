@@ -174,6 +174,14 @@ def _cross_field_problems(spec: StackBase) -> list[SpecProblem]:
                     "data_parallel mode `ranks` is a gang of fixed size: give replicas (gangs), not autoscaling",
                 )
             )
+        if isinstance(model, PrefillDecodeModel) and spec.routing.table_decisions:
+            problems.append(
+                SpecProblem(
+                    "routing.table_decisions",
+                    f"models[{i}] is prefill/decode: its router pairs each request with a prefill replica, which no "
+                    "table holds; set routing.table_decisions: false",
+                )
+            )
         if isinstance(model, PrefillDecodeModel):
             prefill_routing = spec.routing.overridden(model.routing).overridden(model.prefill.routing)
             prefill_entry = policy_entry(prefill_routing.policy)

@@ -21,6 +21,7 @@ from base.contracts import (
     REASON_INJECTED_FAULT,
     SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
+    TABLE_LEASE_S,
 )
 from base.quantiles import quantile
 from sluice.deploy import check_items
@@ -154,6 +155,9 @@ def fault_injection(client: httpx.Client, base: str, spec: StackBase, plan: Stac
     urls = [f"{e.url}/{first.router_app}{FAULT_PATH}" for e in asyncio.run(list_replica_endpoints(first.router_app))]
     for url in urls:
         client.post(url, json={"seconds": FAULT_SECONDS}).raise_for_status()
+    if spec.routing.table_decisions:
+        # The frontend's threads drop the faulty routers' table at their next fetch, within a lease.
+        time.sleep(TABLE_LEASE_S)
     try:
         response = direct_post(client, f"{base}/v1/chat/completions", chat(first.name))
     finally:
