@@ -27,13 +27,17 @@ RATE_STEP_S = 4.0
 # Keep-alive connections the open-loop client may hold: enough that a slow answer never delays the next request.
 MAX_CONNECTIONS = 256
 ROUTED_CHEAP_PATH = "/v1/models"
-# The stack's own router (the embedded default's policy, one router replica): the route call's goals are judged here.
-DEFAULT_VARIANT = "round_robin x1"
 
 
-def variant_label(policy: str, routers: int) -> str:
-    """A router variant the route call is measured on: its policy and router replica count."""
-    return f"{policy} x{routers}"
+def variant_label(policy: str, routers: int, tables: bool = False) -> str:
+    """A router variant the route decision is measured on: its policy, router replica count, and whether the frontend
+    decides from the routers' table (no route call) or makes a route call per request."""
+    return f"{policy} x{routers}{' tables' if tables else ''}"
+
+
+# The stack's own router (the embedded default's policy, one router replica, table decisions): the routing goals are
+# judged here.
+DEFAULT_VARIANT = variant_label("round_robin", 1, tables=True)
 
 
 def passthrough_config(port: int, replica_urls: list[str]) -> str:

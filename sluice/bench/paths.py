@@ -41,8 +41,13 @@ CASES = {
     ZERO_COMPUTE: [("64x16", 64, 16), ("64x256", 64, 256)],
 }
 TEAM_FILE = EMBEDDED_SPEC
-# Router variants the route call is measured on after the stack's own: (policy, router replicas).
-VARIANTS = (("consistent_hash", 1), ("consistent_hash", 2))
+# Router variants the route decision is measured on after the stack's own: (policy, router replicas, table decisions).
+VARIANTS = (
+    ("consistent_hash", 1, True),
+    ("round_robin", 1, False),
+    ("consistent_hash", 1, False),
+    ("consistent_hash", 2, False),
+)
 
 
 async def _round(urls: list[str], streams: int, max_tokens: int) -> dict[str, float]:
@@ -99,6 +104,8 @@ def _deploy_stack(
     data["name"] = name
     data["frontend"].update(port=free_port(LOOPBACK), metrics_port=free_port(LOOPBACK))
     data["ingress"] = {"mode": "both", "canary_weight": 100}
+    # sluice's cheapest direct path for the embedded default's round_robin: ranked from the router's table.
+    data["routing"]["table_decisions"] = True
     for model in data["models"]:
         model["max_ongoing_requests"] = 128
     spec = parse_spec(data)
@@ -163,8 +170,8 @@ def _measure(out: Path, name: str, stand_in: str | None, peer: Any) -> tuple[Rou
 
 
 def _route_call_variants(plan: Any, data: dict[str, Any]) -> dict[str, Any]:
-    """The route call at fixed rates on the stack's own router (round_robin, one replica), then with
-    consistent_hash on one and on two router replicas (the policy switch leaves the LLM replicas)."""
+    """The route decision at fixed rates on the stack's own router (round_robin, one replica, table decisions), then
+    on each of `VARIANTS` (a policy or frontend switch leaves the LLM replicas)."""
     from ray import serve
 
     from sluice.bench.stack_variants import deploy_variant
@@ -172,10 +179,10 @@ def _route_call_variants(plan: Any, data: dict[str, Any]) -> dict[str, Any]:
     model = plan.models[0]
     handle = serve.get_app_handle(plan.frontend_app)
     variants = {DEFAULT_VARIANT: route_call_rates(plan.url, handle, model.router_app)}
-    for policy, routers in VARIANTS:
+    for policy, routers, tables in VARIANTS:
         data["frontend"]["routers"] = routers
-        variant = deploy_variant(data, policy, data["models"][0]["replicas"])
-        variants[variant_label(policy, routers)] = route_call_rates(variant.url, handle, model.router_app)
+        variant = deploy_variant(data, policy, data["models"][0]["replicas"], table_decisions=tables)
+        variants[variant_label(policy, routers, tables)] = route_call_rates(variant.url, handle, model.router_app)
     return variants
 
 
@@ -215,7 +222,10 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
         print(f"\n{workload}: direct against HAProxy alone (the limit a proxy can reach):")
         print(proxy_table(summary))
     print(f"\nray_peer: {peer_note}; ray_replica_port: the peer's replicas' own ports")
-    print("\nroute call as HAProxy's Lua action times it (SPOE to the route agents), open-loop POSTs at fixed rates:")
+    print(
+        "\nroute decision as HAProxy's Lua action times it (`tables`: ranked from the router's table; else the route"
+        " call, SPOE to the route agents), open-loop POSTs at fixed rates:"
+    )
     print(rates_table(rates))
     print("\nthe direct path's TTFT, part by part:")
     print("\n".join(f"  {part:<52}{value}" for part, value in payload["breakdown"].items()))

@@ -63,6 +63,8 @@ class DirectStreamSpec(BaseModel):
     policy_kwargs: dict[str, Any] = Field(default_factory=dict)
     session_header: str = SESSION_HEADER_DEFAULT
     fail_open: bool = False
+    # The frontend ranks requests from the routers' table (round_robin, consistent_hash): no route call.
+    table_decisions: bool = False
     forward_body: bool = False
     body_buffer_bytes: int = BODY_BUFFER_BYTES_DEFAULT
     haproxy_port: int = HAPROXY_PORT_DEFAULT
@@ -94,6 +96,7 @@ class DirectStreamSpec(BaseModel):
                 AppRoute(
                     name=self.app,
                     fail_open=self.fail_open,
+                    table_decisions=self.table_decisions,
                     forward_body=self.forward_body,
                     body_buffer_bytes=self.body_buffer_bytes,
                     session_header=self.session_header,
