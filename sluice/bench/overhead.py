@@ -183,19 +183,21 @@ def cpu_us_per_decision(busy_cpu_s: float, idle_cpu_s: float, elapsed_s: float, 
 
 
 def route_call_rates(url: str, frontend: Any, router_app: str) -> dict[str, Any]:
-    """Route call p50/p99 as timed inside HAProxy's Lua action, and the routers' CPU per decision (all of the app's
-    router replicas together), at each rate; with the rate the client reached (it may fall short at the highest)."""
+    """Route decision p50/p99 as timed inside HAProxy's Lua action, the routers' CPU per decision (all of the app's
+    router replicas together) and HAProxy's worker's CPU per request, at each rate; with the rate the client reached
+    (it may fall short at the highest)."""
     router = router_processes(router_app)
-    before = cpu_s(router)
+    haproxy = [psutil.Process(frontend.status.remote().result(timeout_s=30)["worker_pid"])]
+    before, haproxy_before = cpu_s(router), cpu_s(haproxy)
     time.sleep(RATE_STEP_S)
-    idle_cpu_s = cpu_s(router) - before
+    idle_cpu_s, haproxy_idle_s = cpu_s(router) - before, cpu_s(haproxy) - haproxy_before
     results: dict[str, Any] = {}
     for rate in RATES:
-        before = cpu_s(router)
+        before, haproxy_before = cpu_s(router), cpu_s(haproxy)
         sent_at = time.perf_counter()
         ids, statuses = asyncio.run(post_at_rate(url, rate, RATE_STEP_S, f"bench-rate-{rate}-{time.time_ns()}"))
         elapsed_s = time.perf_counter() - sent_at
-        busy_cpu_s = cpu_s(router) - before
+        busy_cpu_s, haproxy_busy_s = cpu_s(router) - before, cpu_s(haproxy) - haproxy_before
         time.sleep(0.5)  # the frontend logs a request once it has ended
         records = frontend.requests.remote(ids).result(timeout_s=60)
         route_ms = [r["route_s"] * 1000 for r in records if r["route_s"] is not None]
@@ -210,17 +212,24 @@ def route_call_rates(url: str, frontend: Any, router_app: str) -> dict[str, Any]
             "router_cpu_us_per_decision": cpu_us_per_decision(
                 busy_cpu_s, idle_cpu_s, elapsed_s, RATE_STEP_S, len(route_ms)
             ),
+            "haproxy_cpu_us_per_request": cpu_us_per_decision(
+                haproxy_busy_s, haproxy_idle_s, elapsed_s, RATE_STEP_S, len(ids)
+            ),
         }
     return results
 
 
 def rates_table(variants: dict[str, Any]) -> str:
-    head = f"{'routers':<20}{'req/s':>6}{'reached':>9}{'route p50 ms':>14}{'route p99 ms':>14}{'CPU µs/decision':>17}"
+    head = (
+        f"{'routers':<26}{'req/s':>6}{'reached':>9}{'route p50 ms':>14}{'route p99 ms':>14}{'router µs/decision':>20}"
+        f"{'HAProxy µs/request':>20}"
+    )
     lines = [head + "  statuses"]
     for variant, results in variants.items():
         for rate, entry in results.items():
             lines.append(
-                f"{variant:<20}{rate:>6}{entry['reached_req_per_s']:>9.0f}{entry['route_p50_ms']:>14.2f}"
-                f"{entry['route_p99_ms']:>14.2f}{entry['router_cpu_us_per_decision']:>17.0f}  {entry['statuses']}"
+                f"{variant:<26}{rate:>6}{entry['reached_req_per_s']:>9.0f}{entry['route_p50_ms']:>14.2f}"
+                f"{entry['route_p99_ms']:>14.2f}{entry['router_cpu_us_per_decision']:>20.0f}"
+                f"{entry['haproxy_cpu_us_per_request']:>20.0f}  {entry['statuses']}"
             )
     return "\n".join(lines)
