@@ -31,8 +31,7 @@ FRONTEND_HEADER = "x-sluice-frontend"
 SERVE_PATH_HEADER = "x-serve-path"
 DIRECT_PATH = "direct"
 LEGACY_PATH = "legacy"
-# Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection or
-# closes it before any byte of its answer.
+# Between HAProxy's own frontends: the ranked replicas still to try when the pinned one refuses the connection.
 RANKED_HEADER = "x-sluice-ranked"
 INTERNAL_HEADER_PREFIXES = ("x-serve-", "x-sluice-")
 # Data parallel in one engine: vLLM's header naming the engine rank that serves a request (set by the frontend from
@@ -68,7 +67,7 @@ REASON_UNPARSEABLE_REPLICA_ID = "unparseable_replica_id"
 REASON_UNKNOWN_REPLICA_ID = "unknown_replica_id"
 # Errors HAProxy itself produces after routing (each carries `X-Serve-Reason` and an OpenAI-style body).
 REASON_REPLICA_UNAVAILABLE = "replica_unavailable"  # 503: no ranked replica could take the connection
-REASON_REPLICA_FAILED = "replica_failed"  # 502: the replica answered something that is not an HTTP response
+REASON_REPLICA_FAILED = "replica_failed"  # 502: the replica closed or answered garbage before its headers
 REASON_REPLICA_TIMEOUT = "replica_timeout"  # 504: no response headers within the server timeout
 REASON_FRONTEND_ERROR = "frontend_error"  # 500: an internal error of the frontend itself
 # A 5xx the replica sent itself without a reason gets this one.
@@ -105,7 +104,7 @@ REASON_NO_PREFILL_REPLICA = "no_prefill_replica"
 # Why the frontend passed over the router's primary (the fallback counter's `reason` label).
 FALLBACK_ABSENT = "absent"  # not (or no longer) in the frontend's server set
 FALLBACK_DOWN = "down"  # DOWN by health check or observed connection errors, or leaving (maintenance)
-FALLBACK_REFUSED = "refused"  # the connection failed, or closed before any byte of the answer came back
+FALLBACK_REFUSED = "refused"  # the connection failed before any byte was sent
 FALLBACK_REASONS = (FALLBACK_ABSENT, FALLBACK_DOWN, FALLBACK_REFUSED)
 
 # The canary between the paths. A client that retries with the `x-request-id` of a request still running gets 409

@@ -165,8 +165,7 @@ class HAProxySettings(BaseModel):
 
     @property
     def retry_socket_path(self) -> Path:
-        """Where frontend `sluice_retry` listens for the requests whose pinned replica refused or closed the
-        connection."""
+        """Where frontend `sluice_retry` listens for the requests whose pinned replica refused the connection."""
         return self.workdir / "retry.sock"
 
     @property

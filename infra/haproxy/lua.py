@@ -2,9 +2,8 @@
 
 The action finds the request's app, asks one of that app's routers for its ranked replicas (`core.tcp` to the UP
 router servers), then pins the request to the first one the frontend can route to, or fails closed with a reason;
-a second action pins the next ranked replica when the pinned one refused the connection or closed it unanswered. The
-same chunk carries the metrics frontend's services (`infra/observability/frontend_metrics.lua.tmpl`). Details:
-infra/haproxy/README.md.
+a second action pins the next ranked replica when the pinned one refused the connection. The same chunk carries the
+metrics frontend's services (`infra/observability/frontend_metrics.lua.tmpl`). Details: infra/haproxy/README.md.
 """
 
 from __future__ import annotations

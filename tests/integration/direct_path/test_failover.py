@@ -74,7 +74,8 @@ def test_a_killed_replica_costs_the_session_nothing(
                 pass  # cut: an error is a fine way for it to end
         stream_ended_s = time.monotonic() - killed_at
         assert stream_ended_s < 2.0, "the killed replica's stream did not end within 2 s"
-        # The follow-ups start once the dead replica's port is closed (their timeline counts from a dead replica).
+        # The follow-ups start once the dead replica's port is closed: a request the kernel still accepted for the
+        # dying process is lost with it (502 by design: the frontend never resends what a replica may have acted on).
         wait_until(5, lambda: not _listening(replica.port), "the killed replica's port to close", poll_s=0.01)
 
         # The session's next requests, every 100 ms for 10 s: every one served, never by the killed replica.

@@ -184,14 +184,13 @@ class ReplicaStandIn(StandIn):
 
 class TinyReplica:
     """A stand-in replica on a raw asyncio server, for tests that need many (no uvicorn per replica): answers
-    `/-/healthz`, and any other request with 200 and `x-serve-replica`; in `close_without_answer` mode it closes
-    the connection before answering, in `answer_garbage` mode it answers bytes that are not HTTP, then closes."""
+    `/-/healthz`, and any other request with 200 and `x-serve-replica`, or, in `close_without_answer` mode, closes
+    the connection before answering."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.port = free_port()
         self.close_without_answer = False
-        self.answer_garbage = False
         self.server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
 
@@ -228,12 +227,8 @@ class TinyReplica:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 await reader.readexactly(length)
-                if not head.split(b" ")[1].startswith(HEALTH_PATH.encode()):
-                    if self.answer_garbage:
-                        writer.write(b"not http\r\n\r\n")
-                        await writer.drain()
-                    if self.close_without_answer or self.answer_garbage:
-                        break
+                if self.close_without_answer and not head.split(b" ")[1].startswith(HEALTH_PATH.encode()):
+                    break
                 body = self.name.encode()
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s: %s\r\n\r\n%s"
