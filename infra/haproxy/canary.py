@@ -18,7 +18,7 @@ from base.contracts import (
     SERVE_PATH_HEADER,
     SERVE_REASON_HEADER,
 )
-from infra.haproxy.formatting import openai_error_body
+from infra.haproxy.formatting import counter_table_lines, openai_error_body
 
 LEGACY_BACKEND = "sluice_legacy"
 RUNNING_TABLE = "sluice_running"
@@ -114,12 +114,8 @@ def running_table_lines() -> list[str]:
 
 
 def rollback_table_lines() -> list[str]:
-    return [
-        f"backend {ROLLBACK_TABLE}",
-        "    # The canary's automatic rollbacks by the criterion breached (the frontend replica sets the counts).",
-        f"    stick-table type string len 32 size {len(CANARY_CRITERIA) * 4} store {ROLLBACK_COUNTER}",
-        "",
-    ]
+    comment = "The canary's automatic rollbacks by the criterion breached (the frontend replica sets the counts)."
+    return counter_table_lines(ROLLBACK_TABLE, comment, len(CANARY_CRITERIA), store=ROLLBACK_COUNTER)
 
 
 def health_check_lines() -> list[str]:

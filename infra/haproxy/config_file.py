@@ -58,7 +58,7 @@ from infra.haproxy.config import (
     replica_backend,
     router_backend,
 )
-from infra.haproxy.formatting import haproxy_time, openai_error_body
+from infra.haproxy.formatting import counter_table_lines, haproxy_time, openai_error_body
 from infra.haproxy.models import (
     capture_model_header_line,
     model_refusal_lines,
@@ -68,6 +68,10 @@ from infra.haproxy.protection import REFUSAL_TABLE, protection_lines, protection
 from infra.haproxy.spoe import agent_backend_lines, ask_agent_lines, failure_table_lines, filter_lines
 from infra.haproxy.tables import count_lines, decision_table_lines
 from infra.observability.targets import LUA_TARGETS_SERVICE, TARGETS_PATH, router_targets_backend
+
+FALLBACK_COMMENT = "Requests served past the router's primary, by why the primary was passed over."
+UNROUTED_COMMENT = "Requests failed closed with a 503, by reason: the router's own pass through, so room for any few."
+UNROUTED_REASONS_ROOM = 16
 
 
 def _fail_closed_lines(reason: str) -> list[str]:
@@ -273,14 +277,8 @@ def render_config(settings: HAProxySettings) -> str:
             "",
         ]
     lines += [
-        f"backend {FALLBACK_TABLE}",
-        "    # Requests served past the router's primary, by why the primary was passed over.",
-        f"    stick-table type string len 32 size {len(FALLBACK_REASONS) * 4} store http_req_cnt",
-        "",
-        f"backend {UNROUTED_TABLE}",
-        "    # Requests failed closed with a 503, by reason: the router's own pass through, so room for any few.",
-        "    stick-table type string len 32 size 64 store http_req_cnt",
-        "",
+        *counter_table_lines(FALLBACK_TABLE, FALLBACK_COMMENT, len(FALLBACK_REASONS)),
+        *counter_table_lines(UNROUTED_TABLE, UNROUTED_COMMENT, UNROUTED_REASONS_ROOM),
         *failure_table_lines(),
         *decision_table_lines(),
         *protection_tables(settings.protection),

@@ -1,5 +1,6 @@
-"""How values are written in the rendered HAProxy config: times, and the body of every error the frontend answers
-itself (OpenAI's error shape, so a client's OpenAI SDK parses it; infra/haproxy/README.md).
+"""How values are written in the rendered HAProxy config: times, the body of every error the frontend answers
+itself (OpenAI's error shape, so a client's OpenAI SDK parses it; infra/haproxy/README.md), and the stick tables
+that count requests by a reason for sluice's frontend counters.
 """
 
 from __future__ import annotations
@@ -31,3 +32,16 @@ def haproxy_time(seconds: float) -> str:
     """An HAProxy time: whole seconds as `Ns`, anything finer in milliseconds."""
     ms = max(1, round(seconds * 1000))
     return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def counter_table_lines(
+    name: str, comment: str, keys: int, key_bytes: int = 32, store: str = "http_req_cnt"
+) -> list[str]:
+    """A backend holding only a stick table that counts requests by a string key, with room for `keys` of them
+    (four times over: a key is never evicted while the few real ones fit)."""
+    return [
+        f"backend {name}",
+        f"    # {comment}",
+        f"    stick-table type string len {key_bytes} size {keys * 4} store {store}",
+        "",
+    ]

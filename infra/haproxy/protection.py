@@ -27,7 +27,7 @@ from base.contracts import (
     SERVE_REASON_HEADER,
 )
 from infra.api_keys import ApiKeySource
-from infra.haproxy.formatting import haproxy_time, openai_error_body
+from infra.haproxy.formatting import counter_table_lines, haproxy_time, openai_error_body
 
 CLIENT_TABLE = "sluice_clients"
 # Refusals by reason, for `sluice_frontend_refusals_total` (a stick table: shared by HAProxy's threads).
@@ -177,12 +177,9 @@ def protection_lines(protection: FrontendProtection, keys_acl: str, plain_port: 
 
 def protection_tables(protection: FrontendProtection) -> list[str]:
     """The stick tables: refusals by reason, and per-client counters when a limit is set."""
-    lines = [
-        f"backend {REFUSAL_TABLE}",
-        "    # Requests refused by the protection rules, by reason.",
-        f"    stick-table type string len 32 size {len(COUNTED_REASONS) * 4} store http_req_cnt",
-        "",
-    ]
+    lines = counter_table_lines(
+        REFUSAL_TABLE, "Requests refused by the protection rules, by reason.", len(COUNTED_REASONS)
+    )
     limits = protection.client_limits
     if limits.enabled:
         lines += [

@@ -15,7 +15,7 @@ from base import agent_wire
 from base.contracts import BODY_TRUNCATED_HEADER, FRONTEND_HEADER, REQUEST_ID_HEADER
 from infra.haproxy.canary import health_check_lines
 from infra.haproxy.config import HAProxySettings
-from infra.haproxy.formatting import haproxy_time
+from infra.haproxy.formatting import counter_table_lines, haproxy_time
 
 AGENT_BACKEND = "sluice_route_agents"
 ENGINE = "sluice_route"
@@ -112,12 +112,8 @@ def ask_agent_lines(settings: HAProxySettings) -> list[str]:
 
 
 def failure_table_lines() -> list[str]:
-    return [
-        f"backend {AGENT_FAILURE_TABLE}",
-        "    # Route calls whose agent exchange failed (then made over HTTP), by kind.",
-        f"    stick-table type string len 16 size {len(AGENT_FAILURES) * 4} store http_req_cnt",
-        "",
-    ]
+    comment = "Route calls whose agent exchange failed (then made over HTTP), by kind."
+    return counter_table_lines(AGENT_FAILURE_TABLE, comment, len(AGENT_FAILURES), key_bytes=16)
 
 
 def agent_backend_lines(index: int, settings: HAProxySettings) -> list[str]:

@@ -6,6 +6,7 @@ router table (`route_tables.lua.tmpl`), and the stick table that counts those de
 from __future__ import annotations
 
 from base.contracts import TABLE_KINDS
+from infra.haproxy.formatting import counter_table_lines
 
 # Set by the route action to the table's kind when it decided the request from a table (no route call).
 VAR_TABLE_KIND = "txn.sluice_table_kind"
@@ -21,9 +22,5 @@ def count_lines() -> list[str]:
 
 
 def decision_table_lines() -> list[str]:
-    return [
-        f"backend {TABLE_DECISION_TABLE}",
-        "    # Requests ranked from a router's table (no route call), by the table's kind.",
-        f"    stick-table type string len 16 size {len(TABLE_KINDS) * 4} store http_req_cnt",
-        "",
-    ]
+    comment = "Requests ranked from a router's table (no route call), by the table's kind."
+    return counter_table_lines(TABLE_DECISION_TABLE, comment, len(TABLE_KINDS), key_bytes=16)

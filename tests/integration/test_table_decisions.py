@@ -5,7 +5,6 @@ the route call and fail closed as before."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from base.contracts import (
 )
 from base.waiting import wait_until
 from infra.haproxy.apps import AppRoute
-from infra.haproxy.config import ROUTER_BACKEND, SLUICE_METRICS_PATH
+from infra.haproxy.config import ROUTER_BACKEND
 from routers.consistent_hash import ConsistentHash
 from routers.core import ReplicaView
 from services.router.service import build_router_app
@@ -38,7 +37,6 @@ from tests.integration.standin_plane.plane import Plane, start_plane, stop_plane
 from tests.integration.standin_plane.standins import (
     APP,
     CHAT_PATH,
-    LOOPBACK,
     LoopThread,
     ReplicaStandIn,
     StandIn,
@@ -46,6 +44,7 @@ from tests.integration.standin_plane.standins import (
     first_event,
     respond,
 )
+from tests.support.frontend_metrics import table_decisions
 
 pytestmark = pytest.mark.integration
 
@@ -108,10 +107,7 @@ def tables(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def _table_decisions(plane: Plane) -> dict[str, int]:
-    port = plane.haproxy.settings.prometheus_port
-    text = httpx.get(f"http://{LOOPBACK}:{port}{SLUICE_METRICS_PATH}", timeout=5).text
-    pattern = r'^sluice_frontend_table_decisions_total\{kind="(\w+)"\} (\d+)$'
-    return {m[1]: int(m[2]) for m in re.finditer(pattern, text, re.M)}
+    return table_decisions(plane.haproxy.settings.prometheus_port)
 
 
 def _post(client: httpx.Client, session: str) -> httpx.Response:

@@ -14,9 +14,10 @@ import pytest
 
 from base.contracts import REASON_ROUTER_UNREACHABLE, REPLICA_HEADER, ROUTE_PATH, SERVE_REASON_HEADER, TABLE_RING
 from base.waiting import wait_until
-from infra.haproxy.config import SLUICE_METRICS_PATH, router_backend
+from infra.haproxy.config import router_backend
 from services.serve_internals import list_replica_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
+from tests.support.frontend_metrics import table_decisions
 from tests.support.llm_cluster import LLMCluster, direct_stack
 
 pytestmark = pytest.mark.integration
@@ -32,10 +33,7 @@ def stack(llm_cluster: LLMCluster) -> Iterator[DirectStreamStack]:
 
 
 def _ring_decisions(stack: DirectStreamStack) -> int:
-    text = httpx.get(f"http://127.0.0.1:{stack.spec.prometheus_port}{SLUICE_METRICS_PATH}", timeout=5).text
-    found = re.search(rf'^sluice_frontend_table_decisions_total\{{kind="{TABLE_RING}"\}} (\d+)$', text, re.M)
-    assert found, text
-    return int(found[1])
+    return table_decisions(stack.spec.prometheus_port)[TABLE_RING]
 
 
 def _routed_by_routers(stack: DirectStreamStack) -> float:
