@@ -31,9 +31,12 @@ def _worse(direct: float, peer: float, figure: str) -> bool:
     return direct < peer if figure in HIGHER_IS_BETTER else direct > peer
 
 
-def judge(tiny: dict[str, Any], zero: dict[str, Any], variants: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+def judge(
+    tiny: dict[str, Any], zero: dict[str, Any], variants: dict[str, Any], paired: dict[str, Any]
+) -> list[tuple[str, str, bool | None]]:
     """(goal, what was measured, met) per goal; met is None where the run lacks the path (e.g. no peer) or the
-    router variant. `variants`: the route call's figures per router variant (`variant_label`), per rate."""
+    router variant. `variants`: the route call's figures per router variant (`variant_label`), per rate; `paired`:
+    `direct` ÷ HAProxy alone per workload of `PROXY_CASES` (`summary.paired_ratios`)."""
     verdicts: list[tuple[str, str, bool | None]] = []
     ratio = tiny["direct"]["64"]["tokens_per_s"]["ratio"]
     verdicts.append(
@@ -72,7 +75,7 @@ def judge(tiny: dict[str, Any], zero: dict[str, Any], variants: dict[str, Any]) 
                 all(v >= OVER_PYTHON_PATHS_GOAL for v in times.values()),
             )
         )
-    verdicts += _proxy_verdicts({"tiny": tiny, "zero": zero})
+    verdicts += _proxy_verdicts(paired)
     at_1000 = variants[DEFAULT_VARIANT]["1000"]
     met = at_1000["route_p50_ms"] <= ROUTE_P50_MS_GOAL and at_1000["route_p99_ms"] <= ROUTE_P99_MS_GOAL
     shown = f"p50 {at_1000['route_p50_ms']:.2f} ms, p99 {at_1000['route_p99_ms']:.2f} ms"
@@ -90,11 +93,12 @@ def judge(tiny: dict[str, Any], zero: dict[str, Any], variants: dict[str, Any]) 
     return verdicts
 
 
-def _proxy_verdicts(workloads: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
-    """TTFT p50 and tokens/s of `direct` against HAProxy alone, where a burst of streams starts."""
+def _proxy_verdicts(paired: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """TTFT p50 and tokens/s of `direct` against HAProxy alone, where a burst of streams starts: the median of the
+    paired rounds' ratios."""
     cases = [(name, case) for name, labels in PROXY_CASES.items() for case in labels]
-    ttft = {f"{n} {c}": workloads[n]["direct"][c]["ttft_p50_ms"]["proxy_ratio"] for n, c in cases}
-    tokens = {f"{n} {c}": workloads[n]["direct"][c]["tokens_per_s"]["proxy_ratio"] for n, c in cases}
+    ttft = {f"{n} {c}": paired[n][c]["ttft_p50_ms"]["median"] for n, c in cases}
+    tokens = {f"{n} {c}": paired[n][c]["tokens_per_s"]["median"] for n, c in cases}
     return [
         (
             f"TTFT p50 direct ≤ {PROXY_TTFT_RATIO_GOAL}x {PROXY_LIMIT_PATH}",

@@ -2,7 +2,8 @@
 
 Paths: the replicas' own ports (the limit), HAProxy alone, sluice's direct path, the legacy ingress, Serve's proxy and
 Ray's own HAProxy direct streaming (the peer); the tiny model at 1/16/64 streams, then a zero-compute stand-in. Each
-figure is the median of `REPETITIONS` interleaved rounds. Details: `sluice/bench/README.md`.
+figure is the median of `REPETITIONS` interleaved rounds; `direct` against HAProxy alone is the median ratio of
+`PROXY_PAIRS` back-to-back pairs of rounds. Details: `sluice/bench/README.md`.
 """
 
 from __future__ import annotations
@@ -22,16 +23,28 @@ from base.contracts import ZERO_COMPUTE_STAND_IN
 from base.quantiles import quantile
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.stream_probe import one_stream
-from sluice.bench.goals import breakdown, judge, verdict_lines
+from sluice.bench.goals import PROXY_CASES, breakdown, judge, verdict_lines
 from sluice.bench.overhead import DEFAULT_VARIANT, passthrough_haproxy, rates_table, route_call_rates, variant_label
-from sluice.bench.summary import Rounds, chart, proxy_table, summarize, table
+from sluice.bench.summary import (
+    PROXY_LIMIT_PATH,
+    Pairs,
+    Rounds,
+    chart,
+    paired_ratios,
+    proxy_table,
+    summarize,
+    table,
+)
 from topologies import EMBEDDED_SPEC
 
 if TYPE_CHECKING:
     from builders.plan import StackPlan
 
 REPETITIONS = 3
-# A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
+# Pairs of rounds, HAProxy alone and `direct` back to back (which one first alternates), per case of `PROXY_CASES`:
+# the ratio is taken within each pair, where the two paths share the machine's state; 3 medians of rounds drifted
+# 0.94-1.28 between runs on 2 cores.
+PROXY_PAIRS = 8  # A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
 SINGLE_STREAM_SAMPLES = 8
 # Workload -> (label, concurrent streams, max_tokens) cases.
 TINY_MODEL = "tiny_model"
@@ -88,6 +101,20 @@ def interleaved(urls: dict[str, list[str]], cases: list[tuple[str, int, int]]) -
             for path, path_urls in urls.items():
                 rounds[path][label].append(asyncio.run(_round(path_urls, streams, max_tokens)))
     return rounds
+
+
+def paired(limit: list[str], direct: list[str], cases: list[tuple[str, int, int]]) -> Pairs:
+    """`PROXY_PAIRS` pairs of rounds per case: HAProxy alone and `direct` back to back, the order alternating."""
+    pairs: Pairs = {label: [] for label, _, _ in cases}
+    for i in range(PROXY_PAIRS):
+        for label, streams, max_tokens in cases:
+            order = [(PROXY_LIMIT_PATH, limit), ("direct", direct)]
+            measured = {
+                path: asyncio.run(_round(urls, streams, max_tokens))
+                for path, urls in (order if i % 2 == 0 else order[::-1])
+            }
+            pairs[label].append((measured[PROXY_LIMIT_PATH], measured["direct"]))
+    return pairs
 
 
 def _deploy_stack(
@@ -158,15 +185,18 @@ def _peer(with_peer: bool) -> Iterator[tuple[Any, str]]:
             yield peer, "measured (in-process executor, like sluice's replicas)"
 
 
-def _measure(out: Path, name: str, stand_in: str | None, peer: Any) -> tuple[Rounds, Any, dict[str, Any]]:
+def _measure(out: Path, name: str, stand_in: str | None, peer: Any) -> tuple[Rounds, Pairs, Any, dict[str, Any]]:
     plan, urls, data = _deploy_stack(out, name, stand_in)
+    cases = CASES[TINY_MODEL if stand_in is None else ZERO_COMPUTE]
+    proxy_cases = [case for case in cases if case[0] in PROXY_CASES["tiny" if stand_in is None else "zero"]]
     with passthrough_haproxy(out, urls["replica_port"]) as haproxy_url:
-        ordered = {"replica_port": urls.pop("replica_port"), "haproxy_only": [haproxy_url], **urls}
+        ordered = {"replica_port": urls.pop("replica_port"), PROXY_LIMIT_PATH: [haproxy_url], **urls}
         if peer is not None:
             ordered["ray_replica_port"] = peer.replica_urls
             ordered["ray_peer"] = [peer.url]
-        rounds = interleaved(ordered, CASES[TINY_MODEL if stand_in is None else ZERO_COMPUTE])
-    return rounds, plan, data
+        rounds = interleaved(ordered, cases)
+        pairs = paired(ordered[PROXY_LIMIT_PATH], ordered["direct"], proxy_cases)
+    return rounds, pairs, plan, data
 
 
 def _route_call_variants(plan: Any, data: dict[str, Any]) -> dict[str, Any]:
@@ -193,23 +223,28 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
     start_local_cluster(log_to_driver=False)
     try:
         with _peer(with_peer) as (peer, peer_note):
-            tiny_rounds, plan, data = _measure(out, "bench-paths", None, peer)
+            tiny_rounds, tiny_pairs, plan, data = _measure(out, "bench-paths", None, peer)
         rates = _route_call_variants(plan, data)
         _delete_stack(plan)
-        zero_rounds, _, _ = _measure(out, "bench-zero", ZERO_COMPUTE_STAND_IN, None)
+        zero_rounds, zero_pairs, _, _ = _measure(out, "bench-zero", ZERO_COMPUTE_STAND_IN, None)
     finally:
         stop_local_cluster()
     measured_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     workloads = {TINY_MODEL: summarize(tiny_rounds), ZERO_COMPUTE: summarize(zero_rounds)}
-    verdicts = judge(workloads[TINY_MODEL], workloads[ZERO_COMPUTE], rates)
+    proxy = {TINY_MODEL: paired_ratios(tiny_pairs), ZERO_COMPUTE: paired_ratios(zero_pairs)}
+    verdicts = judge(
+        workloads[TINY_MODEL], workloads[ZERO_COMPUTE], rates, {"tiny": proxy[TINY_MODEL], "zero": proxy[ZERO_COMPUTE]}
+    )
     payload = {
         "measured_at": measured_at,
         "repetitions": REPETITIONS,
+        "proxy_pairs": PROXY_PAIRS,
         "cases": {
             w: [{"label": c[0], "streams": c[1], "max_tokens": c[2]} for c in cases] for w, cases in CASES.items()
         },
         "ray_peer": peer_note,
         "workloads": workloads,
+        "direct_vs_haproxy_only": proxy,
         "route_call_rates": rates,
         "breakdown": dict(breakdown(workloads[TINY_MODEL], rates)),
         "goals": [{"goal": g, "measured": m, "met": met} for g, m, met in verdicts],
@@ -219,8 +254,8 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
         chart(summary, out / f"paths-{workload}.png", f"{workload.replace('_', ' ')}, {measured_at}")
         print(f"\n{workload}: median of {REPETITIONS} interleaved rounds (x ratio to replica_port), {measured_at}:")
         print(table(summary))
-        print(f"\n{workload}: direct against HAProxy alone (the limit a proxy can reach):")
-        print(proxy_table(summary))
+        print(f"\n{workload}: direct against HAProxy alone (the limit a proxy can reach), {PROXY_PAIRS} paired rounds:")
+        print(proxy_table(summary, proxy[workload]))
     print(f"\nray_peer: {peer_note}; ray_replica_port: the peer's replicas' own ports")
     print(
         "\nroute decision as HAProxy's Lua action times it (`tables`: ranked from the router's table; else the route"

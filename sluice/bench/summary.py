@@ -1,5 +1,5 @@
-"""The paths bench's figures: medians of interleaved rounds with min and max, ratios to the replica port, the
-terminal table and the chart."""
+"""The paths bench's figures: medians of interleaved rounds with min and max, ratios to the replica port, `direct`
+against HAProxy alone from paired rounds, the terminal tables and the chart."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ LIMIT_PATH = "replica_port"
 PROXY_LIMIT_PATH = "haproxy_only"
 # Rounds per path and case: {path: {case label: [figures of one round, ...]}}.
 Rounds = dict[str, dict[str, list[dict[str, float]]]]
+# Back-to-back rounds of HAProxy alone and `direct` per case: {case label: [(HAProxy alone's, direct's), ...]}.
+Pairs = dict[str, list[tuple[dict[str, float], dict[str, float]]]]
+PAIRED_FIGURES = ("ttft_p50_ms", "tokens_per_s")
 
 
 def summarize(rounds: Rounds) -> dict[str, Any]:
@@ -44,12 +47,32 @@ def _ratio(median: float, rounds: Rounds, path: str, case: str, figure: str) -> 
     return median / limit if limit else None
 
 
-def proxy_table(summary: dict[str, Any], path: str = "direct") -> str:
-    """`path` as a ratio to HAProxy alone, beside its ratio to the replica port, per case."""
-    lines = [f"{'streams':>10}{'TTFT p50 ÷ haproxy_only':>26}{'÷ replica_port':>16}{'tok/s ÷ haproxy_only':>24}"]
-    for case, entry in summary[path].items():
-        ttft, tokens = entry["ttft_p50_ms"], entry["tokens_per_s"]
-        lines.append(f"{case:>10}{ttft['proxy_ratio']:>26.2f}{ttft['ratio']:>16.2f}{tokens['proxy_ratio']:>24.2f}")
+def paired_ratios(pairs: Pairs) -> dict[str, dict[str, dict[str, float]]]:
+    """Per case and figure, `direct` ÷ HAProxy alone within each pair of back-to-back rounds (a drift of the machine
+    between pairs cancels out): the median over the pairs, with min and max."""
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for case, measured in pairs.items():
+        ratios[case] = {}
+        for figure in PAIRED_FIGURES:
+            values = [direct[figure] / limit[figure] for limit, direct in measured if limit[figure]]
+            ratios[case][figure] = {
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+                "pairs": len(values),
+            }
+    return ratios
+
+
+def proxy_table(summary: dict[str, Any], paired: dict[str, dict[str, dict[str, float]]]) -> str:
+    """`direct` as a ratio to HAProxy alone (median of the paired rounds' ratios, min-max), beside its ratio to the
+    replica port, per paired case."""
+    lines = [f"{'streams':>10}{'TTFT p50 ÷ haproxy_only':>30}{'÷ replica_port':>16}{'tok/s ÷ haproxy_only':>28}"]
+    for case, ratios in paired.items():
+        ttft, tokens = ratios["ttft_p50_ms"], ratios["tokens_per_s"]
+        shown = [f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" for r in (ttft, tokens)]
+        to_port = summary["direct"][case]["ttft_p50_ms"]["ratio"]
+        lines.append(f"{case:>10}{shown[0]:>30}{to_port:>16.2f}{shown[1]:>28}")
     return "\n".join(lines)
 
 

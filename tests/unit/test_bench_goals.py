@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sluice.bench.goals import breakdown, judge
 from sluice.bench.overhead import DEFAULT_VARIANT, variant_label
-from sluice.bench.summary import FIGURES, summarize
+from sluice.bench.summary import FIGURES, paired_ratios, summarize
 
 
 def rounds(tokens_per_s: float, latency_ms: float) -> list[dict[str, float]]:
@@ -29,6 +29,17 @@ def zero(direct_tokens: float) -> dict:
     return summarize({p: {c: rounds(t, 50.0) for c in cases} for p, t in {**paths, "serve_proxy": 1500.0}.items()})
 
 
+def paired(direct_tokens: float, direct_ms: float, zero_tokens: float) -> dict:
+    """Direct against HAProxy alone (990 tok/s and 10.2 ms on the tiny model, 4900 tok/s and 50 ms on zero compute)
+    in three pairs of rounds per case."""
+    tiny_pair = (rounds(990, 10.2)[0], rounds(direct_tokens, direct_ms)[0])
+    zero_pair = (rounds(4900, 50.0)[0], rounds(zero_tokens, 50.0)[0])
+    return {
+        "tiny": paired_ratios({c: [tiny_pair] * 3 for c in ("16", "64")}),
+        "zero": paired_ratios({"64x256": [zero_pair] * 3}),
+    }
+
+
 RATES = {"100": {"route_p50_ms": 0.2, "route_p99_ms": 1.0, "router_cpu_us_per_decision": 90.0}}
 
 
@@ -44,7 +55,7 @@ def verdicts(
         },
     }
     summaries = tiny(direct_tokens, direct_ms, peer_ms), zero(zero_tokens)
-    return {goal: met for goal, _, met in judge(*summaries, variants)}
+    return {goal: met for goal, _, met in judge(*summaries, variants, paired(direct_tokens, direct_ms, zero_tokens))}
 
 
 def test_every_goal_met_and_each_one_missed_on_its_own() -> None:
@@ -81,7 +92,7 @@ def test_without_the_peer_its_goal_is_not_judged_and_the_breakdown_adds_up() -> 
     summary = tiny(980, 10.5, 12.0)
     del summary["ray_peer"]
     variants = {DEFAULT_VARIANT: {**RATES, "1000": RATES["100"]}}
-    judged = {goal: met for goal, _, met in judge(summary, zero(4800), variants)}
+    judged = {goal: met for goal, _, met in judge(summary, zero(4800), variants, paired(980, 10.5, 4800))}
     assert {met for goal, met in judged.items() if "peer" in goal} == {None}
     assert judged["router CPU per decision ≤ 50 µs at 1,000 req/s"] is None, "consistent_hash was not measured"
     parts = dict(breakdown(summary, variants))

@@ -1,9 +1,9 @@
 """`sluice bench paths`' summary: medians with min and max per figure, ratios to the replica port and to HAProxy alone,
-and the tables."""
+`direct` against HAProxy alone within paired rounds, and the tables."""
 
 from __future__ import annotations
 
-from sluice.bench.summary import FIGURES, proxy_table, summarize, table
+from sluice.bench.summary import FIGURES, paired_ratios, proxy_table, summarize, table
 
 
 def rounds_of(tokens_per_s: list[float], ttft_ms: list[float]) -> list[dict[str, float]]:
@@ -36,5 +36,16 @@ def test_ratios_to_haproxy_alone_beside_those_to_the_replica_port() -> None:
     direct = summarize(rounds)["direct"]["64"]
     assert direct["ttft_p50_ms"]["proxy_ratio"] == 15 / 12 and direct["ttft_p50_ms"]["ratio"] == 1.5
     assert direct["tokens_per_s"]["proxy_ratio"] == 90 / 98
-    row = proxy_table(summarize(rounds)).splitlines()[1].split()
-    assert row == ["64", "1.25", "1.50", f"{90 / 98:.2f}"]
+
+
+def test_direct_against_haproxy_alone_is_the_median_ratio_within_pairs() -> None:
+    # The machine drifts between pairs (TTFT 10, 20, 40 ms): within each pair direct is 1.1, 1.0 or 1.2 times HAProxy
+    # alone, while the medians of each path's rounds would say 20 / 20 = 1.0.
+    limit = rounds_of([100, 50, 25], [10, 20, 40])
+    direct = rounds_of([95, 50, 20], [11, 20, 48])
+    ratios = paired_ratios({"64": list(zip(limit, direct, strict=True))})["64"]
+    assert ratios["ttft_p50_ms"] == {"median": 1.1, "min": 1.0, "max": 1.2, "pairs": 3}
+    assert ratios["tokens_per_s"] == {"median": 0.95, "min": 0.8, "max": 1.0, "pairs": 3}
+    summary = summarize({"replica_port": {"64": rounds_of([100] * 3, [10] * 3)}, "direct": {"64": direct}})
+    row = proxy_table(summary, {"64": ratios}).splitlines()[1].split()
+    assert row == ["64", "1.10", "(1.00-1.20)", "2.00", "0.95", "(0.80-1.00)"]
