@@ -3,9 +3,12 @@ leave mid-stream all along, one LLM replica killed at a quarter of the run, a sc
 70 %. Then what must hold and what is measured:
 
 - invariants: the capacity ledger holds no token once the load is over (`ledger_outstanding` 0), HAProxy's replica
-  servers UP are the live replicas (`servers_match`), every non-2xx carries its reason;
-- figures: requests, non-2xx by status and reason, streams cut after their headers, clients that left, and the RSS
-  of HAProxy, each router and each LLM replica at start and end, as growth per hour.
+  servers UP are the live replicas (`servers_match`), every non-2xx carries its reason, and every request that got
+  no response at all was in flight when the replica was killed (`no_response` empty);
+- figures: requests, non-2xx by status and reason, the requests lost with the killed replica (streams cut after their
+  headers; before them, `lost_at_kill`: HAProxy closes a kept-alive client connection without a status, a new one
+  gets 502 `replica_failed`), clients that left, and the RSS of HAProxy, each router and each LLM replica at start
+  and end, as growth per hour.
 
 The stack runs `capacity_queue` (the policy with a ledger). Loopback only; every loop is bounded by the duration.
 """
@@ -36,6 +39,11 @@ KILL_AT, SCALE_UP_AT, SCALE_DOWN_AT = 0.25, 0.45, 0.7
 USERS = 4  # the campaign's closed-loop users (2 cores serve 2-3 tiny replicas)
 LEAVE_EVERY_S = 0.5  # a client that leaves after its first event, this often
 SETTLE_S = 60.0  # how long the invariants may take to hold once the load is over
+# A request with no response sent this close to the kill was in flight at the killed replica (its engine's longest
+# wait for a first token here is well under it); one outside it is a fault of the stack.
+KILL_LOSS_WINDOW_S = 5.0
+# The load's client (requests) names a connection closed before any response this way.
+CLOSED_WITHOUT_RESPONSE = "ConnectionError"
 
 
 def _leaving_clients(url: str, model: str, stop: threading.Event, left: list[int]) -> None:
@@ -132,11 +140,15 @@ def soak(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict
     load.start()
     leaving.start()
     events = []
+    kill_window = (0.0, 0.0)
     try:
         for at, action in ((KILL_AT, "kill"), (SCALE_UP_AT, "scale to 3"), (SCALE_DOWN_AT, "scale to 2")):
             time.sleep(max(0.0, started + at * duration_s - time.monotonic()))
             if action == "kill":
+                # The campaign's rows are stamped with time.perf_counter (a monotonic clock across this machine).
+                kill_started = time.perf_counter()
                 events.append({"at_s": time.monotonic() - started, "action": f"killed {kill_one_replica(plan)}"})
+                kill_window = (kill_started - KILL_LOSS_WINDOW_S, time.perf_counter() + KILL_LOSS_WINDOW_S)
             else:
                 plan = deploy_variant(data, CAPACITY_QUEUE, 3 if action == "scale to 3" else 2)
                 events.append({"at_s": time.monotonic() - started, "action": action})
@@ -148,12 +160,19 @@ def soak(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict
     after = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
     rows = [StreamRow.from_csv(row) for row in _csv_rows(campaign.out / "rows.csv")]
     drained = _settled(lambda: _ledger_outstanding(plan) == 0, SETTLE_S)
+    unanswered = [r for r in rows if r.status == 0]
+    lost = [r for r in unanswered if _lost_with_the_killed_replica(r, kill_window)]
+    faults = [r for r in unanswered if not _lost_with_the_killed_replica(r, kill_window)]
     figures = {
         "duration_s": duration_s,
         "events": events,
         "requests": len(rows),
-        "non_2xx": dict(Counter(f"{r.status} {r.reason or '-'}" for r in rows if not 200 <= r.status < 300)),
+        "non_2xx": dict(
+            Counter(f"{r.status} {r.reason or '-'}" for r in rows if r.status and not 200 <= r.status < 300)
+        ),
         "cut_streams": sum(1 for r in rows if r.status == 200 and r.error),
+        "lost_at_kill": len(lost),
+        "no_response": dict(Counter(r.error or "-" for r in faults)),
         "clients_left": len(left),
         "ledger_outstanding": 0 if drained else _ledger_outstanding(plan),
         "servers_match": bool(_settled(lambda: _servers_match(plan), SETTLE_S)),
@@ -168,6 +187,25 @@ def soak(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict
 
     delete_plan(plan)
     return figures
+
+
+def broken_invariants(figures: dict[str, Any]) -> list[str]:
+    """What of the soak's invariants did not hold, in words (empty: all held)."""
+    broken = []
+    if figures["ledger_outstanding"]:
+        broken.append(f"the capacity ledger still holds {figures['ledger_outstanding']} tokens")
+    if not figures["servers_match"]:
+        broken.append("HAProxy's UP replica servers are not the live replicas")
+    if without_reason := [key for key in figures["non_2xx"] if key.endswith(" -")]:
+        broken.append(f"non-2xx without a reason: {without_reason}")
+    if figures["no_response"]:
+        broken.append(f"requests with no response away from the kill: {figures['no_response']}")
+    return broken
+
+
+def _lost_with_the_killed_replica(row: StreamRow, kill_window: tuple[float, float]) -> bool:
+    """A request whose connection closed before any response, sent while the killed replica could have taken it."""
+    return row.error == CLOSED_WITHOUT_RESPONSE and kill_window[0] <= row.sent_at <= kill_window[1]
 
 
 def _csv_rows(path: Path) -> list[dict[str, str]]:

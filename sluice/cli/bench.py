@@ -69,7 +69,7 @@ def _bench_soak(args: argparse.Namespace) -> int:
     import json
 
     from base.tiny_model import ensure_built
-    from sluice.bench.soak import soak
+    from sluice.bench.soak import broken_invariants, soak
     from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
     from topologies import EMBEDDED_SPEC
 
@@ -80,7 +80,10 @@ def _bench_soak(args: argparse.Namespace) -> int:
     finally:
         stop_local_cluster()
     print(json.dumps(figures, indent=2))
-    return 0 if figures["ledger_outstanding"] == 0 and figures["servers_match"] else 1
+    broken = broken_invariants(figures)
+    for invariant in broken:
+        print(f"invariant broken: {invariant}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 def _bench_routers(args: argparse.Namespace) -> int:

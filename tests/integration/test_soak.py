@@ -1,6 +1,7 @@
 """The soak's five-minute version (`make soak` runs 30): the mixed campaign with leaving clients, a replica killed and
 a scale 2 -> 3 -> 2 on a real stack; the invariants, not the figures: no ledger token left once the load is over,
-HAProxy's servers the live replicas, every non-2xx with its reason."""
+HAProxy's servers the live replicas, every non-2xx with its reason, no request without a response but those in flight
+at the killed replica."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sluice.bench.soak import soak
+from sluice.bench.soak import broken_invariants, soak
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 
@@ -32,8 +33,7 @@ def test_five_minutes_of_mixed_load_kills_and_scaling_leave_no_token_and_no_stal
     register_frontend(port)
     figures = soak(spec, tmp_path / "out", tiny_model_dir / "tokenizer.json", SOAK_S)
     print(json.dumps(figures, indent=2))
-    assert figures["ledger_outstanding"] == 0 and figures["servers_match"], figures
+    assert not broken_invariants(figures), figures
     assert figures["requests"] > 100 and figures["clients_left"] > 100, figures
     assert [event["action"].split()[0] for event in figures["events"]] == ["killed", "scale", "scale"]
-    assert not [key for key in figures["non_2xx"] if key.endswith(" -")], figures["non_2xx"]
     assert {"haproxy"} < set(figures["rss_mb"]) and any(name.startswith("router:") for name in figures["rss_mb"])

@@ -200,6 +200,30 @@ def test_every_5xx_haproxy_makes_itself_carries_a_reason(env: Env, client: httpx
         env.loop.run(closer.stop())
 
 
+def test_a_request_a_replica_dropped_on_a_kept_alive_connection_is_closed_and_never_resent(
+    env: Env, client: httpx.Client
+) -> None:
+    closer = TinyReplica("closer")
+    env.loop.run(closer.start())
+    env.plane.replicas.append(closer.endpoint)
+    try:
+        env.plane.wait_synced()
+        env.behavior.ranked = ["closer", "r1"]
+        response = client.post(CHAT_PATH, json={})
+        assert response.status_code == 200 and response.headers[REPLICA_HEADER] == "closer"
+        closer.close_without_answer = True
+        posts = [r.posts() for r in env.replicas]
+        # HAProxy closes a kept-alive client connection without a status (RFC 9112 9.3.1: the client may retry)
+        # rather than a 502, and does not resend a request the replica may have acted on.
+        with pytest.raises(httpx.RemoteProtocolError):
+            client.post(CHAT_PATH, json={})
+        assert [r.posts() for r in env.replicas] == posts
+    finally:
+        env.plane.replicas[:] = [env.r1.endpoint, env.r2.endpoint]
+        env.plane.wait_synced(15)
+        env.loop.run(closer.stop())
+
+
 def test_a_replicas_own_5xx_gets_a_reason_too(env: Env, client: httpx.Client) -> None:
     env.behavior.ranked = ["r1"]
     response = client.post(CHAT_PATH, json={"status": 500})
