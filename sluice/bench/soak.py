@@ -160,19 +160,10 @@ def soak(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict
     after = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
     rows = [StreamRow.from_csv(row) for row in _csv_rows(campaign.out / "rows.csv")]
     drained = _settled(lambda: _ledger_outstanding(plan) == 0, SETTLE_S)
-    unanswered = [r for r in rows if r.status == 0]
-    lost = [r for r in unanswered if _lost_with_the_killed_replica(r, kill_window)]
-    faults = [r for r in unanswered if not _lost_with_the_killed_replica(r, kill_window)]
     figures = {
         "duration_s": duration_s,
         "events": events,
-        "requests": len(rows),
-        "non_2xx": dict(
-            Counter(f"{r.status} {r.reason or '-'}" for r in rows if r.status and not 200 <= r.status < 300)
-        ),
-        "cut_streams": sum(1 for r in rows if r.status == 200 and r.error),
-        "lost_at_kill": len(lost),
-        "no_response": dict(Counter(r.error or "-" for r in faults)),
+        **request_figures(rows, kill_window),
         "clients_left": len(left),
         "ledger_outstanding": 0 if drained else _ledger_outstanding(plan),
         "servers_match": bool(_settled(lambda: _servers_match(plan), SETTLE_S)),
@@ -187,6 +178,24 @@ def soak(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict
 
     delete_plan(plan)
     return figures
+
+
+def request_figures(rows: list[StreamRow], kill_window: tuple[float, float]) -> dict[str, Any]:
+    """The load's requests: non-2xx by status and reason, streams cut after their headers, requests lost with the
+    killed replica before them (`kill_window`: the `perf_counter` span around the kill), and any other request that
+    got no response, by the client's error."""
+    unanswered = [r for r in rows if r.status == 0]
+    return {
+        "requests": len(rows),
+        "non_2xx": dict(
+            Counter(f"{r.status} {r.reason or '-'}" for r in rows if r.status and not 200 <= r.status < 300)
+        ),
+        "cut_streams": sum(1 for r in rows if r.status == 200 and r.error),
+        "lost_at_kill": sum(1 for r in unanswered if _lost_with_the_killed_replica(r, kill_window)),
+        "no_response": dict(
+            Counter(r.error or "-" for r in unanswered if not _lost_with_the_killed_replica(r, kill_window))
+        ),
+    }
 
 
 def broken_invariants(figures: dict[str, Any]) -> list[str]:
