@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 
 REPETITIONS = 3
 # Pairs of rounds, HAProxy alone and `direct` back to back (which one first alternates), per case of `PROXY_CASES`:
-# the ratio is taken within each pair, where the two paths share the machine's state; 3 medians of rounds drifted
-# 0.94-1.28 between runs on 2 cores.
-PROXY_PAIRS = 8  # A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
+# the ratio is taken within each pair, where the two paths share the machine's state. One round of a burst is nearly
+# one sample (its ratio spans 0.5-2.1 on 2 shared cores), so the median wants several.
+PROXY_PAIRS = 8
+# A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
 SINGLE_STREAM_SAMPLES = 8
 # Workload -> (label, concurrent streams, max_tokens) cases.
 TINY_MODEL = "tiny_model"
