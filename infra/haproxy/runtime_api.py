@@ -34,6 +34,7 @@ class ServerStat:
     status: str  # UP, DOWN, MAINT, DRAIN, "UP 1/2", "DOWN 1/2", "no check", ...
     scur: int  # current sessions
     addr: str  # "ip:port"
+    down_transitions: int = 0  # UP -> DOWN transitions since the server was added (`chkdown`)
 
     @property
     def admin_maint(self) -> bool:
@@ -208,6 +209,7 @@ class RuntimeAPI:
                 status=row.get("status", ""),
                 scur=int(row.get("scur") or 0),
                 addr=row.get("addr", ""),
+                down_transitions=int(row.get("chkdown") or 0),
             )
         return stats
 

@@ -74,6 +74,9 @@ class AgentEnv:
         stat = self.plane.runtime.show_stat().get((AGENT_BACKEND, ROUTER))
         return stat is not None and stat.up
 
+    def agent_down_transitions(self) -> int:
+        return self.plane.runtime.show_stat()[(AGENT_BACKEND, ROUTER)].down_transitions
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentEnv]:
@@ -179,11 +182,13 @@ def test_a_stalled_agent_leaves_the_request_to_the_http_route_call_within_the_ro
 def test_a_killed_agent_costs_no_request(env: AgentEnv) -> None:
     env.answer("choose", ["r1"])
     assert _post(env).headers[REPLICA_HEADER] == "r1"
-    failures = env.failures()
+    failures, down_transitions = env.failures(), env.agent_down_transitions()
     os.kill(env.agent.pid, signal.SIGKILL)
     env.agent.wait()
     responses = [_post(env) for _ in range(10)]
     assert [(r.status_code, r.headers.get(REPLICA_HEADER)) for r in responses] == [(200, "r2")] * 10
-    wait_until(10, lambda: not env.agent_up(), "the dead agent's server to go DOWN", poll_s=0.05)
+    # The first refused connection marks the agent's server DOWN; its health checks (on Serve's port, which this
+    # stand-in keeps answering) may bring it back UP soon after, so the test counts the transition, not the state.
+    assert env.agent_down_transitions() > down_transitions
     # The requests that met the dead agent are counted; the rest went straight to the HTTP route call.
     assert 1 <= sum(env.failures().values()) - sum(failures.values()) <= len(responses)
