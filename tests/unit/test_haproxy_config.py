@@ -22,7 +22,14 @@ from infra.haproxy.config import (
 from infra.haproxy.config_file import render_config
 from infra.haproxy.formatting import haproxy_time
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
-from infra.haproxy.process import HAProxyNotFoundError, check_config, find_haproxy_binary, write_files
+from infra.haproxy.process import (
+    MALLOC_TUNABLES,
+    HAProxyNotFoundError,
+    check_config,
+    find_haproxy_binary,
+    haproxy_environment,
+    write_files,
+)
 from infra.haproxy.protection import ClientLimits, FrontendProtection
 from infra.haproxy.servers import replica_server_options
 from infra.haproxy.spoe import VAR_ASK_AGENT, agent_backend, render_spoe
@@ -353,3 +360,10 @@ def test_each_app_asks_its_own_route_agents_with_the_wire_from_agent_wire(tmp_pa
         assert f"backend {agent_backend(index)}\n" in config
     # The message is sent after the route action names the app, and the reply action reads the answer after it.
     assert config.index("lua.sluice_route\n") < config.index("send-spoe-group") < config.index("lua.sluice_route_reply")
+
+
+def test_haproxys_environment_sets_the_allocator_and_lets_the_callers_tunables_win() -> None:
+    assert haproxy_environment({"PATH": "/bin"}) == {"PATH": "/bin", "GLIBC_TUNABLES": MALLOC_TUNABLES}
+    own = "glibc.malloc.arena_max=4"
+    # glibc applies tunables in order: the caller's, after sluice's, override them.
+    assert haproxy_environment({"GLIBC_TUNABLES": own})["GLIBC_TUNABLES"] == f"{MALLOC_TUNABLES}:{own}"
