@@ -86,9 +86,10 @@ def _cases(rng: random.Random) -> list[Case]:
         size = rng.choice(["zz", "-1", "ffffffffffffffffffff", "1;ext=\x01", "", " 5", "5 ", "0x5"])
         body = f"{size}\r\nhello\r\n0\r\n\r\n".encode("latin-1")
         add("chunk size", _request(headers=["Transfer-Encoding: chunked"], body=body))
-    for _ in range(40):  # pipelined requests: each must be answered in order, none lost
+    for _ in range(40):  # pipelined requests: each must be answered in order, none lost; the last one closes
         count = rng.randint(2, 4)
-        add(PIPELINED, b"".join(_request(headers=[length], body=GOOD_BODY) for _ in range(count)))
+        pipelined = [_request(headers=[length], body=GOOD_BODY) for _ in range(count - 1)]
+        add(PIPELINED, b"".join([*pipelined, _request(headers=[length, "Connection: close"], body=GOOD_BODY)]))
     for _ in range(20):  # h2c upgrade attempts and the h2 preface in clear
         add(
             "h2c",
@@ -134,15 +135,15 @@ def _send(port: int, case: Case) -> tuple[Case, bytes, float]:
     with socket.create_connection((LOOPBACK, port), timeout=REQUEST_TIMEOUT_S + ANSWER_MARGIN_S) as conn:
         try:
             conn.sendall(case.data)
-            # A stalled sender keeps its side open: the request timeout must answer it. Pipelined requests are read
-            # until each has its answer (a half-closed client would be taken as gone after the first).
+            # A stalled sender keeps its side open: the request timeout must answer it. Pipelined requests keep it
+            # open too (a half-closed client would be taken as gone after the first); their last one asks to close.
             if case.kind not in (STALLED, PIPELINED):
                 conn.shutdown(socket.SHUT_WR)
             while chunk := conn.recv(65536):
                 chunks.append(chunk)
-                if case.kind == PIPELINED and b"".join(chunks).count(b"data: [DONE]") == _requests_in(case):
-                    break
         except (ConnectionResetError, BrokenPipeError):
+            pass
+        except TimeoutError:  # judged as a hang, with what came before it
             pass
     return case, b"".join(chunks), time.monotonic() - began
 
@@ -188,7 +189,7 @@ def test_500_fuzzed_requests_get_an_answer_in_time_smuggle_nothing_and_leave_goo
     for case, reply, took in results:
         answer = _status(reply)
         if took > REQUEST_TIMEOUT_S + ANSWER_MARGIN_S - 0.5:
-            failures.append((case.kind, "hang", took))
+            failures.append((case.kind, "hang", took, reply[-300:]))
         elif answer is not None and answer[0] >= 500 and SERVE_REASON_HEADER.encode() not in answer[1]:
             failures.append((case.kind, f"bare {answer[0]}", case.data[:80]))
         elif answer is not None and not (200 <= answer[0] < 300 or 400 <= answer[0] < 600):
