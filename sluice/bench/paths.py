@@ -2,8 +2,8 @@
 
 Paths: the replicas' own ports (the limit), HAProxy alone, sluice's direct path, the legacy ingress, Serve's proxy and
 Ray's own HAProxy direct streaming (the peer); the tiny model at 1/16/64 streams, then a zero-compute stand-in. Each
-figure is the median of `REPETITIONS` interleaved rounds; `direct` against HAProxy alone is the median ratio of
-`PROXY_PAIRS` back-to-back pairs of rounds. Details: `sluice/bench/README.md`.
+figure is the median of `REPETITIONS` interleaved rounds (each a burst); `direct` against HAProxy alone is the median
+ratio of `PROXY_PAIRS` back-to-back pairs of steady rounds. Details: `sluice/bench/README.md`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import yaml
 from base.contracts import ZERO_COMPUTE_STAND_IN
 from base.quantiles import quantile
 from base.tiny_model import SERVED_MODEL_NAME
-from loadtests.stream_probe import one_stream
+from loadtests.stream_probe import StreamResult, one_stream
 from sluice.bench.goals import PROXY_CASES, breakdown, judge, verdict_lines
 from sluice.bench.overhead import DEFAULT_VARIANT, passthrough_haproxy, rates_table, route_call_rates, variant_label
 from sluice.bench.summary import (
@@ -41,10 +41,14 @@ if TYPE_CHECKING:
     from builders.plan import StackPlan
 
 REPETITIONS = 3
-# Pairs of rounds, HAProxy alone and `direct` back to back (which one first alternates), per case of `PROXY_CASES`:
-# the ratio is taken within each pair, where the two paths share the machine's state. One round of a burst is nearly
-# one sample (its ratio spans 0.5-2.1 on 2 shared cores), so the median wants several.
-PROXY_PAIRS = 8
+# Pairs of steady rounds, HAProxy alone and `direct` back to back (which one first alternates), per case of
+# `PROXY_CASES`: the ratio is taken within each pair, where the two paths share the machine's state. The goals' margins
+# are 10 % and 3 %; a burst's TTFT p50 is quantized by the engine's steps (which step the median request catches), so
+# its ratio spanned 0.4-3.3 and the median of 24 pairs of bursts swung 0.84-1.21. Steady rounds cut the spread of
+# a pair's TTFT ratio (log sd 0.27 -> 0.12 at 16 streams, 0.39 -> 0.26 at 64; tokens/s about 0.1 both ways).
+PROXY_PAIRS = 24
+# In a steady round every stream sends this many requests back to back; the first wave is not timed.
+STEADY_REQUESTS_PER_STREAM = 4
 # A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
 SINGLE_STREAM_SAMPLES = 8
 # Workload -> (label, concurrent streams, max_tokens) cases.
@@ -80,15 +84,41 @@ async def _round(urls: list[str], streams: int, max_tokens: int) -> dict[str, fl
                 *(one_stream(client, urls[i % len(urls)], SERVED_MODEL_NAME, max_tokens) for i in range(streams))
             )
         wall = time.perf_counter() - started
-    ttfts = [r.ttft_s * 1000 for r in results]
-    gaps = [g * 1000 for r in results for g in r.token_gaps_s] or [0.0]
+    return round_figures(results, results, wall)
+
+
+async def _steady_round(urls: list[str], streams: int, max_tokens: int) -> dict[str, float]:
+    """`streams` concurrent streams over `urls`, each sending `STEADY_REQUESTS_PER_STREAM` requests back to back: the
+    figures of one round, its latencies over every request but each stream's first (the synchronized wave)."""
+
+    async def stream(client: httpx.AsyncClient, index: int) -> list[StreamResult]:
+        url = urls[index % len(urls)]
+        return [await one_stream(client, url, SERVED_MODEL_NAME, max_tokens) for _ in range(STEADY_REQUESTS_PER_STREAM)]
+
+    limits = httpx.Limits(max_connections=streams)
+    async with httpx.AsyncClient(timeout=300, limits=limits, headers={"accept-encoding": "identity"}) as client:
+        started = time.perf_counter()
+        per_stream = await asyncio.gather(*(stream(client, i) for i in range(streams)))
+        wall = time.perf_counter() - started
+    return steady_figures(per_stream, wall)
+
+
+def steady_figures(per_stream: list[list[StreamResult]], wall: float) -> dict[str, float]:
+    """A steady round's figures: tokens/s over every request, latencies without each stream's first request."""
+    return round_figures([r for results in per_stream for r in results], [r for rs in per_stream for r in rs[1:]], wall)
+
+
+def round_figures(results: list[StreamResult], timed: list[StreamResult], wall: float) -> dict[str, float]:
+    """A round's figures: tokens/s over every result of `results`, latencies over `timed`."""
+    ttfts = [r.ttft_s * 1000 for r in timed]
+    gaps = [g * 1000 for r in timed for g in r.token_gaps_s] or [0.0]
     return {
         "tokens_per_s": sum(r.completion_tokens for r in results) / wall,
         "ttft_p50_ms": quantile(ttfts, 0.5),
         "ttft_p99_ms": quantile(ttfts, 0.99),
         "itl_p50_ms": quantile(gaps, 0.5),
         "itl_p99_ms": quantile(gaps, 0.99),
-        "headers_p50_ms": quantile([r.headers_s * 1000 for r in results], 0.5),
+        "headers_p50_ms": quantile([r.headers_s * 1000 for r in timed], 0.5),
     }
 
 
@@ -105,13 +135,14 @@ def interleaved(urls: dict[str, list[str]], cases: list[tuple[str, int, int]]) -
 
 
 def paired(limit: list[str], direct: list[str], cases: list[tuple[str, int, int]]) -> Pairs:
-    """`PROXY_PAIRS` pairs of rounds per case: HAProxy alone and `direct` back to back, the order alternating."""
+    """`PROXY_PAIRS` pairs of steady rounds per case: HAProxy alone and `direct` back to back, the order
+    alternating."""
     pairs: Pairs = {label: [] for label, _, _ in cases}
     for i in range(PROXY_PAIRS):
         for label, streams, max_tokens in cases:
             order = [(PROXY_LIMIT_PATH, limit), ("direct", direct)]
             measured = {
-                path: asyncio.run(_round(urls, streams, max_tokens))
+                path: asyncio.run(_steady_round(urls, streams, max_tokens))
                 for path, urls in (order if i % 2 == 0 else order[::-1])
             }
             pairs[label].append((measured[PROXY_LIMIT_PATH], measured["direct"]))
@@ -255,7 +286,7 @@ def run_paths_bench(out: Path, with_peer: bool = True) -> dict[str, Any]:
         chart(summary, out / f"paths-{workload}.png", f"{workload.replace('_', ' ')}, {measured_at}")
         print(f"\n{workload}: median of {REPETITIONS} interleaved rounds (x ratio to replica_port), {measured_at}:")
         print(table(summary))
-        print(f"\n{workload}: direct against HAProxy alone (the limit a proxy can reach), {PROXY_PAIRS} paired rounds:")
+        print(f"\n{workload}: direct against HAProxy alone (the limit a proxy can reach), {PROXY_PAIRS} steady pairs:")
         print(proxy_table(summary, proxy[workload]))
     print(f"\nray_peer: {peer_note}; ray_replica_port: the peer's replicas' own ports")
     print(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from loadtests.stream_probe import StreamResult
+from sluice.bench.paths import steady_figures
 from sluice.bench.summary import FIGURES, paired_ratios, proxy_table, summarize, table
 
 
@@ -49,3 +51,14 @@ def test_direct_against_haproxy_alone_is_the_median_ratio_within_pairs() -> None
     summary = summarize({"replica_port": {"64": rounds_of([100] * 3, [10] * 3)}, "direct": {"64": direct}})
     row = proxy_table(summary, {"64": ratios}).splitlines()[1].split()
     assert row == ["64", "1.10", "(1.00-1.20)", "2.00", "0.95", "(0.80-1.00)"]
+
+
+def test_a_steady_round_times_every_request_but_each_streams_first_and_counts_every_token() -> None:
+    def stream(ttft_s: float) -> StreamResult:
+        return StreamResult(headers_s=ttft_s, ttft_s=ttft_s, total_s=ttft_s + 1, completion_tokens=10)
+
+    # The first wave of a round arrives together and waits for the engine's step: 1 s here, 0.1-0.3 s after it.
+    per_stream = [[stream(1.0), stream(0.1), stream(0.2)], [stream(1.0), stream(0.3), stream(0.2)]]
+    figures = steady_figures(per_stream, wall=4.0)
+    assert figures["ttft_p50_ms"] == 200 and figures["ttft_p99_ms"] < 1000
+    assert figures["tokens_per_s"] == 60 / 4.0
