@@ -105,7 +105,8 @@ async def _steady_round(urls: list[str], streams: int, max_tokens: int) -> dict[
 
 def steady_figures(per_stream: list[list[StreamResult]], wall: float) -> dict[str, float]:
     """A steady round's figures: tokens/s over every request, latencies without each stream's first request."""
-    return round_figures([r for results in per_stream for r in results], [r for rs in per_stream for r in rs[1:]], wall)
+    every = [result for stream in per_stream for result in stream]
+    return round_figures(every, [result for stream in per_stream for result in stream[1:]], wall)
 
 
 def round_figures(results: list[StreamResult], timed: list[StreamResult], wall: float) -> dict[str, float]:
