@@ -184,17 +184,19 @@ def request_figures(rows: list[StreamRow], kill_window: tuple[float, float]) -> 
     """The load's requests: non-2xx by status and reason, streams cut after their headers, requests lost with the
     killed replica before them (`kill_window`: the `perf_counter` span around the kill), and any other request that
     got no response, by the client's error."""
-    unanswered = [r for r in rows if r.status == 0]
+    lost: list[StreamRow] = []
+    unexplained: list[StreamRow] = []
+    for row in rows:
+        if row.status == 0:
+            (lost if _lost_with_the_killed_replica(row, kill_window) else unexplained).append(row)
     return {
         "requests": len(rows),
         "non_2xx": dict(
             Counter(f"{r.status} {r.reason or '-'}" for r in rows if r.status and not 200 <= r.status < 300)
         ),
         "cut_streams": sum(1 for r in rows if r.status == 200 and r.error),
-        "lost_at_kill": sum(1 for r in unanswered if _lost_with_the_killed_replica(r, kill_window)),
-        "no_response": dict(
-            Counter(r.error or "-" for r in unanswered if not _lost_with_the_killed_replica(r, kill_window))
-        ),
+        "lost_at_kill": len(lost),
+        "no_response": dict(Counter(r.error or "-" for r in unexplained)),
     }
 
 
