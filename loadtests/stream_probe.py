@@ -15,6 +15,7 @@ import time
 import httpx
 from pydantic import BaseModel
 
+from base.contracts import REPLICA_HEADER, SERVE_PATH_HEADER
 from base.quantiles import quantile
 
 DEFAULT_PROMPT = "ka lo mi ne ru"
@@ -69,7 +70,11 @@ async def one_stream(
             now = time.perf_counter()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: ") :])
+            try:
+                chunk = json.loads(line[len("data: ") :])
+            except json.JSONDecodeError as error:
+                served = {name: response.headers.get(name) for name in (REPLICA_HEADER, SERVE_PATH_HEADER)}
+                raise RuntimeError(f"{url}: an event cut mid-stream ({served}): {line!r}") from error
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 if first_token_at is None:
                     first_token_at = now
