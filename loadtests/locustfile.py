@@ -23,6 +23,7 @@ import requests
 from locust import HttpUser, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
+from base import sse
 from loadtests.sse_timing import CSV_FIELDS, StreamOutput, StreamRow, record_stream
 from loadtests.workloads import PromptMaker, Request, Workload
 
@@ -190,9 +191,7 @@ class StreamingUser(HttpUser):
         try:
             with self.http.send(prepared, stream=True, timeout=600) as response:
                 headers_at = time.perf_counter()
-                lines = (
-                    (time.perf_counter(), line) for line in response.iter_lines(chunk_size=None, decode_unicode=True)
-                )
+                lines = ((time.perf_counter(), line) for line in sse.iter_lines(response.iter_content(chunk_size=None)))
                 output = record_stream(row, response.status_code, dict(response.headers), headers_at, lines)
         except requests.RequestException as error:  # a refused connection or a cut stream is a row too
             row.error = type(error).__name__

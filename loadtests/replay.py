@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from base import sse
+
 MAX_IN_FLIGHT_DEFAULT = 32
 REQUEST_TIMEOUT_S = 120.0
 
@@ -80,8 +82,8 @@ async def send(client: httpx.AsyncClient, base_url: str, request: RecordedReques
     try:
         async with client.stream(request.method, base_url + request.path, content=body, headers=headers) as response:
             if response.headers.get("content-type", "").startswith("text/event-stream"):
-                payloads = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
-                objects = [json.loads(p) for p in payloads if p != "[DONE]"]
+                payloads = sse.data_payloads([line async for line in sse.aiter_lines(response.aiter_bytes())])
+                objects = [json.loads(p) for p in payloads if p != sse.DONE]
             else:
                 parsed = json.loads(await response.aread() or b"null")
                 objects = [parsed] if isinstance(parsed, dict) else []

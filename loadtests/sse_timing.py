@@ -10,8 +10,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 
 from base.contracts import REPLICA_HEADER, SERVE_PATH_HEADER, SERVE_REASON_HEADER
-
-DONE = "[DONE]"
+from base.sse import DATA_PREFIX, DONE
 
 
 @dataclass
@@ -131,9 +130,9 @@ def record_stream(
     generated = []
     for at, line in lines:
         ended_at = at
-        if not line.startswith("data: "):
+        if not line.startswith(DATA_PREFIX):
             continue
-        payload = line[len("data: ") :]
+        payload = line[len(DATA_PREFIX) :]
         if payload == DONE:
             continue
         try:

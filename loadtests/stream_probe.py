@@ -15,6 +15,7 @@ import time
 import httpx
 from pydantic import BaseModel
 
+from base import sse
 from base.contracts import REPLICA_HEADER, SERVE_PATH_HEADER
 from base.quantiles import quantile
 
@@ -66,12 +67,12 @@ async def one_stream(
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         headers_at = time.perf_counter()
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for line in sse.aiter_lines(response.aiter_bytes()):
             now = time.perf_counter()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if not line.startswith(sse.DATA_PREFIX) or line == sse.DATA_PREFIX + sse.DONE:
                 continue
             try:
-                chunk = json.loads(line[len("data: ") :])
+                chunk = json.loads(line[len(sse.DATA_PREFIX) :])
             except json.JSONDecodeError as error:
                 served = {name: response.headers.get(name) for name in (REPLICA_HEADER, SERVE_PATH_HEADER)}
                 raise RuntimeError(f"{url}: an event cut mid-stream ({served}): {line!r}") from error

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import psutil
 
+from base import sse
 from base.runtime import LOOPBACK, engine_env, free_port, process_env
 from base.tiny_model import SERVED_MODEL_NAME
 from base.waiting import WaitTimeout, wait_until
@@ -207,17 +208,14 @@ async def stream_chat(url: str, timeout_s: float = 30) -> tuple[str, list[str]]:
         "temperature": 0,
         "stream": True,
     }
-    payloads: list[str] = []
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             response.raise_for_status()
-            async for line in response.aiter_lines():
-                if line.startswith("data: "):
-                    payloads.append(line[len("data: ") :])
+            payloads = sse.data_payloads([line async for line in sse.aiter_lines(response.aiter_bytes())])
     text = "".join(
         choice["delta"].get("content") or ""
         for payload in payloads
-        if payload != "[DONE]"
+        if payload != sse.DONE
         for choice in json.loads(payload)["choices"]
     )
     return text, payloads

@@ -28,6 +28,7 @@ import httpx
 import psutil
 import yaml
 
+from base import sse
 from base.contracts import SESSION_HEADER_DEFAULT
 from loadtests.campaign import Campaign, run
 from loadtests.sse_timing import StreamRow
@@ -53,7 +54,7 @@ def _leaving_clients(url: str, model: str, stop: threading.Event, left: list[int
         while not stop.wait(LEAVE_EVERY_S):
             try:
                 with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-                    next(response.iter_lines(), None)
+                    next(sse.iter_lines(response.iter_bytes()), None)
                 left.append(response.status_code)
             except httpx.HTTPError:
                 left.append(0)

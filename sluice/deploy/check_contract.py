@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import jsonschema
 
-from sluice.deploy.check_items import WEATHER_SCHEMA, Result, chat, forced_tool_call, headers, sse_events
+from base import sse
+from sluice.deploy.check_items import WEATHER_SCHEMA, Result, chat, forced_tool_call, headers
 
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
 
@@ -28,8 +29,8 @@ def _streamed(client: httpx.Client, base: str, body: dict[str, Any]) -> list[dic
     response = client.post(f"{base}/v1/chat/completions", json=body, headers=headers())
     if response.status_code != 200:
         raise ContractBroken(f"a streamed chat completion got {response.status_code}")
-    events = sse_events(response.text)
-    if not events or events[-1] != "[DONE]":
+    events = sse.data_payloads(sse.lines(response.content))
+    if not events or events[-1] != sse.DONE:
         raise ContractBroken("the stream does not end with [DONE]")
     return [json.loads(event) for event in events[:-1]]
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from base import sse
 from base.contracts import (
     DIRECT_PATH,
     REASON_REPLICA_TIMEOUT,
@@ -98,10 +99,6 @@ def direct_streaming(client: httpx.Client, base: str, model: str) -> Result:
     return True, f"streamed by replica {response.headers.get(REPLICA_HEADER)} on the direct path"
 
 
-def sse_events(text: str) -> list[str]:
-    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
-
-
 def running_requests(client: httpx.Client, metrics_urls: list[str]) -> float:
     return sum(float(v) for url in metrics_urls for v in _RUNNING.findall(client.get(url).text))
 
@@ -111,7 +108,7 @@ def disconnect_frees_engine(client: httpx.Client, base: str, model: str, metrics
     with client.stream("POST", f"{base}/v1/chat/completions", json=body, headers=headers()) as response:
         if response.status_code != 200:
             return False, f"a long stream got {response.status_code}"
-        lines = response.iter_lines()
+        lines = sse.iter_lines(response.iter_bytes())
         # The engines report a request once they have stepped it: read on until they do (bounded).
         for _ in range(50):
             next(lines)

@@ -46,7 +46,7 @@ from sluice.deploy.check import (
     verdict,
 )
 from tests.support.frontend_metrics import frontend_counts
-from tests.support.sse import DONE, data_payloads
+from tests.support.sse import DONE, data_payloads, stream_lines
 from tests.support.streaming_users import Stream, streaming_users
 from tests.support.team_stack import TeamStack, team_stack
 from tests.support.vllm_metrics import engine_requests
@@ -262,7 +262,7 @@ def _generation(stack: TeamStack, weight: int, request_id: str) -> tuple[float, 
     with httpx.Client(timeout=120) as client:
         with client.stream("POST", f"{stack.url}/v1/completions", json=long_stream, headers=headers) as first:
             assert first.status_code == 200
-            lines = first.iter_lines()
+            lines = stream_lines(first)
             next(line for line in lines if line.startswith("data: "))
             retry = client.post(f"{stack.url}/v1/completions", json=COMPLETION, headers=headers)
             assert data_payloads("\n".join(lines))[-1] == DONE

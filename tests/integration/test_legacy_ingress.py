@@ -28,7 +28,7 @@ from services.legacy.ingress import LegacyIngressSettings, legacy_ingress_applic
 from services.replica.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.support.llm_cluster import LLMCluster, deploy_llm_app, direct_stack
-from tests.support.sse import chunks, data_lines
+from tests.support.sse import astream_lines, chunks, data_lines, stream_lines
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,7 @@ def _in_flight(llm_cluster: LLMCluster) -> float:
 def test_a_client_that_leaves_aborts_the_engine_request(legacy_url: str, llm_cluster: LLMCluster) -> None:
     body = {**GREEDY, "max_tokens": 1000, "ignore_eos": True}
     with httpx.stream("POST", f"{legacy_url}/v1/chat/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
+        lines = stream_lines(response)
         for _ in range(5):
             next(lines)
         assert _in_flight(llm_cluster) >= 1
@@ -165,7 +165,7 @@ def test_capacity_tokens_of_the_legacy_path_are_released_once_even_when_clients_
             assert response.status_code == 200
             # The handle path's choice (the capacity_queue adapter's) is the replica that served.
             assert response.headers[CHOSEN_REPLICA_HEADER] == response.headers[REPLICA_HEADER]
-            lines = response.aiter_lines()
+            lines = astream_lines(response)
             if i % 4 == 0:  # 50 of the 200 leave after their first chunk
                 await anext(line async for line in lines if line.startswith("data: "))
                 return

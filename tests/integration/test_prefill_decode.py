@@ -40,7 +40,7 @@ from builders.plan import StackPlan
 from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.llm_cluster import LLMCluster
-from tests.support.sse import chunks, data_lines
+from tests.support.sse import chunks, data_lines, stream_lines
 from tests.support.team_stack import team_stack
 
 pytestmark = pytest.mark.integration
@@ -233,7 +233,7 @@ def test_a_client_disconnect_mid_decode_leaves_no_request_running_on_either_engi
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{stack.url}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
-            lines = response.iter_lines()
+            lines = stream_lines(response)
             for _ in range(5):
                 next(lines)
             assert in_flight(urls[1]) >= 1

@@ -11,7 +11,7 @@ from ray import serve
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
 from services.replica.asgi_call import ResponseStart
 from tests.support.llm_cluster import LLMCluster
-from tests.support.sse import chunks
+from tests.support.sse import chunks, data_payloads
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ GREEDY_CHAT = {
 
 
 def _payloads(body: bytes) -> list[str]:
-    return [line[len("data: ") :] for line in body.decode().splitlines() if line.startswith("data: ")]
+    return data_payloads(body)
 
 
 def _content(parsed: list[dict]) -> str:

@@ -15,7 +15,7 @@ from base.waiting import wait_until
 from services.replica.llm_config import MIN_DRAIN_GRACE_S, ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.support.llm_cluster import LLMCluster, deploy_llm_app
-from tests.support.sse import chunks
+from tests.support.sse import astream_lines, chunks, stream_lines
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def test_stopping_a_replica_lets_its_stream_finish(lifecycle_app) -> None:
 
     def stream() -> None:
         with httpx.stream("POST", f"{endpoint.url}{PREFIX}/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
+            lines = stream_lines(response)
             first = next(lines)
             result["started"] = time.monotonic()
             started.set()
@@ -101,7 +101,7 @@ async def _stream_until_cut(client: httpx.AsyncClient, url: str, body: dict, fir
     payloads: list[str] = []
     try:
         async with client.stream("POST", url, json=body) as response:
-            async for line in response.aiter_lines():
+            async for line in astream_lines(response):
                 if line.startswith("data: "):
                     payloads.append(line[len("data: ") :])
                     first.set()

@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from base import sse
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
+from loadtests.sse_timing import StreamRow, record_stream
 from sluice.deploy.check_items import WEATHER_SCHEMA, forced_tool_call
 from tests.support.llm_cluster import LLMCluster
-from tests.support.sse import chunks, data_lines
+from tests.support.sse import chunks, data_lines, data_payloads, stream_lines
 
 pytestmark = pytest.mark.integration
 
@@ -116,7 +120,7 @@ def test_openai_client_streams_a_chat_completion(llm_cluster: LLMCluster) -> Non
         f"{endpoint.url}/v1/chat/completions",
         json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
     )
-    payloads = [line[len("data: ") :] for line in raw.text.splitlines() if line.startswith("data: ")]
+    payloads = data_payloads(raw.content)
     parsed = chunks(payloads)
     assert parsed[-1]["usage"]["completion_tokens"] == CHAT["max_tokens"]
 
@@ -145,11 +149,30 @@ def test_forced_tool_call_stream(llm_cluster: LLMCluster) -> None:
     jsonschema.validate(json.loads(arguments), WEATHER_SCHEMA)
 
 
+def test_a_generated_unicode_line_break_stays_inside_its_event(llm_cluster: LLMCluster, tiny_model_dir: Path) -> None:
+    """vLLM's JSON leaves U+0085 raw; the tiny model generates it from its byte tokens C2 85 (sampling only those two
+    makes it certain). sluice's line reader keeps each event whole, and a campaign's row reads every chunk, where
+    `str.splitlines` (httpx's and requests' `iter_lines`) cuts such an event in two."""
+    byte_tokens = AutoTokenizer.from_pretrained(tiny_model_dir).encode("\x85", add_special_tokens=False)
+    assert len(byte_tokens) == 2
+    body = {**COMPLETION, "max_tokens": 32, "stream": True, "seed": 7, "allowed_token_ids": byte_tokens}
+    raw = httpx.post(f"{llm_cluster.endpoints[0].url}/v1/completions", json=body, timeout=30)
+    text = "".join(chunk["choices"][0]["text"] for chunk in chunks(data_payloads(raw.content)) if chunk["choices"])
+    assert "\x85" in text
+    assert len(raw.text.splitlines()) > len(sse.lines(raw.content))
+
+    row = StreamRow("unicode", "s", 0.0, 0.0)
+    output = record_stream(
+        row, raw.status_code, dict(raw.headers), 0.0, ((0.0, line) for line in sse.lines(raw.content))
+    )
+    assert (row.error, output.text) == ("", text)
+
+
 def test_client_disconnect_aborts_the_engine_request(llm_cluster: LLMCluster) -> None:
     endpoint = llm_cluster.endpoints[0]
     body = {**COMPLETION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{endpoint.url}/v1/completions", json=body, timeout=30) as response:
-        lines = response.iter_lines()
+        lines = stream_lines(response)
         for _ in range(5):
             next(lines)
         assert _running_requests(endpoint.url) >= 1

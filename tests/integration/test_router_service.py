@@ -26,7 +26,7 @@ from base.route_wire import RouteReply
 from base.waiting import WaitTimeout, wait_until
 from services.serve_internals import ReplicaEndpoint
 from tests.support.llm_cluster import LLMCluster
-from tests.support.sse import DONE
+from tests.support.sse import DONE, stream_lines
 
 pytestmark = pytest.mark.integration
 
@@ -165,7 +165,7 @@ def test_the_capacity_token_is_released_once_by_the_replica(
     with httpx.stream("POST", url, json=LONG_CHAT, headers=headers, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers[REPLICA_HEADER] == reply.replica_id
-        lines = response.iter_lines()
+        lines = stream_lines(response)
         first = [next(line for line in lines if line.startswith("data: ")) for _ in range(3)]
         assert f"data: {DONE}" not in first
         # Mid-stream the token is still held: only the end of the request releases it.

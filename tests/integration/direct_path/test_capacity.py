@@ -14,7 +14,7 @@ from base.waiting import WaitTimeout, wait_until
 from routers.ledger_actor import ledger_actor_name
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.support.llm_cluster import LLMCluster, direct_stack
-from tests.support.sse import chunks, data_lines
+from tests.support.sse import chunks, data_lines, stream_lines
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +67,7 @@ def test_a_client_disconnect_releases_the_token_and_aborts_the_engine(stack, led
     before = _settled(ledger)
     body = {**STREAM, "max_tokens": 1000, "ignore_eos": True}
     with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
+        lines = stream_lines(response)
         for _ in range(5):
             next(lines)
         assert ray.get(ledger.snapshot.remote())["outstanding"] == 1, "the stream must hold a token"

@@ -17,6 +17,7 @@ from base.waiting import wait_until
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.support.llm_cluster import LLMCluster, direct_stack
+from tests.support.sse import stream_lines
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +63,7 @@ def test_a_killed_replica_costs_the_session_nothing(
 
         with client.stream("POST", url, json=LONG_STREAM, headers=SESSION) as response:
             assert response.status_code == 200 and response.headers[REPLICA_HEADER] == primary
-            lines = response.iter_lines()
+            lines = stream_lines(response)
             for _ in range(5):
                 next(lines)
             os.kill(pid, signal.SIGKILL)

@@ -26,7 +26,7 @@ from infra.haproxy.spoe import agent_backend
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.support.llm_cluster import LLMCluster, direct_stack
-from tests.support.sse import chunks, data_lines
+from tests.support.sse import chunks, data_lines, stream_lines
 from tests.support.vllm_metrics import engine_requests
 
 pytestmark = pytest.mark.integration
@@ -133,7 +133,7 @@ def test_a_client_cannot_pin_a_replica(stack, client, route_url, llm_cluster: LL
 def test_client_disconnect_through_haproxy_aborts_the_engine_request(stack, llm_cluster: LLMCluster) -> None:
     body = {**COMPLETION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
+        lines = stream_lines(response)
         for _ in range(5):
             next(lines)
         replica = next(e for e in llm_cluster.endpoints if e.replica_id == response.headers[REPLICA_HEADER])

@@ -31,7 +31,7 @@ from base.contracts import (
 from base.route_wire import Membership, RouteRefusal, RouteReply
 from services.serve_internals import ReplicaEndpoint
 from tests.support.ports import free_port
-from tests.support.sse import data_payloads
+from tests.support.sse import data_payloads, stream_lines
 
 APP = "llm"
 LOOPBACK = "127.0.0.1"
@@ -355,7 +355,7 @@ def assert_fail_closed(response: httpx.Response, reason: str) -> None:
 def stream_one(url: str, payload: dict[str, Any]) -> tuple[httpx.Headers, list[str]]:
     with httpx.Client(timeout=30) as client, client.stream("POST", url + CHAT_PATH, json=payload) as response:
         assert response.status_code == 200, response.read()
-        return response.headers, [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        return response.headers, [line[6:] for line in stream_lines(response) if line.startswith("data: ")]
 
 
 def rearm_stall(loop: LoopThread, behavior: RouterBehavior) -> None:

@@ -59,7 +59,7 @@ from tests.integration.standin_plane.standins import (
     assert_pinned,
     first_event,
 )
-from tests.support.sse import data_payloads
+from tests.support.sse import data_payloads, stream_lines
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def test_sse_events_stream_through_haproxy(env: Env, client: httpx.Client) -> No
     with client.stream("POST", CHAT_PATH, json={"events": 5, "delay_s": 0.2}) as response:
         assert response.status_code == 200
         start = time.perf_counter()
-        for line in response.iter_lines():
+        for line in stream_lines(response):
             if line.startswith("data: "):
                 arrivals.append(time.perf_counter() - start)
     assert len(arrivals) == 7

@@ -25,6 +25,7 @@ from tests.integration.standin_plane.plane import Env, Plane, start_plane, stop_
 from tests.integration.standin_plane.standins import APP, BODY_BUFFER_BYTES, CHAT_PATH, LOOPBACK
 from tests.support.frontend_contract import assert_refused, register_frontend
 from tests.support.ports import free_port
+from tests.support.sse import stream_lines
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +91,7 @@ def _der(path: Path) -> bytes:
 def _stream(url: str, verify: ssl.SSLContext, events: int = 2, delay_s: float = 0.0) -> tuple[int, list[str]]:
     body = {"events": events, "delay_s": delay_s}
     with httpx.Client(verify=verify, timeout=30) as client, client.stream("POST", url + CHAT_PATH, json=body) as r:
-        return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]
+        return r.status_code, [line for line in stream_lines(r) if line.startswith("data: ")]
 
 
 def _trusting(*cas: Path) -> ssl.SSLContext:
