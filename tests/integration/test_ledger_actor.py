@@ -168,3 +168,38 @@ def test_policy_does_not_hang_while_the_ledger_restarts(ledger_name: str) -> Non
         assert (outcome.token is None) == (outcome.reason == "ledger_fault_fallback")
 
     asyncio.run(run())
+
+
+def test_a_replica_releases_to_the_ledger_created_anew_after_its_ledger_was_killed_for_good(ledger_name: str) -> None:
+    """A ledger killed with no restart is created anew under its name by the next router; a replica that had looked
+    up the dead one must give the new one's tokens back to it (or every token waits for the reaper)."""
+    import ray
+
+    from routers.ledger_actor import ActorLedgerClient
+    from services.replica.middleware.capacity_release import NamedLedgerClient
+
+    replica_side = NamedLedgerClient(ledger_name)
+
+    async def grant(handle) -> str:
+        client = ActorLedgerClient(handle, call_timeout_s=CALL_TIMEOUT_S)
+        await client.set_replicas(CAPACITIES)
+        return (await client.acquire(["a"], str(uuid.uuid4()), 0.0)).token_id
+
+    first = handle_of(ledger_name)
+    assert asyncio.run(replica_side.release(asyncio.run(grant(first))))
+    ray.kill(first, no_restart=True)
+    # The name is free once the control store saw the death: until then get_if_exists returns the dead actor.
+    deadline = time.monotonic() + 30
+    while True:
+        renewed = handle_of(ledger_name)
+        try:
+            token = asyncio.run(grant(renewed))
+            break
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline, "no new ledger under the name"
+            time.sleep(0.2)
+    try:
+        assert asyncio.run(replica_side.release(token)) is True
+        assert snapshot_of(renewed)["released"] == 1
+    finally:
+        ray.kill(renewed, no_restart=True)

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import ray
 from prometheus_client import Counter
+from ray.exceptions import RayActorError
 
 from base.contracts import CAPACITY_TOKEN_HEADER
 from routers.background import run_in_background
@@ -37,18 +38,27 @@ class TokenReleaser(Protocol):
 
 
 class NamedLedgerClient:
-    """Releases through the named ledger actor, looked up on first use (and again after a failed lookup)."""
+    """Releases through the named ledger actor, looked up on first use, again after a failed lookup, and again
+    once the actor it found is dead: a ledger killed for good is created anew under its name by the next router,
+    and the tokens that one grants must come back to it, not to the dead one."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._client: ActorLedgerClient | None = None
 
     async def release(self, token_id: str) -> bool:
+        try:
+            return await (await self._ledger()).release(token_id)
+        except RayActorError:
+            self._client = None
+            return await (await self._ledger()).release(token_id)
+
+    async def _ledger(self) -> ActorLedgerClient:
         if self._client is None:
             # A blocking lookup at the control store: keep it off the event loop that streams responses.
             handle = await asyncio.to_thread(ray.get_actor, self.name, namespace=LEDGER_NAMESPACE)
             self._client = ActorLedgerClient(handle)
-        return await self._client.release(token_id)
+        return self._client
 
 
 class CapacityReleaseMiddleware:
