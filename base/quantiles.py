@@ -7,6 +7,7 @@ samples: of 20 TTFTs, nearest-rank p99 is the largest, linear lies between the t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,3 +22,20 @@ def quantile(values: Sequence[float], q: float) -> float:
     if not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile {q} outside 0..1")
     return float(np.quantile(np.asarray(values, dtype=float), q, method=QUANTILE_METHOD))
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval that holds the median of what `values` sample with at least `confidence`: the
+    order statistics that cut `c` values off each end, `c` the most with P(Binomial(n, 1/2) <= c) <= (1 - confidence)
+    / 2. Too few values for that (n < 6 at 95 %): their min and max."""
+    if not values:
+        raise ValueError("the median interval of no values")
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1.0 - confidence) / 2
+    cut, below = 0, math.comb(n, 0) / 2**n
+    while cut < (n - 1) // 2 and below + math.comb(n, cut + 1) / 2**n <= tail:
+        cut += 1
+        below += math.comb(n, cut) / 2**n
+    cut = cut if below <= tail else 0
+    return ordered[cut], ordered[n - 1 - cut]

@@ -95,22 +95,26 @@ def judge(
 
 def _proxy_verdicts(paired: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
     """TTFT p50 and tokens/s of `direct` against HAProxy alone, where a burst of streams starts: the median of the
-    paired rounds' ratios."""
+    paired rounds' ratios (the measured text gives each one's 95 % interval beside it)."""
     cases = [(name, case) for name, labels in PROXY_CASES.items() for case in labels]
-    ttft = {f"{n} {c}": paired[n][c]["ttft_p50_ms"]["median"] for n, c in cases}
-    tokens = {f"{n} {c}": paired[n][c]["tokens_per_s"]["median"] for n, c in cases}
+    ttft = {f"{n} {c}": paired[n][c]["ttft_p50_ms"] for n, c in cases}
+    tokens = {f"{n} {c}": paired[n][c]["tokens_per_s"] for n, c in cases}
     return [
         (
             f"TTFT p50 direct ≤ {PROXY_TTFT_RATIO_GOAL}x {PROXY_LIMIT_PATH}",
-            ", ".join(f"{case}: x{value:.2f}" for case, value in ttft.items()),
-            all(v <= PROXY_TTFT_RATIO_GOAL for v in ttft.values()),
+            _ratios_text(ttft),
+            all(r["median"] <= PROXY_TTFT_RATIO_GOAL for r in ttft.values()),
         ),
         (
             f"tokens/s direct ≥ {PROXY_TOKENS_RATIO_GOAL}x {PROXY_LIMIT_PATH}",
-            ", ".join(f"{case}: x{value:.2f}" for case, value in tokens.items()),
-            all(v >= PROXY_TOKENS_RATIO_GOAL for v in tokens.values()),
+            _ratios_text(tokens),
+            all(r["median"] >= PROXY_TOKENS_RATIO_GOAL for r in tokens.values()),
         ),
     ]
+
+
+def _ratios_text(ratios: dict[str, dict[str, float]]) -> str:
+    return ", ".join(f"{case}: x{r['median']:.2f} [{r['low']:.2f}-{r['high']:.2f}]" for case, r in ratios.items())
 
 
 def breakdown(tiny: dict[str, Any], variants: dict[str, Any]) -> list[tuple[str, str]]:

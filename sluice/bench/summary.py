@@ -7,6 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from base.quantiles import median_interval
+
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "headers_p50_ms")
 LIMIT_PATH = "replica_port"
 # The limit a proxy can reach: a plain HAProxy in front of the same replica ports.
@@ -49,14 +51,18 @@ def _ratio(median: float, rounds: Rounds, path: str, case: str, figure: str) -> 
 
 def paired_ratios(pairs: Pairs) -> dict[str, dict[str, dict[str, float]]]:
     """Per case and figure, `direct` ÷ HAProxy alone within each pair of back-to-back rounds (a drift of the machine
-    between pairs cancels out): the median over the pairs, with min and max."""
+    between pairs cancels out): the median over the pairs, the 95 % interval that holds it (`low`, `high`), min and
+    max."""
     ratios: dict[str, dict[str, dict[str, float]]] = {}
     for case, measured in pairs.items():
         ratios[case] = {}
         for figure in PAIRED_FIGURES:
             values = [direct[figure] / limit[figure] for limit, direct in measured if limit[figure]]
+            low, high = median_interval(values)
             ratios[case][figure] = {
                 "median": statistics.median(values),
+                "low": low,
+                "high": high,
                 "min": min(values),
                 "max": max(values),
                 "pairs": len(values),
@@ -65,12 +71,12 @@ def paired_ratios(pairs: Pairs) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def proxy_table(summary: dict[str, Any], paired: dict[str, dict[str, dict[str, float]]]) -> str:
-    """`direct` as a ratio to HAProxy alone (median of the paired rounds' ratios, min-max), beside its ratio to the
-    replica port, per paired case."""
+    """`direct` as a ratio to HAProxy alone (median of the paired rounds' ratios, [its 95 % interval]), beside its
+    ratio to the replica port, per paired case."""
     lines = [f"{'streams':>10}{'TTFT p50 ÷ haproxy_only':>30}{'÷ replica_port':>16}{'tok/s ÷ haproxy_only':>28}"]
     for case, ratios in paired.items():
         ttft, tokens = ratios["ttft_p50_ms"], ratios["tokens_per_s"]
-        shown = [f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" for r in (ttft, tokens)]
+        shown = [f"{r['median']:.2f} [{r['low']:.2f}-{r['high']:.2f}]" for r in (ttft, tokens)]
         to_port = summary["direct"][case]["ttft_p50_ms"]["ratio"]
         lines.append(f"{case:>10}{shown[0]:>30}{to_port:>16.2f}{shown[1]:>28}")
     return "\n".join(lines)

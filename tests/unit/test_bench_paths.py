@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtests.stream_probe import StreamResult
-from sluice.bench.paths import steady_figures
+from sluice.bench.paths import STEADY_LENGTH_FACTORS, steady_figures, steady_lengths
 from sluice.bench.summary import FIGURES, paired_ratios, proxy_table, summarize, table
 
 
@@ -46,11 +48,21 @@ def test_direct_against_haproxy_alone_is_the_median_ratio_within_pairs() -> None
     limit = rounds_of([100, 50, 25], [10, 20, 40])
     direct = rounds_of([95, 50, 20], [11, 20, 48])
     ratios = paired_ratios({"64": list(zip(limit, direct, strict=True))})["64"]
-    assert ratios["ttft_p50_ms"] == {"median": 1.1, "min": 1.0, "max": 1.2, "pairs": 3}
-    assert ratios["tokens_per_s"] == {"median": 0.95, "min": 0.8, "max": 1.0, "pairs": 3}
+    # Three pairs are too few for a 95 % interval of the median: it is their min and max.
+    assert ratios["ttft_p50_ms"] == {"median": 1.1, "low": 1.0, "high": 1.2, "min": 1.0, "max": 1.2, "pairs": 3}
+    assert ratios["tokens_per_s"] == {"median": 0.95, "low": 0.8, "high": 1.0, "min": 0.8, "max": 1.0, "pairs": 3}
     summary = summarize({"replica_port": {"64": rounds_of([100] * 3, [10] * 3)}, "direct": {"64": direct}})
     row = proxy_table(summary, {"64": ratios}).splitlines()[1].split()
-    assert row == ["64", "1.10", "(1.00-1.20)", "2.00", "0.95", "(0.80-1.00)"]
+    assert row == ["64", "1.10", "[1.00-1.20]", "2.00", "0.95", "[0.80-1.00]"]
+
+
+def test_the_interval_of_24_pairs_leaves_out_their_outliers() -> None:
+    limit = rounds_of([100] * 24, [10] * 24)
+    ttfts = [10 * (1 + i / 100) for i in range(24)]  # ratios 1.00 .. 1.23
+    ttfts[0], ttfts[-1] = 5, 40  # a pair each way that the machine threw off
+    ratios = paired_ratios({"64": list(zip(limit, rounds_of([100] * 24, ttfts), strict=True))})["64"]["ttft_p50_ms"]
+    assert (ratios["min"], ratios["max"]) == (0.5, 4.0)
+    assert (ratios["low"], ratios["high"]) == (1.06, 1.17)
 
 
 def test_a_steady_round_times_every_request_but_each_streams_first_and_counts_every_token() -> None:
@@ -62,3 +74,11 @@ def test_a_steady_round_times_every_request_but_each_streams_first_and_counts_ev
     figures = steady_figures(per_stream, wall=4.0)
     assert figures["ttft_p50_ms"] == 200 and figures["ttft_p99_ms"] < 1000
     assert figures["tokens_per_s"] == 60 / 4.0
+
+
+def test_steady_lengths_spread_each_wave_and_keep_the_cases_mean() -> None:
+    streams = [steady_lengths(i, 64) for i in range(64)]
+    assert all(len(set(lengths)) == len(lengths) for lengths in streams)
+    for wave in zip(*streams, strict=True):
+        assert len(set(wave)) == len(STEADY_LENGTH_FACTORS)
+        assert sum(wave) / len(wave) == pytest.approx(64, rel=0.02)
