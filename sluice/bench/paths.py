@@ -49,10 +49,12 @@ REPETITIONS = 3
 PROXY_PAIRS = 24
 # In a steady round every stream sends this many requests back to back; the first wave is not timed.
 STEADY_REQUESTS_PER_STREAM = 4
-# Request k of stream i asks for the case's max_tokens times factor (i + k) mod 5 (mean 1): streams of one length
-# end together and their next requests arrive as a burst again, every wave (log sd of a pair's TTFT ratio at 64
-# streams 0.27-0.35 in two runs of 12 pairs); spread lengths spread the arrivals (0.17-0.18 in the same runs).
+# From `SPREAD_FROM_STREAMS` streams, request k of stream i asks for the case's max_tokens times factor (i + k) mod 5
+# (mean 1): there streams of one length end together and their next requests arrive as a burst again, every wave
+# (log sd of a pair's TTFT ratio at 64 streams 0.27-0.35 in two runs of 12 pairs), and spread lengths spread the
+# arrivals (0.17-0.18 in the same runs). At 16 streams one length is the steadier (0.095 against 0.17, 14 pairs).
 STEADY_LENGTH_FACTORS = (0.5, 1.5, 0.75, 1.25, 1.0)
+SPREAD_FROM_STREAMS = 64
 # A one-stream round runs this many streams one after another: a percentile of one TTFT says nothing.
 SINGLE_STREAM_SAMPLES = 8
 # Workload -> (label, concurrent streams, max_tokens) cases.
@@ -91,20 +93,20 @@ async def _round(urls: list[str], streams: int, max_tokens: int) -> dict[str, fl
     return round_figures(results, results, wall)
 
 
-def steady_lengths(stream: int, max_tokens: int) -> list[int]:
-    """The max_tokens of each request of stream `stream` in a steady round (`STEADY_LENGTH_FACTORS`)."""
-    factors = STEADY_LENGTH_FACTORS
+def steady_lengths(stream: int, streams: int, max_tokens: int) -> list[int]:
+    """The max_tokens of each request of stream `stream` of `streams` in a steady round (`STEADY_LENGTH_FACTORS`)."""
+    factors = STEADY_LENGTH_FACTORS if streams >= SPREAD_FROM_STREAMS else (1.0,)
     return [round(max_tokens * factors[(stream + k) % len(factors)]) for k in range(STEADY_REQUESTS_PER_STREAM)]
 
 
 async def _steady_round(urls: list[str], streams: int, max_tokens: int) -> dict[str, float]:
-    """`streams` concurrent streams over `urls`, each sending `STEADY_REQUESTS_PER_STREAM` requests of spread lengths
-    back to back: the figures of one round, its latencies over every request but each stream's first (the
+    """`streams` concurrent streams over `urls`, each sending `STEADY_REQUESTS_PER_STREAM` requests back to back
+    (`steady_lengths`): the figures of one round, its latencies over every request but each stream's first (the
     synchronized wave)."""
 
     async def stream(client: httpx.AsyncClient, index: int) -> list[StreamResult]:
         url = urls[index % len(urls)]
-        return [await one_stream(client, url, SERVED_MODEL_NAME, n) for n in steady_lengths(index, max_tokens)]
+        return [await one_stream(client, url, SERVED_MODEL_NAME, n) for n in steady_lengths(index, streams, max_tokens)]
 
     limits = httpx.Limits(max_connections=streams)
     async with httpx.AsyncClient(timeout=300, limits=limits, headers={"accept-encoding": "identity"}) as client:

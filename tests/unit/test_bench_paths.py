@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loadtests.stream_probe import StreamResult
-from sluice.bench.paths import STEADY_LENGTH_FACTORS, steady_figures, steady_lengths
+from sluice.bench.paths import SPREAD_FROM_STREAMS, STEADY_LENGTH_FACTORS, steady_figures, steady_lengths
 from sluice.bench.summary import FIGURES, paired_ratios, proxy_table, summarize, table
 
 
@@ -76,9 +76,10 @@ def test_a_steady_round_times_every_request_but_each_streams_first_and_counts_ev
     assert figures["tokens_per_s"] == 60 / 4.0
 
 
-def test_steady_lengths_spread_each_wave_and_keep_the_cases_mean() -> None:
-    streams = [steady_lengths(i, 64) for i in range(64)]
+def test_steady_lengths_spread_each_wave_from_64_streams_and_keep_the_cases_mean() -> None:
+    streams = [steady_lengths(i, SPREAD_FROM_STREAMS, 64) for i in range(SPREAD_FROM_STREAMS)]
     assert all(len(set(lengths)) == len(lengths) for lengths in streams)
     for wave in zip(*streams, strict=True):
         assert len(set(wave)) == len(STEADY_LENGTH_FACTORS)
         assert sum(wave) / len(wave) == pytest.approx(64, rel=0.02)
+    assert {n for i in range(16) for n in steady_lengths(i, 16, 64)} == {64}
