@@ -37,5 +37,4 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[
     while cut < (n - 1) // 2 and below + math.comb(n, cut + 1) / 2**n <= tail:
         cut += 1
         below += math.comb(n, cut) / 2**n
-    cut = cut if below <= tail else 0
     return ordered[cut], ordered[n - 1 - cut]
