@@ -2,7 +2,8 @@
 
 `CapacityLedgerActor` wraps `routers.capacity_ledger.CapacityLedger` in an async actor; every router of the
 deployment finds it by name (`ledger_actor_name`) in the `sluice` namespace. `ActorLedgerClient` is the policy's
-`LedgerClient` over it, every call bounded by a timeout. Restart options, constants and why:
+`LedgerClient` over it, every call bounded by a timeout; a router's client finds the ledger again once the one it
+holds is dead for good (killed with no restart: the next lookup creates it anew). Restart options, constants and why:
 routers/README.md#the-ledger-actor.
 """
 
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import ActorDiedError
 
 from routers.background import run_in_background
 from routers.capacity_ledger import DEFAULT_REAP_INTERVAL_S, DEFAULT_TOKEN_TTL_S, CapacityLedger
@@ -66,37 +70,69 @@ def capacity_queue_policy(
     """The capacity_queue policy for `deployment` of `app`, over that deployment's ledger actor (created
     with the settings' `token_ttl_s` on first use), or over `ledger` when one is given."""
     if ledger is None:
-        ledger = ActorLedgerClient(get_or_create_ledger(ledger_actor_name(app, deployment), settings.token_ttl_s))
+        find = functools.partial(get_or_create_ledger, ledger_actor_name(app, deployment), settings.token_ttl_s)
+        ledger = ActorLedgerClient(find(), find_again=find)
     return CapacityQueue(ledger, max_wait_s=settings.max_wait_s, seed=settings.seed)
 
 
 class ActorLedgerClient:
-    """A `LedgerClient` over the ledger actor; every call is bounded by its wait plus `call_timeout_s`."""
+    """A `LedgerClient` over the ledger actor; every call is bounded by its wait plus `call_timeout_s`. A call to an
+    actor dead for good fails as a fault, and the next call goes to the actor `find_again` returns (when given): the
+    control store frees a dead actor's name a moment after its death, so a lookup may still return the dead one, and
+    calls keep failing (the policy falls back) until the name holds a live ledger."""
 
-    def __init__(self, handle: ActorHandle, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        handle: ActorHandle,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        find_again: Callable[[], ActorHandle] | None = None,
+    ) -> None:
         self.handle = handle
         self.call_timeout_s = call_timeout_s
+        self.find_again = find_again
+        self._finding = asyncio.Lock()
         self._reclaims: set[asyncio.Task] = set()
 
     async def acquire(self, replica_ids: Sequence[str], request_id: str, wait_s: float) -> CapacityToken | None:
-        ref = self.handle.acquire.remote(replica_ids, request_id, wait_s)
+        handle = self.handle
+        ref = handle.acquire.remote(replica_ids, request_id, wait_s)
         try:
             return await asyncio.wait_for(ref, wait_s + self.call_timeout_s)
         except (TimeoutError, asyncio.CancelledError):
             run_in_background(self._reclaims, self._release_late_grant(ref))
             raise
+        except ActorDiedError:
+            await self._replace(handle)
+            raise
 
     async def release(self, token_id: str) -> bool:
-        return await asyncio.wait_for(self.handle.release.remote(token_id), self.call_timeout_s)
+        return await self._call(lambda handle: handle.release.remote(token_id))
 
     async def reject(self, token_id: str) -> bool:
-        return await asyncio.wait_for(self.handle.reject.remote(token_id), self.call_timeout_s)
+        return await self._call(lambda handle: handle.reject.remote(token_id))
 
     async def set_replicas(self, capacities: dict[str, int]) -> None:
-        await asyncio.wait_for(self.handle.set_replicas.remote(capacities), self.call_timeout_s)
+        await self._call(lambda handle: handle.set_replicas.remote(capacities))
 
     async def snapshot(self) -> dict:
-        return await asyncio.wait_for(self.handle.snapshot.remote(), self.call_timeout_s)
+        return await self._call(lambda handle: handle.snapshot.remote())
+
+    async def _call(self, send: Callable[[ActorHandle], Awaitable]) -> Any:
+        handle = self.handle
+        try:
+            return await asyncio.wait_for(send(handle), self.call_timeout_s)
+        except ActorDiedError:
+            await self._replace(handle)
+            raise
+
+    async def _replace(self, dead: ActorHandle) -> None:
+        """Look the ledger up again, once for all the calls that found `dead` dead."""
+        if self.find_again is None:
+            return
+        async with self._finding:
+            if self.handle is dead:
+                # A blocking call to the control store: keep it off the event loop that routes.
+                self.handle = await asyncio.to_thread(self.find_again)
 
     async def _release_late_grant(self, ref: ray.ObjectRef) -> None:
         # An error here means the grant died with the ledger (or the reaper will take it back).

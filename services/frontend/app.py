@@ -28,7 +28,7 @@ from base.runtime import cache_dir
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import legacy_backend
 from infra.haproxy.config import HAProxySettings, is_internal_server
-from infra.haproxy.process import HAProxyProcess, HAProxyStartError
+from infra.haproxy.process import DATA_PLANE_NICENESS, HAProxyProcess, HAProxyStartError
 from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.api_key_watcher import ApiKeyWatcher
 from services.frontend.background_loop import BackgroundLoop
@@ -168,10 +168,19 @@ class FrontendReplica:
             try:
                 # A new HAProxy starts with the weight in force, not the one it was first declared with.
                 settings = self._settings.model_copy(update={"direct_weight": self._ingress.weight})
-                return HAProxyProcess(settings, die_with_parent=True).start()
+                haproxy = HAProxyProcess(settings, die_with_parent=True).start()
             except HAProxyStartError as error:
                 logger.error("HAProxy did not start, retrying: %s", error)
                 await asyncio.sleep(SUPERVISE_INTERVAL_S)
+                continue
+            if haproxy.niceness != DATA_PLANE_NICENESS:
+                logger.warning(
+                    "HAProxy runs at niceness %s, level with Ray's workers (no privilege to lower it to %s): "
+                    "under engine load each token waits longer for a core",
+                    haproxy.niceness,
+                    DATA_PLANE_NICENESS,
+                )
+            return haproxy
 
     async def check_health(self) -> None:
         if not self._running():

@@ -203,3 +203,38 @@ def test_a_replica_releases_to_the_ledger_created_anew_after_its_ledger_was_kill
         assert snapshot_of(renewed)["released"] == 1
     finally:
         ray.kill(renewed, no_restart=True)
+
+
+def test_a_router_finds_the_ledger_created_anew_after_its_ledger_was_killed_for_good(ray_cluster: None) -> None:
+    """A router's policy holds the ledger's handle: once that ledger is dead for good it falls back (bounded) until
+    the name holds a new ledger, then takes its tokens from that one again, never for good from a dead one."""
+    import ray
+
+    from routers.capacity_queue import CapacityQueueSettings
+    from routers.ledger_actor import capacity_queue_policy, ledger_actor_name
+
+    app = f"test-app-{uuid.uuid4().hex[:8]}"
+    name = ledger_actor_name(app, "router")
+    policy = capacity_queue_policy(app, "router", CapacityQueueSettings(token_ttl_s=600.0, max_wait_s=1.0, seed=0))
+    views = [ReplicaView(replica_id=r, capacity=c) for r, c in CAPACITIES.items()]
+
+    async def run() -> list[str]:
+        first = policy.ledger.handle
+        assert (await policy.decide(views, RouteRequest(request_id="before"))).reason == "acquired"
+        ray.kill(first, no_restart=True)
+        reasons = []
+        deadline = time.monotonic() + 30
+        while not reasons or reasons[-1] != "acquired":
+            assert time.monotonic() < deadline, f"no token from a new ledger: {reasons[-3:]}"
+            decision = await bounded(policy.decide(views, RouteRequest(request_id=f"after-{len(reasons)}")), 10.0)
+            reasons.append(decision.reason)
+            await asyncio.sleep(0.1)
+        assert policy.ledger.handle is not first
+        return reasons
+
+    try:
+        reasons = asyncio.run(run())
+        assert set(reasons[:-1]) <= {"ledger_fault_fallback"}
+        assert snapshot_of(handle_of(name))["granted"] == 1
+    finally:
+        ray.kill(handle_of(name), no_restart=True)
