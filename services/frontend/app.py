@@ -173,7 +173,7 @@ class FrontendReplica:
                 logger.error("HAProxy did not start, retrying: %s", error)
                 await asyncio.sleep(SUPERVISE_INTERVAL_S)
                 continue
-            if haproxy.niceness != DATA_PLANE_NICENESS:
+            if (haproxy.niceness or 0) > DATA_PLANE_NICENESS:
                 logger.warning(
                     "HAProxy runs at niceness %s, level with Ray's workers (no privilege to lower it to %s): "
                     "under engine load each token waits longer for a core",
