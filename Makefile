@@ -1,4 +1,4 @@
-# sluice: `make serve` runs the embedded default, `make test` runs the whole suite.
+# sluice: `make serve` runs the embedded default, `make test` runs the whole suite (`make test-fast`: no Ray).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -36,7 +36,7 @@ for name in sorted(set(found) - set(skipped)):
 endef
 export LOCK_LINES
 
-.PHONY: venv lock lock-cpu lock-gpu model serve test test-unit lint bench bench-replicas bench-routers soak clean
+.PHONY: venv lock lock-cpu lock-gpu model serve test test-fast test-unit lint bench bench-replicas bench-routers soak clean
 
 venv: $(STAMP)
 
@@ -67,10 +67,21 @@ model: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/sluice serve
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(PY) -m sluice.layers
-	$(PY) -m pytest -v -x --durations=15 tests/unit tests/load tests/integration tests/containers
+# Every test over a second is printed and each tier writes a JUnit XML under .cache/ (the slowest 20 at the end).
+PYTEST := $(PY) -m pytest -v -x --durations=0 --durations-min=1
+JUNIT := .cache/junit
+
+# The inner loop: lint, layers, unit, load and the integration tests that start no Ray (marker `ray`).
+test-fast: lint
+	@mkdir -p .cache
+	$(PYTEST) --junitxml=$(JUNIT)-fast.xml -m "not ray" tests/unit tests/load tests/integration
+
+# Everything, as CI runs it: the fast tier, then the Ray tier (modules with a Ray of their own before the session's
+# cluster starts), then the containers once that cluster is gone.
+test: test-fast
+	$(PYTEST) --junitxml=$(JUNIT)-ray.xml -m ray tests/integration
+	$(PYTEST) --junitxml=$(JUNIT)-containers.xml tests/containers
+	$(PY) -m tests.support.durations $(JUNIT)-fast.xml $(JUNIT)-ray.xml $(JUNIT)-containers.xml
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -v tests/unit

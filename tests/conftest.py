@@ -1,4 +1,6 @@
-"""Shared fixtures: the tiny model is built once per checkout into the cache folder."""
+"""Shared fixtures and the suite's tiers: the tiny model is built once per checkout into the cache folder; a test that
+needs Ray carries the marker `ray` (`make test-fast` runs the others), and Ray's tests run in the order that keeps
+one cluster on the machine at a time."""
 
 from __future__ import annotations
 
@@ -33,3 +35,29 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         names = ", ".join(report.nodeid for report in skipped)
         print(f"\n{FORBID_SKIPS_ENV}=1 and {len(skipped)} test(s) skipped: {names}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# The session's Ray cluster (tests/integration/conftest.py) and the marker of a module that starts a Ray of its own.
+SESSION_CLUSTER_FIXTURE = "ray_cluster"
+OWN_RAY_MARKER = "own_ray"
+
+
+def _ray_rank(item: pytest.Item) -> int:
+    """0: no Ray; 1: a Ray of its own; 2: the session's cluster, which starts at its first test and stays up."""
+    if SESSION_CLUSTER_FIXTURE in getattr(item, "fixturenames", ()):
+        return 2
+    return 1 if item.get_closest_marker(OWN_RAY_MARKER) else 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs Ray `ray` (before `-m` selects), then run whole modules in Ray rank order: the
+    modules with a Ray of their own before the session's cluster starts, so two clusters never share the cores."""
+    module_rank: dict[str, int] = {}
+    for item in items:
+        rank = _ray_rank(item)
+        if rank:
+            item.add_marker(pytest.mark.ray)
+        module = item.nodeid.split("::")[0]
+        module_rank[module] = max(rank, module_rank.get(module, 0))
+    items.sort(key=lambda item: module_rank[item.nodeid.split("::")[0]])

@@ -200,7 +200,9 @@ class DirectStreamStack:
         what = "HAProxy to see every replica and router UP and the routers to learn the replicas"
         wait_until(timeout_s, serving, what, poll_s=0.2)
 
-    def stop(self, delete_apps: bool = True) -> None:
+    def stop(self, delete_apps: bool = True, wait_for_delete: bool = True) -> None:
+        """Stop HAProxy and the syncer; delete the router app (`wait_for_delete` False: Serve drains it while the
+        caller goes on, which a later stack may do only under another router name)."""
         try:
             if self._frontend_thread is not None:
                 self._frontend_thread.stop()
@@ -208,4 +210,4 @@ class DirectStreamStack:
             if self.haproxy is not None:
                 self.haproxy.stop()
         if delete_apps:
-            serve.delete(self.spec.router_app)
+            serve.delete(self.spec.router_app, _blocking=wait_for_delete)

@@ -30,6 +30,8 @@ from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, StackBase, load_spec
 CPU_DEPLOY_TIMEOUT_S = 600.0
 GPU_DEPLOY_TIMEOUT_S = 1800.0
 _POLL_S = 0.5
+# Deleting apps together: their replicas drain at once (5 s each at least), a stopping vLLM engine takes ~5 s more.
+DELETE_TIMEOUT_S = 120.0
 
 
 def plan_of(path: str) -> tuple[Any, StackPlan]:
@@ -213,14 +215,28 @@ def serving_lines(spec: StackBase, plan: StackPlan) -> list[str]:
     ]
 
 
-def delete_apps(apps: list[str]) -> None:
+def delete_apps(apps: list[str], timeout_s: float = DELETE_TIMEOUT_S) -> None:
+    """Delete a stack's apps: the frontend (the last app) first and to the end, so nothing is routed to an app that is
+    going away; then the others together, so their replicas' draining periods (Serve keeps each for at least
+    `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`) overlap instead of adding up."""
     from ray import serve
 
     existing = serve.status().applications
-    for app in reversed(apps):  # the frontend first: nothing is routed to an app that is going away
-        if app in existing:
-            serve.delete(app)
-            print(f"deleted {app}", flush=True)
+    going = [app for app in reversed(apps) if app in existing]
+    if not going:
+        return
+    first, *rest = going
+    serve.delete(first)
+    print(f"deleted {first}", flush=True)
+    for app in rest:
+        serve.delete(app, _blocking=False)
+
+    def gone() -> bool:
+        return not set(rest) & set(serve.status().applications)
+
+    wait_until(timeout_s, gone, f"Serve to delete {', '.join(rest)}", poll_s=_POLL_S)
+    for app in rest:
+        print(f"deleted {app}", flush=True)
 
 
 def delete_plan(plan: StackPlan) -> None:

@@ -1,5 +1,6 @@
-"""`sluice serve` (what `make serve` runs) with a policy flag: HAProxy streams from both replicas, `sluice status`
-reports the policy the routers run (the flag's, not the file's), and Ctrl-C cleans up."""
+"""`sluice serve` (what `make serve` runs) with a policy flag and TLS, in one run: HAProxy streams from both replicas,
+`sluice status` reports the policy the routers run (the flag's, not the file's), the openai client and `sluice check`
+pass over TLS, and Ctrl-C cleans up. Plain-HTTP frontends are what every other stack in the suite serves."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
 from topologies import EMBEDDED_SPEC
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
 
 URL = re.compile(r"sluice is serving at (https?://127\.0\.0\.1:\d+):")
 CA = re.compile(r"clients trust (\S+) ")
@@ -67,12 +68,19 @@ def _status(target: str, address: str) -> dict:
     return json.loads(status.stdout)
 
 
-def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sluice_serve_streams_over_tls_passes_the_contract_check_and_shuts_down_on_ctrl_c(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`sluice serve --tls-self-signed --policy consistent_hash`: status reports the flag's policy and its difference
+    from the file; streams spread over both replicas; the official openai client, given the CA, streams over TLS;
+    `sluice check --target https://... --ca-file` passes the API contract item; plain HTTP on the port is not served;
+    Ctrl-C ends every process it started."""
     log, port = tmp_path / "serve.log", free_port()
-    process = _serve(log, port, "--policy", "consistent_hash")
+    process = _serve(log, port, "--tls-self-signed", "--policy", "consistent_hash")
     try:
         url, (stack, address) = _wait_until_ready(process, log, timeout_s=300)
-        assert url == f"http://127.0.0.1:{port}"
+        assert url == f"https://127.0.0.1:{port}"
+        ca = CA.findall(log.read_text())[0]
         report = _status(stack, address)
         assert report["models"]["sluice-tiny"]["routers"]["policy"] == "consistent_hash"
         # The embedded file says round_robin: status names the difference.
@@ -82,35 +90,13 @@ def test_sluice_serve_streams_and_shuts_down_on_ctrl_c(tiny_model_dir: Path, tmp
         body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
         body["ignore_eos"] = True
         body["stream"] = True
-        for _ in range(16):  # no session header: hashed by request id, over both replicas (all on one: p = 3e-5)
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
-                assert response.status_code == 200
-                served.add(response.headers["x-serve-replica"])
-                assert chunks(data_lines(response))[-1]["choices"][0]["finish_reason"] == "length"
+        with httpx.Client(verify=ca, timeout=60) as https:
+            for _ in range(16):  # no session header: hashed by request id, over both replicas (all on one: p = 3e-5)
+                with https.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+                    assert response.status_code == 200
+                    served.add(response.headers["x-serve-replica"])
+                    assert chunks(data_lines(response))[-1]["choices"][0]["finish_reason"] == "length"
         assert len(served) == 2
-        descendants = psutil.Process(process.pid).children(recursive=True)
-        assert descendants, "the cluster runs as children of sluice serve"
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=90) == 0
-        _, alive = psutil.wait_procs(descendants, timeout=30)
-        assert not alive, f"left behind after Ctrl-C: {[p.pid for p in alive]}"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def test_sluice_serve_over_tls_passes_the_openai_client_and_the_contract_check(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """`sluice serve --tls-self-signed`: the official openai client, given the CA, streams over TLS; `sluice check
-    --target https://... --ca-file` passes the API contract item; plain HTTP on the port is not served."""
-    log, port = tmp_path / "serve.log", free_port()
-    process = _serve(log, port, "--tls-self-signed")
-    try:
-        url, _ = _wait_until_ready(process, log, timeout_s=300)
-        assert url == f"https://127.0.0.1:{port}"
-        ca = CA.findall(log.read_text())[0]
         client = openai.OpenAI(
             base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=httpx.Client(verify=ca, timeout=60)
         )
@@ -131,8 +117,12 @@ def test_sluice_serve_over_tls_passes_the_openai_client_and_the_contract_check(
         items = {item["item"]: item for item in json.loads(checked.stdout)["items"]}
         assert items[API_CONTRACT]["ok"] is True, items[API_CONTRACT]
         assert items[DIRECT_STREAMING]["ok"] is True, items[DIRECT_STREAMING]
+        descendants = psutil.Process(process.pid).children(recursive=True)
+        assert descendants, "the cluster runs as children of sluice serve"
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=90) == 0
+        _, alive = psutil.wait_procs(descendants, timeout=30)
+        assert not alive, f"left behind after Ctrl-C: {[p.pid for p in alive]}"
     finally:
         if process.poll() is None:
             process.kill()

@@ -14,7 +14,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from base.contracts import REPLICA_HEADER
 from base.waiting import wait_until
-from sluice.deploy.apply import render
+from sluice.deploy.apply import delete_apps, render
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
@@ -58,5 +58,4 @@ def test_the_rendered_config_deploys_through_serves_declarative_api(
         assert events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
         assert serve.status().applications[apps[-1]].status == "RUNNING"
     finally:
-        for app in reversed(apps):
-            serve.delete(app)
+        delete_apps(apps)

@@ -27,6 +27,7 @@ from base.route_wire import ComponentVersions
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import pid_alive
 from services.serve_internals import list_replica_endpoints
+from sluice.deploy.apply import delete_apps
 from sluice.deploy.check import (
     CHECK_EXIT_INCOMPLETE,
     CHECK_EXIT_PASS,
@@ -85,9 +86,7 @@ def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.Temp
     name = "platform-deploy-test"
     apps = [f"{name}-{app}" for app in ("llm", "router", "frontend")]
     yield Deployed(path, address, f"http://127.0.0.1:{port}", apps[0], apps)
-    for app in reversed(apps):  # whatever a failed test left behind
-        if app in serve.status().applications:
-            serve.delete(app)
+    delete_apps(apps)  # whatever a failed test left behind
 
 
 def _stream(client: httpx.Client, url: str) -> str:

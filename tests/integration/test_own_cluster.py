@@ -32,7 +32,7 @@ from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = "platform-own-cluster"

@@ -21,7 +21,7 @@ from base.tiny_model import SERVED_MODEL_NAME
 from sluice.bench.netns import private_netns_argv
 from sluice.bench.ray_peer import peer_processes
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
 
 # Runs inside the namespace: one peer replica, the same greedy chat through Ray's HAProxy and the replica's own port.
 _CLIENT = """

@@ -1,7 +1,7 @@
-"""The soak's five-minute version (`make soak` runs 30): the mixed campaign with leaving clients, a replica killed and
-a scale 2 -> 3 -> 2 on a real stack; the invariants, not the figures: no ledger token left once the load is over,
-HAProxy's servers the live replicas, every non-2xx with its reason, no request without a response but those in flight
-at the killed replica."""
+"""The soak's 90-second version (`make soak` runs 30 minutes): the mixed campaign with leaving clients, a replica
+killed and a scale 2 -> 3 -> 2 on a real stack; the invariants, not the figures: no ledger token left once the load is
+over, HAProxy's servers the live replicas, every non-2xx with its reason, no request without a response but those in
+flight at the killed replica."""
 
 from __future__ import annotations
 
@@ -18,10 +18,14 @@ from tests.support.ports import free_port
 pytestmark = pytest.mark.integration
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
-SOAK_S = 300
+# Long enough for every disturbance to land and settle (the kill at 22 s, scale to 3 at 40 s, back to 2 at 63 s: a
+# replica starts in ~25 s here); what only minutes show is `make soak`'s.
+SOAK_S = 90
+# Per second of soak: ~1.5 requests of the campaign's 4 users and ~1.5 clients that leave, measured; a third of that.
+MIN_PER_S = 0.33
 
 
-def test_five_minutes_of_mixed_load_kills_and_scaling_leave_no_token_and_no_stale_server(
+def test_mixed_load_kills_and_scaling_leave_no_token_and_no_stale_server(
     ray_cluster: None, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     data = yaml.safe_load((TEAMS / "local-cpu.yaml").read_text())
@@ -34,6 +38,7 @@ def test_five_minutes_of_mixed_load_kills_and_scaling_leave_no_token_and_no_stal
     figures = soak(spec, tmp_path / "out", tiny_model_dir / "tokenizer.json", SOAK_S)
     print(json.dumps(figures, indent=2))
     assert not broken_invariants(figures), figures
-    assert figures["requests"] > 100 and figures["clients_left"] > 100, figures
+    least = MIN_PER_S * SOAK_S
+    assert figures["requests"] > least and figures["clients_left"] > least, figures
     assert [event["action"].split()[0] for event in figures["events"]] == ["killed", "scale", "scale"]
     assert {"haproxy"} < set(figures["rss_mb"]) and any(name.startswith("router:") for name in figures["rss_mb"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 
 LLM_APP = "llm"
+_stack_numbers = itertools.count(1)
 
 
 @dataclass
@@ -40,11 +42,13 @@ def deploy_llm_app(
 
 @contextmanager
 def direct_stack(cluster: LLMCluster, **spec: Any) -> Iterator[DirectStreamStack]:
-    """HAProxy + a router app in front of the session's LLM app, on free loopback ports; stopped on exit."""
+    """HAProxy + a router app in front of the session's LLM app, on free loopback ports; stopped on exit. The router
+    app gets a name of its own unless given one, so Serve drains it while the next stack starts."""
+    spec.setdefault("router_name", f"{cluster.app}-router-{next(_stack_numbers)}")
     settings = DirectStreamSpec(app=cluster.app, haproxy_port=free_port(), prometheus_port=free_port(), **spec)
     register_frontend(settings.haproxy_port)
     started = DirectStreamStack(settings).start(deploy_model=False)
     try:
         yield started
     finally:
-        started.stop()
+        started.stop(wait_for_delete=False)

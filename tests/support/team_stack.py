@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from ray import serve
 
 from builders.plan import StackPlan, build_plan
-from sluice.deploy.apply import apply_plan, ensure_models
+from sluice.deploy.apply import apply_plan, delete_plan, ensure_models
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 from topologies.spec import load_spec
@@ -62,9 +61,7 @@ def team_stack(
         _deploy(spec, plan)
         yield TeamStack(spec, plan, path, f"http://127.0.0.1:{port}")
     finally:
-        for app in reversed(plan.apps):
-            if app.name in serve.status().applications:
-                serve.delete(app.name)
+        delete_plan(plan)
 
 
 def _deploy(spec: Any, plan: StackPlan) -> None:
