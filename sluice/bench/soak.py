@@ -100,10 +100,10 @@ def _ledger_outstanding(plan: Any) -> int:
 
 def _servers_match(plan: Any) -> bool:
     """Every live replica UP in HAProxy's map and nothing else (what `sluice check` asks)."""
+    from sluice.deploy.apply import frontend_status
     from sluice.deploy.check import server_map
 
-    frontend = _frontend(plan)
-    return "servers" in frontend and server_map(frontend, plan)[0]
+    return server_map(frontend_status(plan), plan)[0]
 
 
 def _settled(check: Any, timeout_s: float) -> Any:

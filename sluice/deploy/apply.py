@@ -61,11 +61,13 @@ def quiet_ray_loggers(verbose: bool) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def frontend_status(plan: StackPlan) -> dict[str, Any] | None:
+def frontend_status(plan: StackPlan, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """The frontend's own report (HAProxy's servers and PIDs, the ingress, the routers it publishes to), or None while
+    it does not answer: the one reader `sluice status`, `sluice check` and the soak share."""
     from ray import serve
 
     try:
-        return serve.get_app_handle(plan.frontend_app).status.remote().result(timeout_s=10)
+        return serve.get_app_handle(plan.frontend_app).status.remote().result(timeout_s=timeout_s)
     except Exception:  # not deployed, or not running yet
         return None
 

@@ -27,7 +27,7 @@ from base.quantiles import quantile
 from sluice.deploy import check_items
 from sluice.deploy.check_contract import api_contract
 from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers
-from sluice.deploy.check_startup import startup_path
+from sluice.deploy.check_startup import NO_FRONTEND_STATUS, startup_path
 from sluice.deploy.check_versions import versions
 from sluice.deploy.errors import require_url, served_models
 from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 FAULT_SECONDS = 5.0
 SAMPLES = 8
+# How long the frontend may take to report its status (HAProxy's servers) under load.
+FRONTEND_STATUS_TIMEOUT_S = 30.0
 
 VERDICT_PASS, VERDICT_INCOMPLETE, VERDICT_FAIL = Verdict.PASS, Verdict.INCOMPLETE, Verdict.FAIL
 CHECK_EXIT_PASS = EXIT_OK
@@ -100,9 +102,11 @@ def allowed_skips(names: Iterable[str]) -> frozenset[str]:
     return allowed
 
 
-def server_map(frontend: dict[str, Any], plan: StackPlan) -> Result:
+def server_map(frontend: dict[str, Any] | None, plan: StackPlan) -> Result:
     from services.serve_internals import list_replica_endpoints
 
+    if frontend is None:
+        return False, NO_FRONTEND_STATUS
     problems = []
     for model in plan.models:
         live = {e.replica_id for e in asyncio.run(list_replica_endpoints(model.llm_app))}
@@ -222,9 +226,10 @@ def run_checks(
             from ray import serve
 
             from services.serve_internals import list_replica_endpoints
+            from sluice.deploy.apply import frontend_status
 
             handle = serve.get_app_handle(plan.frontend_app)
-            frontend = handle.status.remote().result(timeout_s=30)
+            frontend = frontend_status(plan, FRONTEND_STATUS_TIMEOUT_S)
             # Each LLM replica's app on its own port, by `<model> replica <id>`.
             replica_apps = {
                 f"{m.name} replica {e.replica_id}": f"{e.url}/{m.llm_app}"

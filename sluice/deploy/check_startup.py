@@ -12,6 +12,7 @@ from sluice.deploy.check_items import Result
 if TYPE_CHECKING:
     from builders.plan_types import PlannedModel, StackPlan
 
+NO_FRONTEND_STATUS = "the frontend did not answer its status call (not deployed, or not running)"
 RoutersReport = Callable[["PlannedModel"], dict[str, Any] | None]
 
 
@@ -46,7 +47,9 @@ def model_path(frontend: dict[str, Any], model: PlannedModel, routers: dict[str,
     return problems
 
 
-def startup_path(frontend: dict[str, Any], plan: StackPlan, routers_report: RoutersReport) -> Result:
+def startup_path(frontend: dict[str, Any] | None, plan: StackPlan, routers_report: RoutersReport) -> Result:
+    if frontend is None:
+        return False, NO_FRONTEND_STATUS
     if not frontend.get("running"):
         return False, "the frontend's HAProxy is not running"
     problems = [p for model in plan.models for p in model_path(frontend, model, routers_report(model))]

@@ -53,3 +53,11 @@ def test_each_way_off_the_planned_path_is_named() -> None:
     for frontend, routers, named in cases:
         ok, detail = startup_path(frontend, Plan(), routers)  # type: ignore[arg-type]
         assert ok is False and named in detail, (named, detail)
+
+
+def test_a_frontend_that_does_not_answer_fails_the_startup_path_and_the_server_map_by_name() -> None:
+    from sluice.deploy.check import server_map
+    from sluice.deploy.check_startup import NO_FRONTEND_STATUS
+
+    assert startup_path(None, Plan(), _routers()) == (False, NO_FRONTEND_STATUS)  # type: ignore[arg-type]
+    assert server_map(None, Plan()) == (False, NO_FRONTEND_STATUS)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ app's Serve deployment), on the KubeRay render (worker pods, serveConfigV2) and 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,13 @@ def _as_driver(monkeypatch: pytest.MonkeyPatch, env_vars: dict[str, str]) -> Non
     monkeypatch.setattr(llm_replica.ray, "get_runtime_context", Context)
 
 
+def _assert_engine_env(env: Mapping[str, str | None], cpu: bool, offline: bool) -> None:
+    """The CPU engine settings and Hub offline mode in `env` exactly where the hardware and the weights call for them
+    (on a node's pods `cpu` is False: each LLM replica adds its engine's own)."""
+    for wanted, variables in ((cpu, CPU_ENGINE_ENV), (offline, HF_OFFLINE_ENV)):
+        assert variables.items() <= env.items() if wanted else not env.keys() & variables.keys(), env
+
+
 def _replica_env(config: LLMAppConfig) -> dict[str, str]:
     """The variables the LLM app's Serve deployment gives its replicas (what `build_llm_application` deploys)."""
     return llm_deployment(config).ray_actor_options["runtime_env"]["env_vars"]
@@ -103,10 +111,8 @@ def _assert_cpu_defaults_left_to_vllm(spec: StackBase, engine: EngineConfig) -> 
 def _assert_gpu_engine(spec: StackBase, config: LLMAppConfig) -> None:
     """A GPU replica: no CPU settings, Hub models online, CPU-only defaults left to vLLM (unless the spec sets them)."""
     assert config.deployment.num_gpus > 0
-    env = _replica_env(config)
-    assert not env.keys() & CPU_ENGINE_ENV.keys()
+    _assert_engine_env(_replica_env(config), cpu=False, offline=False)
     assert not config.engine.model.startswith("/")
-    assert not env.keys() & HF_OFFLINE_ENV.keys()
     _assert_cpu_defaults_left_to_vllm(spec, config.engine)
 
 
@@ -128,9 +134,8 @@ def test_a_gpu_stacks_kuberay_pods_and_replicas_run_vllms_gpu_defaults_online(pa
     workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert all(GPU_RESOURCE in g["template"]["spec"]["containers"][0]["resources"]["limits"] for g in workers)
     for group in _pods(service):
-        env = _pod_env(group)
-        assert not env.keys() & (CPU_ENGINE_ENV.keys() | HF_OFFLINE_ENV.keys())
-        assert "HF_TOKEN" in env
+        _assert_engine_env(_pod_env(group), cpu=False, offline=False)
+        assert "HF_TOKEN" in _pod_env(group)
     for config in _llm_apps(yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]):
         _assert_gpu_engine(spec, config)
 
@@ -158,11 +163,11 @@ def test_a_cpu_stacks_replicas_keep_the_cpu_engine_settings_and_stay_offline(
     deployed = [app.model_dump() for app in build_plan(spec).apps]
     rendered = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
     for config in _llm_apps(deployed) + _llm_apps(rendered):
-        env = _replica_env(config)
-        assert CPU_ENGINE_ENV.items() <= env.items() and HF_OFFLINE_ENV.items() <= env.items()
+        _assert_engine_env(_replica_env(config), cpu=True, offline=True)
         defaults = _cpu_defaults(spec, config.engine)
         assert defaults == {key: EngineConfig.model_fields[key].default for key in defaults}
-    assert all(HF_OFFLINE_ENV.items() <= _pod_env(group).items() for group in _pods(service))
+    for group in _pods(service):
+        _assert_engine_env(_pod_env(group), cpu=False, offline=True)
 
 
 def test_the_engine_settings_follow_the_hardware_and_the_weights_separately() -> None:

@@ -35,6 +35,9 @@ from tests.support.frontend_contract import check_frontend_response, checked
 
 pytestmark = pytest.mark.integration
 
+# What "served at once" allows: a health check (10 s on the quiet plane) or a connect timeout takes seconds.
+FALLBACK_AT_ONCE_S = 1.0
+
 
 def served(response: httpx.Response) -> tuple[str, str | None]:
     assert response.status_code == 200, (response.status_code, response.headers, response.text[:300])
@@ -136,7 +139,8 @@ def test_a_stopped_primary_still_in_the_frontend_is_served_by_the_fallback_at_on
         response = client.post(CHAT_PATH, content=b"{}")
         elapsed = time.monotonic() - start
         assert served_by(response) == (second.name, "1")
-        assert elapsed < 0.1, elapsed
+        # Milliseconds here; the bound leaves a loaded machine ten times the 0.1 s once asserted.
+        assert elapsed < FALLBACK_AT_ONCE_S, elapsed
         # The refused connection marked it DOWN at once, and the routers stop being told about it.
         assert plane.status(pool, first.name).startswith("DOWN")
         wait_until(

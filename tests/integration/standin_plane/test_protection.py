@@ -204,5 +204,6 @@ def test_a_broken_chunked_body_gets_haproxys_400_and_is_never_routed(keyed: Plan
         "Transfer-Encoding: chunked\r\n\r\n"
     ).encode()
     response = asyncio.run(partial_request(keyed.haproxy.settings.port, head, b"zz\r\nnot hex\r\n", 5))
-    assert response.status == 400 and response.elapsed_s < 1
+    # HAProxy's 400 at the broken chunk, not the request timeout's 408: it refused before waiting for more body.
+    assert response.status == 400
     assert len(env.behavior.calls) == calls
