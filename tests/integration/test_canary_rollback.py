@@ -67,14 +67,6 @@ def _frontend(stack: TeamStack):
     return serve.get_app_handle(stack.plan.frontend_app)
 
 
-def _shift(stack: TeamStack, weight: int, wait: bool = False) -> dict:
-    return _frontend(stack).shift.remote(weight, wait).result(timeout_s=180)
-
-
-def _ingress(stack: TeamStack) -> dict:
-    return _frontend(stack).ingress.remote().result(timeout_s=30)
-
-
 def _routers(stack: TeamStack) -> list[str]:
     """Each router replica's fault endpoint, on Serve's port (HAProxy's route calls go to the route agents)."""
     model = stack.plan.models[0]
@@ -106,7 +98,7 @@ def _rollbacks(stack: TeamStack) -> dict[str, int]:
 
 
 def test_sluice_check_twice_on_the_live_canary_passes_both_times_and_leaves_it_as_it_was(stack: TeamStack) -> None:
-    before = _ingress(stack)
+    before = stack.ingress()
     assert before["direct_weight"] == stack.spec.ingress.canary_weight == 30 and before["abort"] is None  # as declared
     runs = []
     for _ in range(2):
@@ -120,7 +112,7 @@ def test_sluice_check_twice_on_the_live_canary_passes_both_times_and_leaves_it_a
         assert outcome[FAULT_INJECTION] is True  # its 503s reached the guard and counted nowhere
         assert outcome[TIMEOUT_CLEANUP] is True and outcome[STARTUP_PATH] is True and outcome[VERSIONS] is True
         assert outcome[f"{LEGACY_SAME_TEXTS} (sluice-tiny)"] is True and not run["skipped"]
-    after = _ingress(stack)
+    after = stack.ingress()
     assert after["abort"] is None and after["direct_weight"] == 30, after
     status = _frontend(stack).status.remote().result(timeout_s=30)
     assert status["haproxy_weights"] == {stack.plan.models[0].llm_app: 30}  # HAProxy's own map, read back
@@ -146,7 +138,7 @@ def _routers_unreachable(stack: TeamStack) -> Iterator[None]:
 
 
 def test_a_router_fault_rolls_the_canary_back_naming_the_criterion_and_counting_it(stack: TeamStack) -> None:
-    _shift(stack, 50)
+    stack.shift(50)
     paths = []
     with _routers_unreachable(stack), httpx.Client(timeout=60) as client:
         for i in range(60):
@@ -155,9 +147,9 @@ def test_a_router_fault_rolls_the_canary_back_naming_the_criterion_and_counting_
             if response.status_code == 503:
                 assert response.headers[SERVE_REASON_HEADER] == REASON_ROUTER_UNREACHABLE
         with contextlib.suppress(WaitTimeout):
-            wait_until(15, lambda: _ingress(stack)["abort"], "the guard to roll back", poll_s=0.2)
+            wait_until(15, lambda: stack.ingress()["abort"], "the guard to roll back", poll_s=0.2)
     assert (LEGACY_PATH, 200) in paths and any(status == 503 for _, status in paths)
-    ingress = _ingress(stack)
+    ingress = stack.ingress()
     abort = ingress["abort"]
     assert abort is not None, ingress
     print(
@@ -198,7 +190,7 @@ async def _sessions(url: str, sessions: list[str], requests: int) -> dict[str, l
 
 
 def test_a_canary_at_weight_30_sends_30_percent_of_600_sessions_direct_each_on_one_path(stack: TeamStack) -> None:
-    _shift(stack, 30)
+    stack.shift(30)
     status = _frontend(stack).status.remote().result(timeout_s=30)
     assert status["haproxy_weights"] == {stack.plan.models[0].llm_app: 30}  # HAProxy's own map, read back
     # Seeded: the split hashes each session, so the same 600 names land the same way on every run (unseeded, a run
@@ -211,7 +203,7 @@ def test_a_canary_at_weight_30_sends_30_percent_of_600_sessions_direct_each_on_o
     print(f"canary at weight 30: {direct:.1%} of {len(seen)} sessions on the direct path")
     assert 0.25 <= direct <= 0.35, direct
     # Moving the weight moves only the sessions between the two weights: every direct session stays direct.
-    _shift(stack, 60)
+    stack.shift(60)
     was_direct = [s for s, paths in seen.items() if paths[0] == DIRECT_PATH][:50]
     again = asyncio.run(_sessions(stack.url, was_direct, requests=1))
     assert all(paths == [DIRECT_PATH] for paths in again.values())
@@ -225,14 +217,14 @@ def _move_under_load(stack: TeamStack, weight: int) -> tuple[list[Stream], float
         users = asyncio.create_task(streaming_users(f"{stack.url}/v1/completions", STREAM, 16, run_s=9))
         await asyncio.sleep(3)
         moments["began"] = time.monotonic()
-        await asyncio.to_thread(_shift, stack, weight)
+        await asyncio.to_thread(stack.shift, weight)
         moments["returned"] = time.monotonic()
         return await users
 
     streams = asyncio.run(run())
     with contextlib.suppress(WaitTimeout):
-        wait_until(60, lambda: (_ingress(stack)["drain"] or {}).get("done"), "the drain to end", poll_s=0.1)
-    return streams, moments["began"], moments["returned"], _ingress(stack)["drain"]
+        wait_until(60, lambda: (stack.ingress()["drain"] or {}).get("done"), "the drain to end", poll_s=0.1)
+    return streams, moments["began"], moments["returned"], stack.ingress()["drain"]
 
 
 @pytest.mark.parametrize(
@@ -241,7 +233,7 @@ def _move_under_load(stack: TeamStack, weight: int) -> tuple[list[Stream], float
     ids=["rollback", "reverse"],
 )
 def test_a_move_under_16_streaming_users_cuts_nothing(stack: TeamStack, start, to, old_path, new_path) -> None:
-    _shift(stack, start, wait=True)
+    stack.shift(start, wait=True)
     streams, began, returned, drain = _move_under_load(stack, to)
     print(f"{old_path} -> {new_path} under 16 users: {len(streams)} streams, drained in {drain['waited_s']} s")
     assert streams and all(s.status == 200 for s in streams), {s.status for s in streams}
@@ -254,7 +246,7 @@ def test_a_move_under_16_streaming_users_cuts_nothing(stack: TeamStack, start, t
 
 def _generation(stack: TeamStack, weight: int, request_id: str) -> tuple[float, httpx.Response, httpx.Response]:
     """While a stream with `request_id` runs, a retry with the same id; (engine requests added, retry, retry after)."""
-    _shift(stack, weight, wait=True)
+    stack.shift(weight, wait=True)
     model = stack.plan.models[0]
     before = engine_requests(model.llm_app, f"/{model.llm_app}")
     long_stream = {**STREAM, "max_tokens": 256}
@@ -291,7 +283,7 @@ def _verdict(stack: TeamStack) -> tuple[int, dict]:
 
 
 def test_sluice_check_fails_naming_the_item_when_a_router_is_broken(stack: TeamStack) -> None:
-    _shift(stack, 100, wait=True)
+    stack.shift(100, wait=True)
     with _router_fault(stack):
         code, verdict = _verdict(stack)
     assert code == 1 and verdict["verdict"] == "fail"

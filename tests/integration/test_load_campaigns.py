@@ -1,5 +1,7 @@
-"""Every campaign workload against the embedded default (local-cpu: HAProxy, a router, two real vLLM replicas of
-the tiny model), Locust in processes of its own: rows, summary and an HTML report whose plots are real images."""
+"""Every campaign workload against a direct-streaming stack (HAProxy, a round-robin router) in front of the session's
+two real vLLM replicas of the tiny model: the embedded default's shape, whose deploy path the deploy, own-cluster and
+`sluice serve` tests cover. Locust in processes of its own: rows, summary and an HTML report whose plots are real
+images."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from matplotlib.image import imread
 
 from loadtests.campaign import Campaign, run
 from loadtests.workloads import LONG_PROMPT, SHORT_PROMPT, WORKLOADS
-from tests.support.team_stack import TeamStack, team_stack
+from routers.round_robin import NAME as ROUND_ROBIN
+from sluice.bench.stack_harness import DirectStreamStack
+from tests.support.llm_cluster import LLMCluster, direct_stack
 from tests.support.vllm_keys import VLLM_SAVE_RESULT_KEYS
 
 pytestmark = pytest.mark.integration
@@ -23,14 +27,14 @@ DURATION_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeamStack]:
-    with team_stack("local-cpu.yaml", "load-test", tmp_path_factory.mktemp("load")) as deployed:
-        yield deployed
+def stack(llm_cluster: LLMCluster) -> Iterator[DirectStreamStack]:
+    with direct_stack(llm_cluster, policy=ROUND_ROBIN) as started:
+        yield started
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_each_workload_writes_rows_a_summary_and_a_report_with_real_plots(
-    stack: TeamStack, workload: str, tmp_path: Path, tiny_model_dir: Path
+    stack: DirectStreamStack, workload: str, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     campaign = Campaign(
         workload=workload,

@@ -20,6 +20,8 @@ from tests.support.ports import free_port
 from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
+# A shift that waits covers a drain (the team files' drain deadlines are 60 s at most) and the move itself.
+SHIFT_TIMEOUT_S = 180
 
 
 @dataclass
@@ -29,6 +31,19 @@ class TeamStack:
     # The spec file as deployed (renamed, own ports).
     path: Path
     url: str
+
+    def shift(self, weight: int, wait: bool = False) -> dict[str, Any]:
+        """Move the frontend's direct weight (`wait`: until a path that lost traffic drained); its drain report."""
+        return self._frontend().shift.remote(weight, wait).result(timeout_s=SHIFT_TIMEOUT_S)
+
+    def ingress(self) -> dict[str, Any]:
+        """The frontend's ingress state: weight, drain, abort."""
+        return self._frontend().ingress.remote().result(timeout_s=30)
+
+    def _frontend(self) -> Any:
+        from ray import serve
+
+        return serve.get_app_handle(self.plan.frontend_app)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """The decode replica's prefill phase (services.replica.middleware.remote_prefill) against a recording inner app and a
 prefill replica
 answered by httpx's MockTransport: what the prefill call sends, what decode gets, each failure and its answer.
-The real path (vLLM engines, NIXL) is tested end to end in tests/integration/test_prefill_decode.py."""
+The real path (vLLM engines, NIXL) is tested end to end in tests/integration/prefill_decode/test_transfer.py."""
 
 from __future__ import annotations
 

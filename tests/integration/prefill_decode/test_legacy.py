@@ -1,5 +1,5 @@
-"""Prefill/decode with the retained legacy ingress: prefill-decode-cpu.yaml with `ingress.mode: both` (own name and
-ports, staging on so `sluice check` runs every item) deployed onto the session's Ray cluster. The legacy path relays
+"""Prefill/decode with the retained legacy ingress (the package's stack: prefill-decode-cpu.yaml with `ingress.mode:
+both`, staging on so `sluice check` runs every item) on the session's Ray cluster. The legacy path relays
 to the decode replica through the handle path and chooses the prefill replica with the prefill deployment's request
 router; `sluice check` passes (its legacy item: the same greedy texts on both paths); a rollback while 8 clients
 stream cuts none and returns no non-2xx."""
@@ -9,12 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from ray import serve
 
 from base.contracts import (
     CHOSEN_REPLICA_HEADER,
@@ -31,33 +28,16 @@ from services.serve_internals import list_replica_endpoints
 from sluice.deploy.check import CHECK_EXIT_PASS, LEGACY_SAME_TEXTS, report, run_checks, verdict
 from tests.support.sse import DONE, data_payloads
 from tests.support.streaming_users import Stream, streaming_users
-from tests.support.team_stack import TeamStack, team_stack
+from tests.support.team_stack import TeamStack
 
 pytestmark = pytest.mark.integration
 
-# The canary's criteria as canary-cpu.yaml sets them: this test moves the weight itself.
-INGRESS = {
-    "mode": "both",
-    "canary_weight": 50,
-    "drain_deadline_s": 60,
-    "abort": {"max_ttft_p99_s": 10, "max_replica_imbalance": 4, "min_requests": 10, "window_s": 10},
-}
 PROMPT = "ka lo mi tessa ren do ka lo mi tessa ren do ka lo"
 
 
 @pytest.fixture(scope="module")
-def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TeamStack]:
-    folder = tmp_path_factory.mktemp("prefill-decode-legacy")
-    with team_stack("prefill-decode-cpu.yaml", "pd-legacy", folder, staging=True, ingress=INGRESS) as deployed:
-        yield deployed
-
-
-def _shift(stack: TeamStack, weight: int, wait: bool = False) -> dict:
-    return serve.get_app_handle(stack.plan.frontend_app).shift.remote(weight, wait).result(timeout_s=180)
-
-
-def _ingress(stack: TeamStack) -> dict:
-    return serve.get_app_handle(stack.plan.frontend_app).ingress.remote().result(timeout_s=30)
+def stack(pd_stack: TeamStack) -> TeamStack:
+    return pd_stack
 
 
 def _chat(stack: TeamStack, stream: bool, max_tokens: int = 16) -> dict:
@@ -73,7 +53,7 @@ def _chat(stack: TeamStack, stream: bool, max_tokens: int = 16) -> dict:
 def test_the_legacy_path_runs_prefill_on_the_prefill_replica_and_decodes_on_the_decode_replica(
     stack: TeamStack,
 ) -> None:
-    _shift(stack, 0, wait=True)
+    stack.shift(0, wait=True)
     [model] = stack.plan.models
     assert model.prefill_app is not None
     [prefill] = asyncio.run(list_replica_endpoints(model.prefill_app))
@@ -93,7 +73,7 @@ def test_the_legacy_path_runs_prefill_on_the_prefill_replica_and_decodes_on_the_
 
 
 def test_sluice_check_passes_with_the_same_texts_on_the_legacy_path(stack: TeamStack) -> None:
-    _shift(stack, 50, wait=True)
+    stack.shift(50, wait=True)
     items = run_checks(stack.spec, stack.plan, stack.url)
     code, found = report(items, as_json=False), verdict(items)
     outcome = {i["item"]: i["ok"] for i in found["items"]}
@@ -102,7 +82,7 @@ def test_sluice_check_passes_with_the_same_texts_on_the_legacy_path(stack: TeamS
 
 
 def test_a_rollback_while_8_clients_stream_cuts_none_and_answers_only_2xx(stack: TeamStack) -> None:
-    _shift(stack, 100, wait=True)
+    stack.shift(100, wait=True)
     moments: dict[str, float] = {}
 
     async def run() -> list[Stream]:
@@ -110,14 +90,14 @@ def test_a_rollback_while_8_clients_stream_cuts_none_and_answers_only_2xx(stack:
         users = asyncio.create_task(streaming_users(f"{stack.url}/v1/chat/completions", body, 8, run_s=12))
         await asyncio.sleep(4)
         moments["began"] = time.monotonic()
-        await asyncio.to_thread(_shift, stack, 0)
+        await asyncio.to_thread(stack.shift, 0)
         moments["returned"] = time.monotonic()
         return await users
 
     streams = asyncio.run(run())
     with contextlib.suppress(WaitTimeout):
-        wait_until(60, lambda: (_ingress(stack)["drain"] or {}).get("done"), "the drain to end", poll_s=0.1)
-    drain = _ingress(stack)["drain"]
+        wait_until(60, lambda: (stack.ingress()["drain"] or {}).get("done"), "the drain to end", poll_s=0.1)
+    drain = stack.ingress()["drain"]
     print(f"P/D rollback under 8 users: {len(streams)} streams, drained in {drain['waited_s']} s")
     assert streams and all(s.status == 200 for s in streams), sorted({s.status for s in streams})
     assert all(s.done for s in streams), f"{sum(not s.done for s in streams)} streams were cut"

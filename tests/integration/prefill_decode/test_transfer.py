@@ -1,6 +1,7 @@
-"""Prefill/decode end to end: the prefill-decode-cpu team file (own name and ports) deployed from its plan onto the
-session's Ray cluster: a real tiny vLLM prefill replica (KV producer) and decode replica (KV consumer) joined by
-NIXL over host memory, a router choosing both, HAProxy pinning each request to the decode replica.
+"""Prefill/decode end to end on the package's stack (the prefill-decode-cpu team file, own name and ports, on the
+session's Ray cluster, every request on the direct path): a real tiny vLLM prefill replica (KV producer) and decode
+replica (KV consumer) joined by NIXL over host memory, a router choosing both, HAProxy pinning each request to the
+decode replica.
 
 The decode engine's own metrics prove the KV came over the wire: its prompt tokens are counted as
 `external_kv_transfer` (none computed locally) and NIXL's byte count grows; decoding prompt B from prompt A's
@@ -17,7 +18,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +41,11 @@ from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import chunks, data_lines, stream_lines
-from tests.support.team_stack import team_stack
+from tests.support.team_stack import TeamStack
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMPT = "ka lo mi tessa ren do ka lo mi tessa ren do ka lo"
 
 
@@ -68,11 +68,11 @@ class PDStack:
 
 
 @pytest.fixture(scope="module")
-def stack(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    with team_stack("prefill-decode-cpu.yaml", "pd-test", tmp_path_factory.mktemp("prefill-decode")) as deployed:
-        [model] = deployed.plan.models
-        assert model.prefill_app is not None
-        yield PDStack(deployed.plan, deployed.url, model.name, model.prefill_app, model.llm_app, deployed.path)
+def stack(pd_stack: TeamStack) -> PDStack:
+    pd_stack.shift(100, wait=True)  # every request on the direct path (the legacy module left it on the legacy path)
+    [model] = pd_stack.plan.models
+    assert model.prefill_app is not None
+    return PDStack(pd_stack.plan, pd_stack.url, model.name, model.prefill_app, model.llm_app, pd_stack.path)
 
 
 def metric(app_url: str, name: str, **labels: str) -> float:
@@ -218,7 +218,7 @@ def test_status_shows_each_apps_role_and_which_pairs_served(stack: PDStack) -> N
     assert report["apps"][stack.decode_app]["role"].startswith("decode replicas")
     decode, prefill = stack.endpoint(stack.decode_app).replica_id, stack.endpoint(stack.prefill_app).replica_id
     remote = [p for p in report["pairs"][stack.model] if p["outcome"] == "remote"]
-    # Every request so far (the 20 concurrent streams among them) was served by this one pair.
+    # Every request so far, on either path (the 20 concurrent streams among them), was served by this one pair.
     assert [(p["decode"], p["prefill"]) for p in remote] == [(decode, prefill)] and remote[0]["requests"] >= 20
 
 
