@@ -71,15 +71,16 @@ serve: $(STAMP)
 PYTEST := $(PY) -m pytest -v -x --durations=0 --durations-min=1
 JUNIT := .cache/junit
 
-# The inner loop: lint, layers, unit, load and the integration tests that start no Ray (marker `ray`).
+# The inner loop: lint, layers, unit, load and the integration tests that start no Ray (marker `ray`) and no vLLM
+# engine (marker `engine`).
 test-fast: lint
 	@mkdir -p .cache
-	$(PYTEST) --junitxml=$(JUNIT)-fast.xml -m "not ray" tests/unit tests/load tests/integration
+	$(PYTEST) --junitxml=$(JUNIT)-fast.xml -m "not ray and not engine" tests/unit tests/load tests/integration
 
-# Everything, as CI runs it: the fast tier, then the Ray tier (modules with a Ray of their own before the session's
-# cluster starts), then the containers once that cluster is gone.
+# Everything, as CI runs it: the fast tier, then the Ray tier (modules with a Ray or an engine of their own before the
+# session's cluster starts), then the containers once that cluster is gone.
 test: test-fast
-	$(PYTEST) --junitxml=$(JUNIT)-ray.xml -m ray tests/integration
+	$(PYTEST) --junitxml=$(JUNIT)-ray.xml -m "ray or engine" tests/integration
 	$(PYTEST) --junitxml=$(JUNIT)-containers.xml tests/containers
 	$(PY) -m tests.support.durations $(JUNIT)-fast.xml $(JUNIT)-ray.xml $(JUNIT)-containers.xml
 

@@ -37,16 +37,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# The session's Ray cluster (tests/integration/conftest.py) and the marker of a module that starts a Ray of its own.
+# The session's Ray cluster (tests/integration/conftest.py); the markers of a module that starts a Ray of its own and
+# of one that starts a vLLM engine in the test process: both run before the session's cluster starts.
 SESSION_CLUSTER_FIXTURE = "ray_cluster"
-OWN_RAY_MARKER = "own_ray"
+OWN_PROCESSES_MARKERS = ("own_ray", "engine")
 
 
 def _ray_rank(item: pytest.Item) -> int:
-    """0: no Ray; 1: a Ray of its own; 2: the session's cluster, which starts at its first test and stays up."""
+    """0: no Ray, no engine; 1: a Ray or an engine of its own; 2: the session's cluster, which starts at its first
+    test and stays up."""
     if SESSION_CLUSTER_FIXTURE in getattr(item, "fixturenames", ()):
         return 2
-    return 1 if item.get_closest_marker(OWN_RAY_MARKER) else 0
+    return 1 if any(item.get_closest_marker(marker) for marker in OWN_PROCESSES_MARKERS) else 0
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -56,7 +58,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     module_rank: dict[str, int] = {}
     for item in items:
         rank = _ray_rank(item)
-        if rank:
+        if rank == 2 or item.get_closest_marker("own_ray"):
             item.add_marker(pytest.mark.ray)
         module = item.nodeid.split("::")[0]
         module_rank[module] = max(rank, module_rank.get(module, 0))

@@ -30,7 +30,7 @@ from services.replica.vllm_app import build_openai_app, parse_engine_args, start
 from services.replica.zero_compute_engine import ZeroComputeEngineStandIn
 from tests.support.sse import chunks, data_payloads
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
 MAX_TOKENS = 9
 MESSAGES = [{"role": "user", "content": "route the stream"}]
