@@ -208,6 +208,8 @@ class PrefixReuse:
         self.seed = seed
         self.reuse: dict[str, dict[str, dict[str, Any]]] = {case: {} for case in PREFIX_CASES}
         self.hot: dict[str, dict[str, Any]] = {}
+        # Each campaign's rows by (case, policy); `rows`: the last campaign's.
+        self.rows_by_case: dict[tuple[str, str], list[StreamRow]] = {}
         self.rows: list[StreamRow] = []
 
     def next_seed(self) -> int:
@@ -222,6 +224,7 @@ class PrefixReuse:
         self.rows = campaign_rows(
             plan, workload, folder, self.tokenizer, self.duration_s, self.next_seed(), session_header
         )
+        self.rows_by_case[case, policy] = self.rows
         after = prefix_counters(plan)
         ttfts = [r.ttft_s * 1000 for r in self.rows if r.ok and r.ttft_s is not None]
         return {

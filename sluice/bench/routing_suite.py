@@ -1,8 +1,9 @@
 """`sluice load routing --spec FILE`: the routing-semantics suite. It deploys the stack of FILE (the embedded default
-unless given) in the variants it needs, drives the scale changes itself, and reports: consistent-hash affinity,
-the remap fraction when scaling 2 -> 3 -> 2 (ideal 1/3), header-less uniformity under round robin, prefix reuse per
-policy on the same 3 replicas (`prefix_reuse.py`: hit rate against the ideal, TTFT, in-flight balance, and a hot
-session), bodies over the forwarding buffer, and `num_fallback_replicas` 2 versus 0 while a replica is killed.
+unless given) in the variants it needs, drives the scale changes itself, and reports: consistent-hash affinity (in its
+prefix-reuse multi-turn campaign), the remap fraction when scaling 2 -> 3 -> 2 (ideal 1/3), header-less uniformity
+under round robin, prefix reuse per policy on the same 3 replicas (`prefix_reuse.py`: hit rate against the ideal,
+TTFT, in-flight balance, and a hot session), bodies over the forwarding buffer, and `num_fallback_replicas` 2 versus 0
+while a replica is killed.
 
 Writes `routing.json` and `report.html` (with the prefix-cache plots) into the output folder.
 """
@@ -28,7 +29,7 @@ from loadtests.sse_timing import StreamRow
 from routers.consistent_hash import NAME as CONSISTENT_HASH
 from routers.kv_aware import NAME as KV_AWARE
 from routers.round_robin import NAME as ROUND_ROBIN
-from sluice.bench.prefix_reuse import PrefixReuse, campaign_rows, small_cache
+from sluice.bench.prefix_reuse import PrefixReuse, small_cache
 from sluice.bench.stack_variants import deploy_variant, kill_one_replica
 
 PROBES = 600
@@ -127,8 +128,6 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
     reuse = PrefixReuse(out, tokenizer, duration_s, replicas=3, seed=time.time_ns() % 2**31)
     plan = deploy_variant(data, CONSISTENT_HASH, 2)
     try:
-        rows = campaign_rows(plan, "multi_turn", out / "affinity", tokenizer, duration_s, reuse.next_seed())
-        figures["affinity"] = affinity(rows)
         sessions = [f"remap-{i}" for i in range(REMAP_SESSIONS)]
         on_two = asyncio.run(_probe(plan.url, model, sessions))
         plan = deploy_variant(data, CONSISTENT_HASH, 3)
@@ -144,6 +143,8 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
                 figures["headerless_per_replica"] = dict(Counter(served))
             reuse.measure(plan, policy, hot_session=policy in HOT_SESSION_POLICIES)
         figures.update(reuse.figures())
+        # Consistent hash's affinity: its multi-turn campaign's sessions, each on one replica (no scale change).
+        figures["affinity"] = affinity(reuse.rows_by_case["multi_turn", CONSISTENT_HASH])
         rows = reuse.rows
         on_three = asyncio.run(_probe(plan.url, model, sessions))  # the ring the scale-in starts from
         plan = deploy_variant(data, CONSISTENT_HASH, 2)
