@@ -112,8 +112,15 @@ def cv(counts: list[int]) -> float:
     return statistics.pstdev(counts) / statistics.fmean(counts) if counts and sum(counts) else 0.0
 
 
-def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict[str, Any]:
-    """Run the suite on the connected Ray cluster; returns (and writes) its figures."""
+def routing_suite(
+    spec_path: Path,
+    out: Path,
+    tokenizer: Path,
+    duration_s: float,
+    hot_session_policies: tuple[str, ...] = HOT_SESSION_POLICIES,
+) -> dict[str, Any]:
+    """Run the suite on the connected Ray cluster; returns (and writes) its figures. `hot_session_policies`: the
+    policies whose hot-session campaign runs (the test asserts kv_aware's alone)."""
     data = yaml.safe_load(spec_path.read_text())
     # kv_aware reads the prompt and scores by the replicas' KV events: both on under every policy, so a policy switch
     # keeps the engine settings (a spec that sets either keeps its value).
@@ -141,7 +148,7 @@ def routing_suite(spec_path: Path, out: Path, tokenizer: Path, duration_s: float
                 served = asyncio.run(_probe(plan.url, model, [None] * PROBES))
                 figures["headerless_cv"] = cv(list(Counter(served).values()))
                 figures["headerless_per_replica"] = dict(Counter(served))
-            reuse.measure(plan, policy, hot_session=policy in HOT_SESSION_POLICIES)
+            reuse.measure(plan, policy, hot_session=policy in hot_session_policies)
         figures.update(reuse.figures())
         # Consistent hash's affinity: its multi-turn campaign's sessions, each on one replica (no scale change).
         figures["affinity"] = affinity(reuse.rows_by_case["multi_turn", CONSISTENT_HASH])

@@ -217,19 +217,18 @@ def serving_lines(spec: StackBase, plan: StackPlan) -> list[str]:
     ]
 
 
-def delete_apps(apps: list[str], timeout_s: float = DELETE_TIMEOUT_S) -> None:
+def delete_apps(apps: list[str], frontend_first: bool = True, timeout_s: float = DELETE_TIMEOUT_S) -> None:
     """Delete a stack's apps: the frontend (the last app) first and to the end, so nothing is routed to an app that is
-    going away; then the others together, so their replicas' draining periods (Serve keeps each for at least
-    `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`) overlap instead of adding up."""
+    going away (`frontend_first`); then the others together, so their replicas' draining periods (Serve keeps each for
+    at least `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`) overlap instead of adding up."""
     from ray import serve
 
     existing = serve.status().applications
-    going = [app for app in reversed(apps) if app in existing]
-    if not going:
-        return
-    first, *rest = going
-    serve.delete(first)
-    print(f"deleted {first}", flush=True)
+    rest = [app for app in reversed(apps) if app in existing]
+    if rest and frontend_first:
+        first = rest.pop(0)
+        serve.delete(first)
+        print(f"deleted {first}", flush=True)
     for app in rest:
         serve.delete(app, _blocking=False)
 

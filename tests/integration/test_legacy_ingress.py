@@ -27,6 +27,7 @@ from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
 from services.legacy.ingress import LegacyIngressSettings, legacy_ingress_application
 from services.replica.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
+from sluice.deploy.apply import delete_apps
 from tests.support.llm_cluster import LLMCluster, deploy_llm_app, direct_stack
 from tests.support.sse import astream_lines, chunks, data_lines, stream_lines
 
@@ -149,8 +150,7 @@ def capacity_queue_legacy(ray_cluster: None, tiny_model_dir: Path) -> Iterator[t
         [endpoint] = wait_for_endpoints(CQ_LEGACY_APP, 1, timeout_s=120)
         yield f"{endpoint.url}/{CQ_LEGACY_APP}", ledger_actor_name(CQ_APP, deployment.name)
     finally:
-        serve.delete(CQ_LEGACY_APP)
-        serve.delete(CQ_APP)
+        delete_apps([CQ_APP, CQ_LEGACY_APP], frontend_first=False)
 
 
 def test_capacity_tokens_of_the_legacy_path_are_released_once_even_when_clients_leave(

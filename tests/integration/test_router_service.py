@@ -25,6 +25,7 @@ from base.contracts import (
 from base.route_wire import RouteReply
 from base.waiting import WaitTimeout, wait_until
 from services.serve_internals import ReplicaEndpoint
+from sluice.deploy.apply import delete_apps
 from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import DONE, stream_lines
 
@@ -68,7 +69,6 @@ def _deploy(name: str, prefix: str, num_replicas: int, **settings) -> RouterApp:
 @pytest.fixture(scope="module")
 def routers(llm_cluster: LLMCluster) -> Iterator[dict[str, RouterApp]]:
     import ray
-    from ray import serve
 
     from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
 
@@ -79,8 +79,7 @@ def routers(llm_cluster: LLMCluster) -> Iterator[dict[str, RouterApp]]:
             "queue": _deploy(QUEUE_APP, QUEUE_PREFIX, 1, policy="capacity_queue", **target),
         }
     finally:
-        serve.delete(HASH_APP)
-        serve.delete(QUEUE_APP)
+        delete_apps([HASH_APP, QUEUE_APP], frontend_first=False)
         ledger = ledger_actor_name(llm_cluster.app, llm_cluster.config.deployment.name)
         try:
             ray.kill(ray.get_actor(ledger, namespace=LEDGER_NAMESPACE), no_restart=True)

@@ -32,7 +32,9 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_b
     spec = tmp_path / "stack.yaml"
     spec.write_text(yaml.safe_dump(data))
     register_frontend(port)
-    figures = routing_suite(spec, tmp_path / "out", tiny_model_dir / "tokenizer.json", duration_s=15)
+    # kv_aware's hot session is asserted; consistent hash's, for comparison, is `sluice load routing`'s.
+    tokenizer = tiny_model_dir / "tokenizer.json"
+    figures = routing_suite(spec, tmp_path / "out", tokenizer, duration_s=15, hot_session_policies=(KV_AWARE,))
     print(json.dumps(figures, indent=2))
     assert figures["affinity"] >= 0.99
     assert 0.2 <= figures["remap_out_2_to_3"] <= 0.45

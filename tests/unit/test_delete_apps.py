@@ -38,3 +38,11 @@ def test_the_frontend_goes_first_and_the_rest_drain_together(monkeypatch: pytest
     apply.delete_apps(["s-llm", "s-router", "s-frontend", "s-gone"])
     assert fake.calls == [("s-frontend", True), ("s-router", False), ("s-llm", False)]
     assert fake.apps == {"other-frontend"}
+
+
+def test_apps_of_no_stack_drain_all_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeServe(["router-a", "router-b"])
+    monkeypatch.setattr("ray.serve.status", fake.status)
+    monkeypatch.setattr("ray.serve.delete", fake.delete)
+    apply.delete_apps(["router-a", "router-b"], frontend_first=False)
+    assert fake.calls == [("router-b", False), ("router-a", False)] and not fake.apps

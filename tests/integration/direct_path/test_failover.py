@@ -1,5 +1,6 @@
 """A replica SIGKILLed mid-stream costs its session nothing but that stream: real HAProxy, real routers
-(consistent hash) and the session's real vLLM replicas; Serve replaces the killed replica afterwards."""
+(consistent hash) and the session's real vLLM replicas; Serve replaces the killed replica afterwards, and the
+replacement is discovered on its own new port."""
 
 from __future__ import annotations
 
@@ -118,6 +119,10 @@ def test_a_killed_replica_costs_the_session_nothing(
         poll_s=0.5,
     )
     llm_cluster.endpoints[:] = wait_for_endpoints(llm_cluster.app, 2, timeout_s=180)
+    # The replacement is discovered where it listens now and answers there as itself.
+    [new] = [e for e in llm_cluster.endpoints if e.replica_id not in (primary, survivor)]
+    answered = httpx.get(f"{new.url}/v1/models", timeout=30)
+    assert answered.status_code == 200 and answered.headers[REPLICA_HEADER] == new.replica_id
     stack.wait_until_serving(replicas=2, routers=2, timeout_s=120)
     with capsys.disabled():
         fallbacks = sum(1 for r in results if r[2] is not None)
