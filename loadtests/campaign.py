@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from base.runtime import LOOPBACK, free_port
 from loadtests.metrics import SLO, Summary, summarize
 from loadtests.report import GateVerdict, write_report
-from loadtests.sse_timing import StreamRow
+from loadtests.sse_timing import StreamRow, write_rows
 from loadtests.vllm_result import vllm_result
 from loadtests.workloads import WORKLOADS
 
@@ -210,11 +210,7 @@ def run(campaign: Campaign) -> tuple[Summary, list[str]]:
     campaign.out.mkdir(parents=True, exist_ok=True)
     rows = run_locust(campaign, campaign.out / "rows")
     rows.sort(key=lambda r: r.sent_at)
-    with (campaign.out / "rows.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0].csv_row()) if rows else ["workload"])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(row.csv_row())
+    write_rows(campaign.out / "rows.csv", rows)
     open_loop = campaign.workload in ("bursts", "step")
     summary = summarize(rows, campaign.slo, open_loop=open_loop)
     verdicts = gate_verdicts(summary, campaign.gates)

@@ -5,9 +5,11 @@ inter-token gap, E2EL, tokens, status, reason, path, replica). What each field m
 
 from __future__ import annotations
 
+import csv
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from base.contracts import REPLICA_HEADER, SERVE_PATH_HEADER, SERVE_REASON_HEADER
 from base.sse import DATA_PREFIX, DONE
@@ -69,6 +71,14 @@ class StreamRow:
 
 
 CSV_FIELDS = [spec.name for spec in fields(StreamRow)]
+
+
+def write_rows(path: Path, rows: Iterable[StreamRow]) -> None:
+    """`rows` as a CSV file of `CSV_FIELDS` (what `StreamRow.from_csv` reads back)."""
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(row.csv_row() for row in rows)
 
 
 @dataclass

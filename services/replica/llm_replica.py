@@ -29,7 +29,7 @@ from services.replica.middleware.disconnect_on_cancel import DisconnectOnCancelM
 from services.replica.middleware.remote_prefill import RemotePrefillMiddleware
 from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
 from services.replica.rank_gang import RankGang
-from services.replica.vllm_app import build_openai_app, parse_engine_args, start_engine
+from services.replica.vllm_app import build_openai_app, parse_engine_args, require_model_folder, start_engine
 from services.serve_internals import with_rollout_version
 
 
@@ -41,6 +41,7 @@ class ReplicaFault(BaseModel):
 class LLMReplica:
     async def __init__(self, config: dict[str, Any]) -> None:
         self._config = LLMAppConfig.model_validate(config)
+        require_model_folder(self._config.engine)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         engine = self._config.engine

@@ -10,13 +10,26 @@ import argparse
 import contextlib
 import io
 import types
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from base.runtime import is_local_model
 from services.replica.llm_config import EngineConfig
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from vllm.v1.engine.async_llm import AsyncLLM
+
+
+class MissingModelFolder(FileNotFoundError):
+    """The engine's weights are a folder (an absolute path) that this node does not have."""
+
+
+def require_model_folder(config: EngineConfig) -> None:
+    """Refuse a weights folder this node lacks before vLLM is imported: vLLM would fail on it too, after seconds of
+    imports, on every start Serve retries."""
+    if is_local_model(config.model) and not Path(config.model).is_dir():
+        raise MissingModelFolder(f"the model folder {config.model} does not exist on this node")
 
 
 def parse_engine_args(config: EngineConfig) -> argparse.Namespace:

@@ -21,6 +21,7 @@ import asyncio
 import csv
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from base.contracts import KV_EVENTS_PATH, SESSION_HEADER_DEFAULT
 from base.quantiles import quantile
 from base.route_wire import KVEventSources
 from loadtests.campaign import Campaign, run
+from loadtests.counted import counted_rows
 from loadtests.report import prefix_cache_rates
 from loadtests.sse_timing import StreamRow
 from loadtests.workloads import SYSTEM_PROMPT_TOKENS, system_prompt_key
@@ -201,11 +203,21 @@ def campaign_rows(
 
 
 class PrefixReuse:
-    """The section's campaigns and figures; `measure` runs one policy's campaigns on the plan it is given."""
+    """The section's campaigns and figures; `measure` runs one policy's campaigns on the plan it is given: Locust
+    campaigns of `duration_s`, or, with `requests_per_user`, fixed-count runs of the same users (`loadtests/counted.py`:
+    the same requests every run, however fast the replicas answer)."""
 
-    def __init__(self, out: Path, tokenizer: Path, duration_s: float, replicas: int, seed: int) -> None:
+    def __init__(
+        self,
+        out: Path,
+        tokenizer: Path,
+        duration_s: float,
+        replicas: int,
+        seed: int,
+        requests_per_user: int | None = None,
+    ) -> None:
         self.out, self.tokenizer, self.duration_s, self.replicas = out, tokenizer, duration_s, replicas
-        self.seed = seed
+        self.seed, self.requests_per_user = seed, requests_per_user
         self.reuse: dict[str, dict[str, dict[str, Any]]] = {case: {} for case in PREFIX_CASES}
         self.hot: dict[str, dict[str, Any]] = {}
         # Each campaign's rows by (case, policy); `rows`: the last campaign's.
@@ -220,16 +232,24 @@ class PrefixReuse:
     def _campaign(self, plan: Any, case: str, policy: str) -> dict[str, Any]:
         workload, session_header = CAMPAIGN_CASES[case]
         before = prefix_counters(plan)
-        folder = self.out / f"{case}-{policy}"
-        self.rows = campaign_rows(
-            plan, workload, folder, self.tokenizer, self.duration_s, self.next_seed(), session_header
-        )
+        started = time.monotonic()
+        seed = self.next_seed()
+        if self.requests_per_user is None:
+            folder = self.out / f"{case}-{policy}"
+            self.rows = campaign_rows(plan, workload, folder, self.tokenizer, self.duration_s, seed, session_header)
+        else:
+            header = SESSION_HEADER_DEFAULT if session_header else ""
+            count = self.requests_per_user
+            model = plan.models[0].name
+            self.rows = asyncio.run(counted_rows(workload, plan.url, model, self.tokenizer, USERS, count, seed, header))
+        after_s = time.monotonic()
         self.rows_by_case[case, policy] = self.rows
         after = prefix_counters(plan)
         ttfts = [r.ttft_s * 1000 for r in self.rows if r.ok and r.ttft_s is not None]
         return {
             "requests": len(self.rows),
             "ok": sum(r.ok for r in self.rows),
+            "seconds": after_s - started,
             "hit_rate": hit_rate(before, after),
             "ideal_rate": IDEAL_RATES[workload](self.rows, engine_block_size(plan)),
             "ttft_p50_ms": quantile(ttfts, 0.5) if ttfts else None,

@@ -118,9 +118,11 @@ def routing_suite(
     tokenizer: Path,
     duration_s: float,
     hot_session_policies: tuple[str, ...] = HOT_SESSION_POLICIES,
+    requests_per_user: int | None = None,
 ) -> dict[str, Any]:
     """Run the suite on the connected Ray cluster; returns (and writes) its figures. `hot_session_policies`: the
-    policies whose hot-session campaign runs (the test asserts kv_aware's alone)."""
+    policies whose hot-session campaign runs (the test asserts kv_aware's alone); `requests_per_user`: prefix-reuse
+    campaigns of that many requests per user instead of Locust campaigns of `duration_s`."""
     data = yaml.safe_load(spec_path.read_text())
     # kv_aware reads the prompt and scores by the replicas' KV events: both on under every policy, so a policy switch
     # keeps the engine settings (a spec that sets either keeps its value).
@@ -132,7 +134,8 @@ def routing_suite(
     model = data["models"][0]["name"]
     figures: dict[str, Any] = {}
     # A seed per suite run, so no campaign finds an earlier run's prompts in replicas that outlived it.
-    reuse = PrefixReuse(out, tokenizer, duration_s, replicas=3, seed=time.time_ns() % 2**31)
+    seed = time.time_ns() % 2**31
+    reuse = PrefixReuse(out, tokenizer, duration_s, replicas=3, seed=seed, requests_per_user=requests_per_user)
     plan = deploy_variant(data, CONSISTENT_HASH, 2)
     try:
         sessions = [f"remap-{i}" for i in range(REMAP_SESSIONS)]

@@ -217,20 +217,26 @@ def serving_lines(spec: StackBase, plan: StackPlan) -> list[str]:
     ]
 
 
-def delete_apps(apps: list[str], frontend_first: bool = True, timeout_s: float = DELETE_TIMEOUT_S) -> None:
+def delete_apps(
+    apps: list[str], frontend_first: bool = True, timeout_s: float = DELETE_TIMEOUT_S, wait: bool = True
+) -> None:
     """Delete a stack's apps: the frontend (the last app) first and to the end, so nothing is routed to an app that is
     going away (`frontend_first`); then the others together, so their replicas' draining periods (Serve keeps each for
-    at least `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`) overlap instead of adding up."""
+    at least `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`) overlap instead of adding up. `wait` False: every
+    delete is only issued, the frontend's first, and Serve drains them while the caller goes on (a test's teardown,
+    where no request is sent any more and a later stack has names of its own)."""
     from ray import serve
 
     existing = serve.status().applications
     rest = [app for app in reversed(apps) if app in existing]
-    if rest and frontend_first:
+    if rest and frontend_first and wait:
         first = rest.pop(0)
         serve.delete(first)
         print(f"deleted {first}", flush=True)
     for app in rest:
         serve.delete(app, _blocking=False)
+    if not wait:
+        return
 
     def gone() -> bool:
         return not set(rest) & set(serve.status().applications)
@@ -240,8 +246,8 @@ def delete_apps(apps: list[str], frontend_first: bool = True, timeout_s: float =
         print(f"deleted {app}", flush=True)
 
 
-def delete_plan(plan: StackPlan) -> None:
-    delete_apps([app.name for app in plan.apps])
+def delete_plan(plan: StackPlan, wait: bool = True) -> None:
+    delete_apps([app.name for app in plan.apps], wait=wait)
 
 
 def deploy(path: str, address: str, timeout_s: float | None = None) -> int:

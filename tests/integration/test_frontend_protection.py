@@ -61,7 +61,7 @@ def keyed_app(llm_cluster: LLMCluster, tiny_model_dir: Path) -> Iterator[LLMClus
     deployment = ReplicaDeploymentConfig(name="ProtectedReplica", num_replicas=1)
     config = deploy_llm_app(name, tiny_model_dir, deployment, route_prefix=PREFIX, extra_args={"api_key": REPLICA_KEY})
     yield LLMCluster(app=name, config=config, endpoints=wait_for_endpoints(name, 1, timeout_s=300))
-    serve.delete(name)
+    serve.delete(name, _blocking=False)
 
 
 @pytest.fixture(scope="module")

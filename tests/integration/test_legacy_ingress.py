@@ -47,7 +47,7 @@ def legacy_url(llm_cluster: LLMCluster) -> Iterator[str]:
         [endpoint] = wait_for_endpoints(APP, 1, timeout_s=120)
         yield f"{endpoint.url}{PREFIX}"
     finally:
-        serve.delete(APP)
+        serve.delete(APP, _blocking=False)
 
 
 def _text(response: httpx.Response) -> str:
@@ -150,7 +150,7 @@ def capacity_queue_legacy(ray_cluster: None, tiny_model_dir: Path) -> Iterator[t
         [endpoint] = wait_for_endpoints(CQ_LEGACY_APP, 1, timeout_s=120)
         yield f"{endpoint.url}/{CQ_LEGACY_APP}", ledger_actor_name(CQ_APP, deployment.name)
     finally:
-        delete_apps([CQ_APP, CQ_LEGACY_APP], frontend_first=False)
+        delete_apps([CQ_APP, CQ_LEGACY_APP], frontend_first=False, wait=False)
 
 
 def test_capacity_tokens_of_the_legacy_path_are_released_once_even_when_clients_leave(

@@ -23,7 +23,8 @@ from tests.support.vllm_keys import VLLM_SAVE_RESULT_KEYS
 
 pytestmark = pytest.mark.integration
 
-DURATION_S = 6.0
+# Long enough for every workload to send several requests on both replicas (a multi-turn session at least two turns).
+DURATION_S = 4.0
 
 
 @pytest.fixture(scope="module")

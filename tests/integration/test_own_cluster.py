@@ -1,12 +1,16 @@
 """sluice on a Ray cluster the user started: `ray start` as its own process (the README's command, on its own port
 and temp folder), then the CLI the way a user runs it: a cluster whose Serve lacks sluice's settings is refused in
-seconds with the fix; `deploy` returns and the stack serves after the CLI exited; `status` lists and reads the
-running stack; `check` ends pass or incomplete; `down STACK` removes it; a stack that cannot start ends `deploy`
-with exit 1 at its deadline, naming the stuck deployment, and one Serve gave up on ends it with the replica's error.
-The cluster is stopped at the end, by its PIDs."""
+seconds with the fix; `deploy` returns and the stack serves after the CLI exited; `status` lists the stacks and shows
+the running one's replicas, routers and server map; `check` on the embedded default is incomplete, naming what runs
+each skipped item, and passes once the user allows the skips; a SIGKILLed HAProxy is replaced without touching an LLM
+replica, and HAProxy dies with its frontend replica and comes back with the next; `down STACK` removes every app and
+HAProxy; a stack that cannot start ends `deploy` with exit 1 at its deadline, naming the stuck deployment, and one
+Serve gave up on ends it with the replica's error, each removed by `down SPEC`. The cluster is stopped at the end, by
+its PIDs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,19 +29,31 @@ import pytest
 import yaml
 
 from base.contracts import REPLICA_HEADER
+from base.route_wire import ComponentVersions
 from base.runtime import COMPATIBLE_RAY_START
-from base.waiting import wait_until
-from sluice.deploy.check import CHECK_EXIT_FAIL
-from sluice.deploy.json_reports import status_schema
+from base.waiting import WaitTimeout, wait_until
+from infra.haproxy.process import pid_alive
+from sluice.deploy.check import (
+    CHECK_EXIT_INCOMPLETE,
+    CHECK_EXIT_PASS,
+    ENABLED_BY,
+    FAULT_INJECTION,
+    LEGACY_SAME_TEXTS,
+    TIMEOUT_CLEANUP,
+    VERSIONS,
+)
+from sluice.deploy.json_reports import check_schema, status_schema
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
+from tests.support.sse import chunks, data_lines
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = "platform-own-cluster"
 BODY = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 8, "ignore_eos": True, "stream": True}
 
 
 def _user_env() -> dict[str, str]:
@@ -126,24 +143,63 @@ def test_a_serve_without_sluices_settings_is_refused_in_seconds(cluster: str, tm
     assert "no sluice stack" in _sluice("status", "--address", cluster).stdout, "the refused deploy left a stack"
 
 
+@dataclass
+class Deployed:
+    spec: Path
+    url: str
+    apps: list[str]
+
+
 @pytest.fixture(scope="module")
-def deployed(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+def deployed(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     spec, port = _spec(tmp_path_factory.mktemp("own"), "own-cluster")
     result = _sluice("deploy", str(spec), "--address", cluster, timeout_s=700)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "INFO" not in result.stdout + result.stderr, "Ray's own lines leaked into deploy's output"
-    yield spec, f"http://127.0.0.1:{port}"
+    assert f"http://127.0.0.1:{port}" in result.stdout
+    yield Deployed(spec, f"http://127.0.0.1:{port}", [f"{STACK}-{app}" for app in ("llm", "router", "frontend")])
     _sluice("down", STACK, "--address", cluster)
 
 
-def test_the_deployed_stack_serves_after_the_cli_exited(deployed: tuple[Path, str]) -> None:
-    _, url = deployed
+def _status(cluster: str) -> dict:
+    """`sluice status STACK --json`, checked against its published schema."""
+    report = json.loads(_sluice("status", STACK, "--address", cluster, "--json").stdout)
+    jsonschema.validate(report, status_schema())
+    return report
+
+
+def _replica_ids(report: dict) -> set[str]:
+    return {replica["id"] for replica in report["apps"][f"{STACK}-llm"]["replicas"]}
+
+
+def _stream(client: httpx.Client, url: str) -> str:
+    with client.stream("POST", f"{url}/v1/completions", json=STREAM) as response:
+        assert response.status_code == 200, response.read()
+        assert chunks(data_lines(response))[-1]["choices"][0]["finish_reason"] == "length"
+        return response.headers[REPLICA_HEADER]
+
+
+def _serving_again(url: str, since: float, within_s: float) -> float:
+    with httpx.Client(timeout=10) as client:
+        while True:
+            try:
+                _stream(client, url)
+                return time.monotonic() - since
+            except (httpx.TransportError, AssertionError):
+                assert time.monotonic() - since < within_s, f"not serving again within {within_s} s"
+                time.sleep(0.2)
+
+
+def test_the_deployed_stack_serves_after_the_cli_exited(cluster: str, deployed: Deployed) -> None:
+    replicas = _replica_ids(_status(cluster))
     with httpx.Client(timeout=60) as client:
-        served = {client.post(f"{url}/v1/chat/completions", json=BODY).headers[REPLICA_HEADER] for _ in range(6)}
-    assert len(served) == 2
+        served = [_stream(client, deployed.url) for _ in range(50)]
+        chat = client.post(f"{deployed.url}/v1/chat/completions", json=BODY)
+    assert set(served) == replicas and len(replicas) == 2
+    assert chat.status_code == 200 and chat.headers[REPLICA_HEADER] in replicas
 
 
-def test_status_lists_the_stacks_and_reads_the_running_one(cluster: str, deployed: tuple[Path, str]) -> None:
+def test_status_lists_the_stacks_and_reads_the_running_one(cluster: str, deployed: Deployed) -> None:
     listed = _sluice("status", "--address", cluster, "--json")
     assert [stack["stack"] for stack in json.loads(listed.stdout)["stacks"]] == [STACK]
     jsonschema.validate(json.loads(listed.stdout), status_schema())
@@ -153,32 +209,87 @@ def test_status_lists_the_stacks_and_reads_the_running_one(cluster: str, deploye
     assert by_name.returncode == 0 and report["state"] == "ready", report["state"]
     assert report["models"]["sluice-tiny"]["routers"]["policy"] == "round_robin"
     assert report["ingress"]["direct_weight"] == 100 and report["differences"] == []
+    llm, router, frontend = (report["apps"][app] for app in deployed.apps)
+    assert len(llm["replicas"]) == 2 and len(router["replicas"]) == 1 and frontend["status"].endswith("RUNNING")
+    servers = report["frontend"]["servers"]
+    replicas = {s["server"] for s in servers if s["backend"] == "sluice_replicas" and s["status"] == "UP"}
+    assert replicas == _replica_ids(report)
+    assert len([s for s in servers if s["backend"] == "sluice_routers" and s["status"] == "UP"]) == 1
 
 
-def test_check_passes_or_names_what_it_skipped(cluster: str, deployed: tuple[Path, str]) -> None:
-    spec, _ = deployed
-    result = _sluice("check", str(spec), "--address", cluster, "--json")
+def test_check_on_the_embedded_default_is_incomplete_naming_what_runs_the_skipped_items(
+    cluster: str, deployed: Deployed
+) -> None:
+    expect = ["--expect-ray", ComponentVersions.installed().ray]
+    result = _sluice("check", str(deployed.spec), "--address", cluster, "--json", *expect)
     verdict = json.loads(result.stdout)
-    assert result.returncode != CHECK_EXIT_FAIL and verdict["verdict"] in ("pass", "incomplete"), verdict
-    assert (result.returncode == 0) == (verdict["verdict"] == "pass")
+    jsonschema.validate(verdict, check_schema())
+    assert result.returncode == CHECK_EXIT_INCOMPLETE and verdict["verdict"] == "incomplete", verdict
+    outcome = {item["item"]: item["ok"] for item in verdict["items"]}
+    assert outcome["server map"] and outcome["API contract"] and outcome["disconnect frees the engine"]
+    # Asked on each replica's own port, against the version the user expects.
+    detail = next(item["detail"] for item in verdict["items"] if item["item"] == VERSIONS)
+    assert outcome[VERSIONS] and "2 replicas (ray, vllm)" in detail and "as expected (ray)" in detail
+    # Not a staging stack, no legacy path retained: those items are skipped, not passed, each naming its setting.
+    skipped = {s["item"]: s["enable_with"] for s in verdict["skipped"]}
+    assert skipped == {
+        FAULT_INJECTION: ENABLED_BY[FAULT_INJECTION],
+        TIMEOUT_CLEANUP: ENABLED_BY[TIMEOUT_CLEANUP],
+        f"{LEGACY_SAME_TEXTS} (sluice-tiny)": ENABLED_BY[LEGACY_SAME_TEXTS],
+    }
+    assert not verdict["failed"] and not any(s["allowed"] for s in verdict["skipped"])
+    # The user accepts the skips: the verdict passes, the skips still reported.
+    allow = [flag for item in (FAULT_INJECTION, TIMEOUT_CLEANUP, LEGACY_SAME_TEXTS) for flag in ("--allow-skip", item)]
+    result = _sluice("check", str(deployed.spec), "--address", cluster, "--json", *allow)
+    verdict = json.loads(result.stdout)
+    assert result.returncode == CHECK_EXIT_PASS and verdict["verdict"] == "pass", verdict
+    assert len(verdict["skipped"]) == 3 and all(s["allowed"] for s in verdict["skipped"])
 
 
-def test_down_by_name_removes_the_stack(cluster: str, deployed: tuple[Path, str]) -> None:
-    _, url = deployed
-    assert _sluice("down", STACK, "--address", cluster).returncode == 0
+def test_a_killed_haproxy_is_replaced_without_touching_a_replica(cluster: str, deployed: Deployed) -> None:
+    before = _status(cluster)
+    os.kill(before["frontend"]["master_pid"], signal.SIGKILL)
+    print(f"serving again {_serving_again(deployed.url, time.monotonic(), 10):.1f} s after HAProxy was killed")
+    after = _status(cluster)
+    assert after["frontend"]["restarts"] == before["frontend"]["restarts"] + 1
+    assert after["frontend"]["master_pid"] != before["frontend"]["master_pid"]
+    assert _replica_ids(after) == _replica_ids(before)
+
+
+def test_haproxy_dies_with_its_replica_and_comes_back_with_the_next(cluster: str, deployed: Deployed) -> None:
+    before = _status(cluster)
+    os.kill(before["frontend"]["replica_pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    with contextlib.suppress(WaitTimeout):
+        wait_until(5, lambda: not pid_alive(before["frontend"]["master_pid"]), "HAProxy to end", poll_s=0.1)
+    assert not pid_alive(before["frontend"]["master_pid"]), "HAProxy outlived its frontend replica"
+    print(f"Serve's new frontend replica serving after {_serving_again(deployed.url, killed, 90):.1f} s")
+    assert _replica_ids(_status(cluster)) == _replica_ids(before)
+
+
+def test_down_by_name_removes_every_app_and_haproxy(cluster: str, deployed: Deployed) -> None:
+    haproxy = _status(cluster)["frontend"]
+    result = _sluice("down", STACK, "--address", cluster)
+    assert result.returncode == 0, result.stdout + result.stderr
     assert "no sluice stack" in _sluice("status", "--address", cluster).stdout
+    with contextlib.suppress(WaitTimeout):
+        wait_until(10, lambda: not pid_alive(haproxy["master_pid"]), "HAProxy to end", poll_s=0.2)
+    assert not pid_alive(haproxy["master_pid"]) and not pid_alive(haproxy["worker_pid"])
     with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{url}/v1/models", timeout=2)
+        httpx.get(f"{deployed.url}/v1/models", timeout=2)
 
 
 def test_a_stack_that_cannot_start_ends_deploy_at_its_deadline(cluster: str, tmp_path: Path) -> None:
-    # A deadline well inside the time Serve takes to give up on a replica that fails (6 failed starts, about 35 s or
-    # more): the stack is still starting when it passes.
-    spec, _ = _spec(tmp_path, "stuck", source=str(tmp_path / "no-such-model"))
+    # A folder without weights: each replica fails only in vLLM, after its imports, so Serve takes 6 failed starts,
+    # about 35 s or more, to give up. The deadline is well inside that: the stack is still starting when it passes.
+    weightless = tmp_path / "weightless-model"
+    weightless.mkdir()
+    spec, _ = _spec(tmp_path, "stuck", source=str(weightless))
     began = time.monotonic()
     result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", "20", timeout_s=120)
     took = time.monotonic() - began
-    _sluice("down", "platform-stuck", "--address", cluster)
+    removed = _sluice("down", str(spec), "--address", cluster)
+    assert removed.returncode == 0 and "no sluice stack" in _sluice("status", "--address", cluster).stdout
     assert result.returncode == 1 and took < 60, result.stderr
     assert "deploy timed out" in result.stderr and "platform-stuck-llm/LLMReplica" in result.stderr
     # The router says in its replica log what it waits for, and deploy shows it.
@@ -188,9 +299,11 @@ def test_a_stack_that_cannot_start_ends_deploy_at_its_deadline(cluster: str, tmp
 
 def test_a_deployment_serve_gives_up_on_ends_deploy_with_its_error(cluster: str, tmp_path: Path) -> None:
     # One replica: Serve gives up after its 3 failed starts instead of 6; what deploy says does not depend on the count.
+    # A model folder the node lacks fails each start before vLLM is imported.
     spec, _ = _spec(tmp_path, "failing", source=str(tmp_path / "no-such-model"), replicas=1)
     result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", "400", timeout_s=500)
-    _sluice("down", "platform-failing", "--address", cluster)
+    removed = _sluice("down", str(spec), "--address", cluster)
+    assert removed.returncode == 0 and "no sluice stack" in _sluice("status", "--address", cluster).stdout
     assert result.returncode == 1 and "deploy failed: Serve gave up" in result.stderr, result.stderr
     # The replica's own error (the model folder it could not find) and the tail of its log, not only Serve's summary.
     assert "platform-failing-llm/LLMReplica" in result.stderr and "no-such-model" in result.stderr

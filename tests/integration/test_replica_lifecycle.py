@@ -34,7 +34,7 @@ def lifecycle_app(llm_cluster: LLMCluster, tiny_model_dir):
     )
     yield wait_for_endpoints(APP, 1, timeout_s=300)[0]
     if asyncio.run(list_replica_endpoints(APP)):
-        serve.delete(APP)
+        serve.delete(APP, _blocking=False)
 
 
 def _healthz(url: str) -> int:

@@ -60,7 +60,7 @@ def _call(handle, **options) -> list[tuple[str, int]]:
 @pytest.fixture(scope="module")
 def hash_handle(ray_cluster):
     yield _deploy("probe-hash", "consistent_hash")
-    serve.delete("probe-hash")
+    serve.delete("probe-hash", _blocking=False)
 
 
 def test_consistent_hash_keeps_a_session_on_one_replica(hash_handle) -> None:
@@ -86,7 +86,7 @@ def test_round_robin_cycles(ray_cluster) -> None:
         assert len(set(order[:REPLICAS])) == REPLICAS
         assert order == order[:REPLICAS] * 4
     finally:
-        serve.delete("probe-rr")
+        serve.delete("probe-rr", _blocking=False)
 
 
 def _ledger_after_release(app: str, deployment: str) -> dict:
@@ -121,7 +121,7 @@ def test_capacity_queue_never_exceeds_capacity(ray_cluster) -> None:
         assert after["outstanding"] == 0 and after["double_releases"] == 0
         assert all(r["in_flight"] == 0 and r["capacity"] == capacity for r in after["replicas"].values())
     finally:
-        serve.delete("probe-cq")
+        serve.delete("probe-cq", _blocking=False)
 
 
 def _repeated_completions() -> float:
@@ -134,7 +134,7 @@ def queue_handle(ray_cluster):
     handle = _deploy("probe-handle-path", "capacity_queue", max_ongoing_requests=4)
     _call(handle)  # creates the deployment's ledger actor from this process's router
     yield handle.options(stream=True).stream
-    serve.delete("probe-handle-path")
+    serve.delete("probe-handle-path", _blocking=False)
 
 
 def test_the_handle_path_serves_each_call_on_the_replica_it_chose_and_releases_each_token_once(queue_handle) -> None:

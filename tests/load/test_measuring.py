@@ -5,57 +5,18 @@ from __future__ import annotations
 
 import csv
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from base.runtime import free_port
-from base.waiting import WaitTimeout, wait_until
 from loadtests.campaign import LOCUST_CSV_PREFIX, LOCUST_HTML, Campaign, run
 from sluice.deploy.exit_codes import EXIT_INCOMPLETE
+from tests.support.known_timing_server import GAP_MS, TTFT_MS, start
 
 ROOT = Path(__file__).resolve().parents[2]
-TTFT_MS, GAP_MS = 50.0, 20.0
-
-
-def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port("127.0.0.1")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.known_timing_server", "--port", str(port), *flags], cwd=ROOT
-    )
-
-    def listening() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        except OSError:
-            return False
-        return True
-
-    try:
-        wait_until(20, listening, "the known-timing server to listen", poll_s=0.05)
-    except WaitTimeout:
-        process.kill()
-        raise
-    return process, f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture(scope="module")
-def truth(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("truth") / "events.jsonl"
-
-
-@pytest.fixture(scope="module")
-def server(truth: Path) -> Iterator[str]:
-    process, url = start_server("--ttft-ms", str(TTFT_MS), "--gap-ms", str(GAP_MS), "--record", str(truth))
-    yield url
-    process.terminate()
-    process.wait(timeout=10)
 
 
 def campaign(url: str, out: Path, tiny_model_dir: Path, **settings) -> Campaign:
@@ -86,7 +47,7 @@ def test_ttft_and_itl_are_measured_within_2_ms(server: str, truth: Path, tmp_pat
 
 
 def test_merged_chunks_are_detected(tmp_path: Path, tiny_model_dir: Path) -> None:
-    process, url = start_server("--merge", "2")
+    process, url = start("--merge", "2")
     try:
         summary, _ = run(campaign(url, tmp_path, tiny_model_dir, workload="short_long", users=1, duration_s=3))
     finally:

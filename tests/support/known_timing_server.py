@@ -4,7 +4,8 @@ Every POST streams `tokens` completion tokens: the first event `ttft_ms` after t
 `gap_ms`; with `merge` > 1 each event carries that many tokens (what a proxy merging chunks would show). A final
 event carries `usage`, then `[DONE]`. `GET /v1/models` names one model. Run: `python -m
 tests.support.known_timing_server
---port P [--ttft-ms 50] [--gap-ms 20] [--tokens 16] [--merge 1]`; it binds 127.0.0.1 only.
+--port P [--ttft-ms 50] [--gap-ms 20] [--tokens 16] [--merge 1]`; it binds 127.0.0.1 only. `start(*flags)` runs one
+as a subprocess of a test and returns it once it listens.
 """
 
 from __future__ import annotations
@@ -12,9 +13,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 MODEL = "known-timing"
+TTFT_MS, GAP_MS, TOKENS = 50.0, 20.0, 16
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start(*flags: str) -> tuple[subprocess.Popen, str]:
+    """A server with these command-line flags, listening; (its process, its URL)."""
+    from base.runtime import free_port
+    from base.waiting import WaitTimeout, wait_until
+
+    port = free_port("127.0.0.1")
+    process = subprocess.Popen([sys.executable, "-m", __spec__.name, "--port", str(port), *flags], cwd=ROOT)
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        except OSError:
+            return False
+        return True
+
+    try:
+        wait_until(20, listening, "the known-timing server to listen", poll_s=0.05)
+    except WaitTimeout:
+        process.kill()
+        raise
+    return process, f"http://127.0.0.1:{port}"
 
 
 def _chunk(text: str) -> bytes:
@@ -83,9 +113,9 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--ttft-ms", type=float, default=50.0)
-    parser.add_argument("--gap-ms", type=float, default=20.0)
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--ttft-ms", type=float, default=TTFT_MS)
+    parser.add_argument("--gap-ms", type=float, default=GAP_MS)
+    parser.add_argument("--tokens", type=int, default=TOKENS)
     parser.add_argument("--merge", type=int, default=1)
     parser.add_argument("--record", help="append when each stream's events left (JSONL, perf_counter) to this file")
     asyncio.run(main(parser.parse_args()))

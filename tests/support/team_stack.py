@@ -76,7 +76,9 @@ def team_stack(
         _deploy(spec, plan)
         yield TeamStack(spec, plan, path, f"http://127.0.0.1:{port}")
     finally:
-        delete_plan(plan)
+        # Not awaited: the stack's replicas drain while the next module starts its own (the session's end stops
+        # whatever still drains, and checks that nothing is left).
+        delete_plan(plan, wait=False)
 
 
 def _deploy(spec: Any, plan: StackPlan) -> None:

@@ -46,3 +46,12 @@ def test_apps_of_no_stack_drain_all_together(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr("ray.serve.delete", fake.delete)
     apply.delete_apps(["router-a", "router-b"], frontend_first=False)
     assert fake.calls == [("router-b", False), ("router-a", False)] and not fake.apps
+
+
+def test_a_teardown_issues_every_delete_frontend_first_and_waits_for_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeServe(["s-llm", "s-router", "s-frontend"])
+    monkeypatch.setattr("ray.serve.status", fake.status)
+    monkeypatch.setattr("ray.serve.delete", fake.delete)
+    apply.delete_apps(["s-llm", "s-router", "s-frontend"], wait=False)
+    assert fake.calls == [("s-frontend", False), ("s-router", False), ("s-llm", False)]
+    assert fake.draining == {"s-llm", "s-router", "s-frontend"}, "a status was read after the deletes"

@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
-from services.replica.vllm_app import parse_engine_args
+from services.replica.vllm_app import MissingModelFolder, parse_engine_args, require_model_folder
 
 
 def test_cli_args_render_named_and_extra_flags() -> None:
@@ -106,3 +106,11 @@ def test_handle_calls_route_with_the_deployments_policy_through_its_adapter() ->
     assert "request_router_config" not in ReplicaDeploymentConfig().serve_options()
     with pytest.raises(ValidationError, match="invalid consistent_hash kwargs"):
         ReplicaDeploymentConfig(handle_policy="consistent_hash", handle_policy_kwargs={"load_factor": 0.5})
+
+
+def test_a_weights_folder_this_node_lacks_is_refused_naming_it(tmp_path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(MissingModelFolder, match=str(missing)):
+        require_model_folder(EngineConfig(model=str(missing)))
+    require_model_folder(EngineConfig(model=str(tmp_path)))
+    require_model_folder(EngineConfig(model="meta-llama/Llama-3.1-8B-Instruct"))  # a Hub id: vLLM downloads it
