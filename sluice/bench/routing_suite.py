@@ -119,10 +119,12 @@ def routing_suite(
     duration_s: float,
     hot_session_policies: tuple[str, ...] = HOT_SESSION_POLICIES,
     requests_per_user: int | None = None,
+    wait_for_delete: bool = True,
 ) -> dict[str, Any]:
     """Run the suite on the connected Ray cluster; returns (and writes) its figures. `hot_session_policies`: the
     policies whose hot-session campaign runs (the test asserts kv_aware's alone); `requests_per_user`: prefix-reuse
-    campaigns of that many requests per user instead of Locust campaigns of `duration_s`."""
+    campaigns of that many requests per user instead of Locust campaigns of `duration_s`; `wait_for_delete` False:
+    the stack's deletions at the end only issued, as a test's teardown does."""
     data = yaml.safe_load(spec_path.read_text())
     # kv_aware reads the prompt and scores by the replicas' KV events: both on under every policy, so a policy switch
     # keeps the engine settings (a spec that sets either keeps its value).
@@ -181,7 +183,7 @@ def routing_suite(
     finally:
         from sluice.deploy.apply import delete_plan
 
-        delete_plan(plan)
+        delete_plan(plan, wait=wait_for_delete)
     (out / "routing.json").write_text(json.dumps(figures, indent=2))
     write_report("sluice load routing", summarize(rows), rows, out, extra_plots=reuse.plots())
     return figures

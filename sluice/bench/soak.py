@@ -116,8 +116,11 @@ def _settled(check: Any, timeout_s: float) -> Any:
         time.sleep(0.5)
 
 
-def soak(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict[str, Any]:
-    """Run the soak on the connected Ray cluster; returns (and writes to `out/soak.json`) its figures."""
+def soak(
+    spec_path: Path, out: Path, tokenizer: Path, duration_s: float, wait_for_delete: bool = True
+) -> dict[str, Any]:
+    """Run the soak on the connected Ray cluster; returns (and writes to `out/soak.json`) its figures. The stack is
+    deleted at the end (`wait_for_delete` False: the deletions only issued, as a test's teardown does)."""
     data = yaml.safe_load(spec_path.read_text())
     out.mkdir(parents=True, exist_ok=True)
     plan = deploy_variant(data, CAPACITY_QUEUE, 2)
@@ -177,7 +180,7 @@ def soak(spec_path: Path, out: Path, tokenizer: Path, duration_s: float) -> dict
     (out / "soak.json").write_text(json.dumps(figures, indent=2))
     from sluice.deploy.apply import delete_plan
 
-    delete_plan(plan)
+    delete_plan(plan, wait=wait_for_delete)
     return figures
 
 

@@ -87,7 +87,10 @@ def cluster() -> Iterator[str]:
     argv += ["--block", "--port", str(port), "--temp-dir", folder, "--include-dashboard=false"]
     argv += ["--disable-usage-stats"]
     # Token authentication on, as Ray 2.60's `ray start` turns it on wherever a token exists (`~/.ray/auth_token`).
-    env = {**_user_env(), key: value, "RAY_AUTH_MODE": "token"}
+    # The test's own stop at the end is immediate: on SIGTERM, Ray 2.60's `ray start --block` first waits up to
+    # 30 s (`RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`) for the node to drain, which a head with Serve's controller
+    # never does.
+    env = {**_user_env(), key: value, "RAY_AUTH_MODE": "token", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     ray_start = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:

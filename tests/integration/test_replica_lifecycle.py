@@ -24,17 +24,35 @@ PREFIX = "/lifecycle"
 DRAIN_GRACE_S = 30.0
 
 
+# 192 concurrent streams of 1,000 tokens keep one tiny-model replica busy well past the grace period on 2 cores
+# (48 were seen to finish within the 10 s once vLLM's CPU attention ran on AMX). The engine runs them all at once.
+ABORT_STREAMS = 192
+ABORT_APP, ABORT_PREFIX = "lifecycle-abort", "/abort"
+
+
 @pytest.fixture(scope="module")
 def lifecycle_app(llm_cluster: LLMCluster, tiny_model_dir):
+    """The drain test's replica, and the abort test's beside it: two engine starts at once take about one's time on
+    2 cores (each mostly waits on its own imports)."""
     deploy_llm_app(
         APP,
         tiny_model_dir,
         ReplicaDeploymentConfig(name="LifecycleReplica", num_replicas=1, drain_grace_s=DRAIN_GRACE_S),
         route_prefix=PREFIX,
     )
+    deploy_llm_app(
+        ABORT_APP,
+        tiny_model_dir,
+        ReplicaDeploymentConfig(
+            name="AbortReplica", num_replicas=1, max_ongoing_requests=ABORT_STREAMS, drain_grace_s=MIN_DRAIN_GRACE_S
+        ),
+        route_prefix=ABORT_PREFIX,
+        max_num_seqs=ABORT_STREAMS,
+    )
     yield wait_for_endpoints(APP, 1, timeout_s=300)[0]
-    if asyncio.run(list_replica_endpoints(APP)):
-        serve.delete(APP, _blocking=False)
+    for app in (APP, ABORT_APP):
+        if asyncio.run(list_replica_endpoints(app)):
+            serve.delete(app, _blocking=False)
 
 
 def _healthz(url: str) -> int:
@@ -105,24 +123,11 @@ async def _cut_streams(url: str, app: str, streams: int, max_tokens: int) -> tup
     return results, time.monotonic() - deleted
 
 
-# 192 concurrent streams of 1,000 tokens keep one tiny-model replica busy well past the grace period on 2 cores
-# (48 were seen to finish within the 10 s once vLLM's CPU attention ran on AMX). The engine runs them all at once.
-ABORT_STREAMS = 192
-
-
-def test_streams_outlasting_the_grace_period_are_aborted(llm_cluster: LLMCluster, tiny_model_dir) -> None:
-    app, grace_s = "lifecycle-abort", MIN_DRAIN_GRACE_S
-    deploy_llm_app(
-        app,
-        tiny_model_dir,
-        ReplicaDeploymentConfig(
-            name="AbortReplica", num_replicas=1, max_ongoing_requests=ABORT_STREAMS, drain_grace_s=grace_s
-        ),
-        route_prefix="/abort",
-        max_num_seqs=ABORT_STREAMS,
-    )
-    endpoint = wait_for_endpoints(app, 1, timeout_s=300)[0]
-    results, cut_after = asyncio.run(_cut_streams(f"{endpoint.url}/abort/v1/completions", app, ABORT_STREAMS, 1000))
+def test_streams_outlasting_the_grace_period_are_aborted(lifecycle_app) -> None:
+    grace_s = MIN_DRAIN_GRACE_S
+    endpoint = wait_for_endpoints(ABORT_APP, 1, timeout_s=300)[0]
+    url = f"{endpoint.url}{ABORT_PREFIX}/v1/completions"
+    results, cut_after = asyncio.run(_cut_streams(url, ABORT_APP, ABORT_STREAMS, 1000))
     finished = [r for r in results if r and r[-1] == "[DONE]"]
     assert not finished, f"{len(finished)} streams finished; none should outlast the grace period"
     assert all(r for r in results), "every stream was running when the replica began to drain"

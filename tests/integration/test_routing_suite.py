@@ -40,9 +40,8 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_b
     register_frontend(port)
     # kv_aware's hot session is asserted; consistent hash's, for comparison, is `sluice load routing`'s.
     tokenizer = tiny_model_dir / "tokenizer.json"
-    figures = routing_suite(
-        spec, tmp_path / "out", tokenizer, 15, hot_session_policies=(KV_AWARE,), requests_per_user=REQUESTS_PER_USER
-    )
+    campaigns = {"hot_session_policies": (KV_AWARE,), "requests_per_user": REQUESTS_PER_USER}
+    figures = routing_suite(spec, tmp_path / "out", tokenizer, 15, wait_for_delete=False, **campaigns)
     print(json.dumps(figures, indent=2))
     assert figures["affinity"] >= 0.99
     assert 0.2 <= figures["remap_out_2_to_3"] <= 0.45

@@ -1,5 +1,6 @@
-"""The SSE test server with known timing (`tests/support/known_timing_server.py`, its default timing), one per
-module, and the file where it records when each stream's events left."""
+"""The SSE test server with known timing (`tests/support/known_timing_server.py`), one per module, with the module's
+`KNOWN_TIMING_FLAGS` (default: none, the server's default timing), and the file where it records when each stream's
+events left."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ def truth(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(truth: Path) -> Iterator[str]:
-    process, url = start("--record", str(truth))
+def server(request: pytest.FixtureRequest, truth: Path) -> Iterator[str]:
+    process, url = start(*getattr(request.module, "KNOWN_TIMING_FLAGS", ()), "--record", str(truth))
     yield url
     process.terminate()
     process.wait(timeout=10)

@@ -27,7 +27,7 @@ def test_ttft_and_itl_are_measured_within_2_ms(server: str, truth: Path, tmp_pat
     """The truth is when the server wrote each event (the machine's monotonic clock, which the client's
     perf_counter reads too): TTFT from the client's send, ITL between the server's writes."""
     truth.write_text("")
-    summary, breached = run(campaign(server, tmp_path, tiny_model_dir, workload="short_long", users=2, duration_s=6))
+    summary, breached = run(campaign(server, tmp_path, tiny_model_dir, workload="short_long", users=2, duration_s=4))
     assert summary.ok >= 10 and not breached
     with (tmp_path / "rows.csv").open() as handle:
         sent_at = {row["session"]: float(row["sent_at"]) for row in csv.DictReader(handle)}
@@ -72,7 +72,7 @@ def test_two_workers_run_under_a_master_and_their_rows_are_merged(
     server: str, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     summary, _ = run(
-        campaign(server, tmp_path, tiny_model_dir, workload="short_long", users=4, workers=2, duration_s=5)
+        campaign(server, tmp_path, tiny_model_dir, workload="short_long", users=4, workers=2, duration_s=3)
     )
     rows = (tmp_path / "rows.csv").read_text().splitlines()
     workers = {line.split(",")[-1] for line in rows[1:]}
@@ -137,7 +137,7 @@ def test_a_master_runs_the_campaign_on_workers_started_apart_and_gets_their_rows
     began = time.perf_counter()
     master = subprocess.Popen(
         _sluice(
-            *("load", "short_long", "--target", server, "--duration", "5", "--users", "4", "--out", str(tmp_path)),
+            *("load", "short_long", "--target", server, "--duration", "3", "--users", "4", "--out", str(tmp_path)),
             *("--tokenizer", str(tiny_model_dir / "tokenizer.json"), "--master", "--expect-workers", "2"),
             *("--master-port", port),
         ),
