@@ -171,7 +171,7 @@ class IngressController:
     def _evaluate(self) -> dict[str, tuple[Breach | None, PathMeasures, PathMeasures]]:
         """Each app's breach (or None) and path measures over the window."""
         since = max(time.monotonic() - self.config.abort.window_s, self._weight_since)
-        records = list(self._log.records_since(since))
+        records = self._log.records_since(since)
         live = self._live_replicas()
         return {
             app.name: evaluate(self.config.abort, (r for r in records if r.app == app.name), live.get(app.name, []))

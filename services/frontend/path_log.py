@@ -1,16 +1,23 @@
 """The frontend's request log: HAProxy sends one datagram per finished request (`infra.haproxy.canary.log_format`)
 to a unix socket the frontend replica reads; each becomes a `RequestRecord`, kept for the canary guard's window and
 for `sluice check`. Anything else on the socket is ignored (services/frontend/README.md, the canary).
+
+Records arrive on the frontend's background loop and are read from Serve's replica thread too (`ingress`, `shift`,
+`requests`): every access holds one lock, and a reader gets a list of its own, never an iterator over the deque (a
+deque iterated while another thread appends raises). A window read stops at the first record older than the window:
+records are kept in arrival order, so it reads the window, not the whole log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from infra.haproxy.canary import LOG_TAG
@@ -49,22 +56,30 @@ def parse_record(line: str, at: float) -> RequestRecord | None:
 
 
 class PathLog(asyncio.DatagramProtocol):
-    """The records of the last `MAX_RECORDS` finished requests."""
+    """The records of the last `MAX_RECORDS` finished requests, in arrival order."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.records: deque[RequestRecord] = deque(maxlen=MAX_RECORDS)
         self.clock = clock
+        self._lock = threading.Lock()
 
     def datagram_received(self, data: bytes, addr: object) -> None:
         record = parse_record(data.decode("utf-8", "replace"), self.clock())
         if record is not None:
+            self.add(record)
+
+    def add(self, record: RequestRecord) -> None:
+        with self._lock:
             self.records.append(record)
 
-    def records_since(self, since: float) -> Iterator[RequestRecord]:
-        return (r for r in reversed(self.records) if r.at >= since)
+    def records_since(self, since: float) -> list[RequestRecord]:
+        """The records at or after `since`, newest first."""
+        with self._lock:
+            return list(itertools.takewhile(lambda record: record.at >= since, reversed(self.records)))
 
     def find(self, request_ids: set[str]) -> list[RequestRecord]:
-        return [r for r in self.records if r.request_id in request_ids]
+        with self._lock:
+            return [r for r in self.records if r.request_id in request_ids]
 
     async def listen(self, path: Path) -> asyncio.DatagramTransport:
         """Bind the unix datagram socket HAProxy logs to (replacing a stale one)."""

@@ -101,7 +101,7 @@ def _guard_a_canary(
         await ingress.shift(weight)
         for i in range(10):
             status = 503 if i % 2 else 200
-            log.records.append(
+            log.add(
                 RequestRecord(
                     time.monotonic(), "app", DIRECT_PATH, status, 0.01, "--", "r1", "r1", str(i),
                     reason=reason if status == 503 else None,
