@@ -183,6 +183,8 @@ class FrontendReplica:
             return haproxy
 
     async def check_health(self) -> None:
+        if not self._loop.is_running():
+            raise RuntimeError("the frontend's background loop ended")
         if not self._running():
             raise RuntimeError("HAProxy is not running (the supervisor is starting a new one)")
 
