@@ -13,6 +13,11 @@ tokens (`<|im_start|>`, ...), and the text between them is tokenized on its own 
 pieces are cached: a shared system prompt or a conversation's earlier turns are tokenized once per router. Only for
 tokenizers whose added tokens strip no neighbouring spaces, where the split is exact; others encode the whole text.
 
+The body is a client's: `chat_template_kwargs` naming `chat_template` or `tokenize` are refused as vLLM refuses them
+(it answers 400; the router routes such a request by load and renders nothing: a client's template is a program),
+and only the kwargs that are variables of the model's own template reach it, as in vLLM. The piece cache is bounded
+by characters (`PIECE_CACHE_CHARS`), and a piece longer than `PIECE_MAX_CHARS` is never kept.
+
 A caller that only needs the prompt as far as it can change its decision passes `read_on(tokens)`: before a new
 piece is tokenized, and after the first `HEAD_CHARS` of a long new piece, a leading part it has no use beyond ends the
 work (for kv_aware: one no replica holds, or only one does), so a new 1k-token prompt costs its first few blocks, not
@@ -29,8 +34,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Pieces of rendered chats kept per router: a few hundred system prompts and live conversations' turns.
-PIECE_CACHE_SIZE = 4096
+# Rendered chats' pieces kept per router, by their characters in all (about 2M tokens' worth of text, with their ids
+# some tens of MiB): a few hundred system prompts and live conversations' turns.
+PIECE_CACHE_CHARS = 8 * 1024 * 1024
+# A piece longer than this is tokenized each time it comes: a few such pieces would fill the cache alone.
+PIECE_MAX_CHARS = 64 * 1024
+# Chat template kwargs vLLM refuses from a request (`resolve_chat_template_kwargs`).
+REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
 # The head of a long new piece tokenized first: about 200 tokens of English, more than one KV block of any common
 # size (16-128 tokens), so `read_on` can answer after it. Only pieces over twice this long are cut.
 HEAD_CHARS = 1024
@@ -77,6 +87,8 @@ class PromptTokens:
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._backend = self._tokenizer.backend_tokenizer
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces_chars = 0
+        self._template_variables = _template_variables(self._tokenizer.chat_template)
         added = self._tokenizer.added_tokens_decoder.values()
         self._added_ids = {token.content: self._tokenizer.convert_tokens_to_ids(token.content) for token in added}
         exact = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added)
@@ -85,6 +97,11 @@ class PromptTokens:
         self._cuts_heads = _splits_at_spaces(json.loads(self._backend.to_str()).get("pre_tokenizer"))
         # A completion's special tokens all lead (BOS): its head, encoded with them, begins the whole prompt's tokens.
         self._specials_lead = self._encode("x ka", specials=True)[-2:] == self._encode("x ka")[-2:]
+
+    @property
+    def cached_chars(self) -> int:
+        """Characters of the pieces the cache holds."""
+        return self._pieces_chars
 
     def __call__(self, body: bytes, read_on: ReadOn | None = None) -> list[int] | None:
         return self.tokens(body, read_on)
@@ -130,14 +147,16 @@ class PromptTokens:
             if content is _NOT_TEXT:
                 return None
             conversation.append({**message, "content": content})
-        kwargs = body.get("chat_template_kwargs")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or REFUSED_TEMPLATE_KWARGS & kwargs.keys():
+            return None
         text = self._tokenizer.apply_chat_template(
             conversation,
             tools=body.get("tools"),
             add_generation_prompt=body.get("add_generation_prompt", True),
             continue_final_message=body.get("continue_final_message", False),
             tokenize=False,
-            **(kwargs if isinstance(kwargs, dict) else {}),
+            **{name: value for name, value in kwargs.items() if self._reads(name)},
         )
         if self._splitter is None:
             return self._encode(text)
@@ -160,14 +179,21 @@ class PromptTokens:
             tokens.extend(self._piece(piece))
         return tokens
 
+    def _reads(self, kwarg: str) -> bool:
+        return self._template_variables is None or kwarg in self._template_variables
+
     def _encode(self, text: str, specials: bool = False) -> list[int]:
         # The batch call without offsets: the same ids, in about 60 % of `encode`'s time.
         return self._backend.encode_batch_fast([text], add_special_tokens=specials)[0].ids
 
     def _remember(self, text: str, ids: list[int]) -> list[int]:
+        if len(text) > PIECE_MAX_CHARS or text in self._pieces:
+            return ids
         self._pieces[text] = ids
-        if len(self._pieces) > PIECE_CACHE_SIZE:
-            self._pieces.popitem(last=False)
+        self._pieces_chars += len(text)
+        while self._pieces_chars > PIECE_CACHE_CHARS:
+            evicted, _ = self._pieces.popitem(last=False)
+            self._pieces_chars -= len(evicted)
         return ids
 
     def _piece(self, text: str) -> list[int]:
@@ -179,6 +205,22 @@ class PromptTokens:
 
 
 _NOT_TEXT = object()
+
+
+def _template_variables(template: str | dict[str, str] | None) -> frozenset[str] | None:
+    """The names a chat template reads from its context (every named template's, for a tokenizer with several); None
+    for a template this parser cannot read (a tag of transformers' own): then every kwarg vLLM does not refuse goes."""
+    from jinja2 import TemplateSyntaxError, meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    sources = template.values() if isinstance(template, dict) else [template] if template else []
+    environment = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(
+            name for source in sources for name in meta.find_undeclared_variables(environment.parse(source))
+        )
+    except TemplateSyntaxError:
+        return None
 
 
 def _text(content: Any) -> Any:
