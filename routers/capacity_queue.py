@@ -117,6 +117,8 @@ class CapacityQueue(RoutingPolicy):
 
     async def decide(self, replicas: Sequence[ReplicaView], request: RouteRequest) -> Decision:
         routable = self._routable(replicas)
+        # This call's own views by id: a concurrent decision may set the policy's to another set across the awaits.
+        by_id = self.views_by_id
         if not routable:
             self.counts.record(REASON_NO_REPLICA)
             raise NoReplicaAvailable(REASON_NO_REPLICA)
@@ -147,8 +149,13 @@ class CapacityQueue(RoutingPolicy):
                 backoff = min(2 * backoff, self.backoff_max_s)
                 continue
             if token is not None:
+                primary = by_id.get(token.replica_id)
+                if primary is None:  # granted on a set another decision pushed meanwhile: not this caller's
+                    await self.release(token)
+                    self.counts.event("token_outside_set")
+                    continue
                 reason = "waited" if waiting else "acquired"
-                return self._decided(request, self._ranking(token, routable), reason, token)
+                return self._decided(request, self._ranking(primary, routable), reason, token)
             waiting = True
 
     async def release(self, token: CapacityToken) -> bool:
@@ -180,19 +187,20 @@ class CapacityQueue(RoutingPolicy):
         return self._power_of_two()._rank(replicas, request)
 
     async def _acquire(self, routable: list[ReplicaView], request: RouteRequest, wait_s: float) -> CapacityToken | None:
+        # This call's own capacities and candidates: another decision may change the policy's across the awaits.
+        capacities, candidates = self._capacities, self._candidates
         if routable is not self._candidates_of:  # a new routable set: its capacities and ids, once
-            self._candidates_of = routable
-            self._capacities = {r.replica_id: r.capacity for r in routable}
+            capacities = {r.replica_id: r.capacity for r in routable}
             # A tuple, the same object while the set stands: the ledger matches it by identity, in O(1).
-            self._candidates = tuple(self._capacities)
-        if self._capacities is not self._pushed:
-            if self._capacities != self._pushed:
-                await self.ledger.set_replicas(self._capacities)
-            self._pushed = self._capacities  # from now on the identity check says it is pushed
-        return await self.ledger.acquire(self._candidates, request.request_id, wait_s)
+            candidates = tuple(capacities)
+            self._candidates_of, self._capacities, self._candidates = routable, capacities, candidates
+        if capacities is not self._pushed:
+            if capacities != self._pushed:
+                await self.ledger.set_replicas(capacities)
+            self._pushed = capacities  # from now on the identity check says it is pushed
+        return await self.ledger.acquire(candidates, request.request_id, wait_s)
 
-    def _ranking(self, token: CapacityToken, routable: list[ReplicaView]) -> list[list[ReplicaView]]:
-        primary = self.views_by_id[token.replica_id]  # the ledger grants only on the candidates: routable ids
+    def _ranking(self, primary: ReplicaView, routable: list[ReplicaView]) -> list[list[ReplicaView]]:
         sample = FALLBACK_SAMPLE + 1  # the primary may be among them
         pool = routable if len(routable) <= sample else self._rng.sample(routable, sample)
         others = heapq.nsmallest(

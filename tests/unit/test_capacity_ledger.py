@@ -446,3 +446,57 @@ def test_a_waiter_is_served_after_its_candidate_set_was_dropped() -> None:
         assert ledger.in_flight("b") == 2
 
     asyncio.run(run())
+
+
+class GatedLedger:
+    """A LedgerClient that grants on the first candidate; the first acquire waits for `gate`."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.acquires = 0
+        self.released: list[str] = []
+
+    async def acquire(self, replica_ids: tuple[str, ...], request_id: str, wait_s: float) -> CapacityToken | None:
+        self.acquires += 1
+        if self.acquires == 1:
+            await self.gate.wait()
+        return CapacityToken(token_id=request_id, replica_id=replica_ids[0])
+
+    async def release(self, token_id: str) -> bool:
+        self.released.append(token_id)
+        return True
+
+    async def set_replicas(self, capacities: dict[str, int]) -> None:
+        await asyncio.sleep(0)
+
+
+def test_a_decision_that_waited_ranks_within_its_own_set_whatever_another_decided_meanwhile() -> None:
+    """Review #9: the policy's views were read after the ledger's await, when a concurrent decision with another
+    set had replaced them (KeyError: a 500 and a leaked token)."""
+
+    async def run() -> None:
+        ledger = GatedLedger()
+        policy = CapacityQueue(ledger, seed=0)
+        first = asyncio.create_task(policy.decide(tuple(views({"a": 2, "b": 2})), request(1)))
+        await asyncio.sleep(0.01)  # the first decision waits in the ledger
+        second = await policy.decide(tuple(views({"c": 2})), request(2))
+        ledger.gate.set()
+        decided = await first
+        assert [[v.replica_id for v in tier] for tier in second.ranking] == [["c"]]
+        assert decided.token is not None and decided.ranking[0][0].replica_id == "a"
+        assert {v.replica_id for tier in decided.ranking for v in tier} <= {"a", "b"}
+        assert ledger.released == []
+
+    asyncio.run(run())
+
+
+def test_a_token_on_a_replica_outside_the_callers_set_is_given_back() -> None:
+    class StrayLedger(GatedLedger):
+        async def acquire(self, replica_ids: tuple[str, ...], request_id: str, wait_s: float) -> CapacityToken:
+            self.acquires += 1
+            replica = "gone" if self.acquires == 1 else replica_ids[0]
+            return CapacityToken(token_id=f"t{self.acquires}", replica_id=replica)
+
+    ledger = StrayLedger()
+    decided = asyncio.run(CapacityQueue(ledger, seed=0).decide(tuple(views({"a": 1})), request(1)))
+    assert ledger.released == ["t1"] and decided.token.token_id == "t2" and decided.ranking[0][0].replica_id == "a"
