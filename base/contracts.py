@@ -159,6 +159,12 @@ def node_role_resources(role: NodeRole | None) -> dict[str, float]:
 ROUTE_PATH = "/internal/route"
 # The frontend's syncer publishes the replica ids it can route to here, on every router replica.
 MEMBERSHIP_PATH = "/internal/membership"
+# A frontend publishes at least this often, unchanged or not: a router that missed a publication (or restarted and
+# lost it) has the set again within this.
+PUBLISH_HEARTBEAT_S = 2.0
+# A router forgets a frontend that published nothing for this long (three heartbeats missed: it went away), so its
+# last set no longer narrows the common set and its last open requests no longer count as load.
+PUBLICATION_TTL_S = 3 * PUBLISH_HEARTBEAT_S
 # Table decisions (opt-in per stack): a router whose policy is a pure function of the replica set (a rotation, a
 # hash ring) publishes that set here (`RouteTable`), and the frontend's Lua decides each request from it, with no
 # route call. Each HAProxy thread fetches it every TABLE_REFRESH_S and holds it TABLE_LEASE_S at most: a router that

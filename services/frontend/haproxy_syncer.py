@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import httpx
 
-from base.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH
+from base.contracts import DEFAULT_DRAIN_GRACE_S, MEMBERSHIP_PATH, PUBLISH_HEARTBEAT_S
 from base.route_wire import Membership
 from infra.haproxy.config import SERVER_NAME_PATTERN, HAProxySettings, is_internal_server
 from infra.haproxy.runtime_api import RuntimeAPI, RuntimeAPIError, ServerStat
@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 # How often HAProxy's servers are compared with the endpoint sources (and memberships published).
 SYNC_INTERVAL_S = 0.25
 
-# A router that missed a publication (or restarted and lost it) has the set again within this.
-PUBLISH_HEARTBEAT_S = 2.0
 PUBLISH_TIMEOUT_S = 1.0
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 
+from base.contracts import PUBLISH_HEARTBEAT_S
 from infra.haproxy.config import REPLICA_BACKEND, ROUTER_BACKEND
 from infra.haproxy.servers import replica_server_options
-from services.frontend.haproxy_syncer import PUBLISH_HEARTBEAT_S
 from tests.support.syncer_fakes import FakeRuntime, endpoint, make_syncer, settings
 
 

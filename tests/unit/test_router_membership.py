@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 from base.contracts import (
     MEMBERSHIP_PATH,
+    PUBLICATION_TTL_S,
+    PUBLISH_HEARTBEAT_S,
 )
 from base.route_wire import Membership, RouteRefusal
 from routers.consistent_hash import ConsistentHash
@@ -208,3 +210,24 @@ def test_views_carry_the_open_requests_summed_over_the_frontends_and_only_a_chan
     # An engine rank of a data-parallel replica has no count of its own: HAProxy counts the replica's.
     ranked = membership.routable((ReplicaView(replica_id=f"{ids[0]}:0"),), "fe-a")
     assert [(v.in_flight, v.in_flight_sampled) for v in ranked] == [(0, False)]
+
+
+def test_a_frontend_silent_for_three_heartbeats_is_forgotten() -> None:
+    """Review #13: a frontend that went away kept narrowing the common set and loading its replicas forever."""
+    now = [0.0]
+    membership = FrontendMembership(clock=lambda: now[0])
+    live, gone = REPLICA_IDS[:3], REPLICA_IDS[1:4]
+    membership.publish(Membership(frontend="fe-gone", replica_ids=gone, in_flight={gone[0]: 5}))
+    for at in (0.0, PUBLISH_HEARTBEAT_S, 2 * PUBLISH_HEARTBEAT_S, PUBLICATION_TTL_S):
+        now[0] = at
+        membership.publish(Membership(frontend="fe-live", replica_ids=live, in_flight={live[0]: 1}))
+    everyone = tuple(views(REPLICA_IDS))
+    # Within the TTL the silent frontend still counts: the common set, and its open requests on replica 1.
+    assert [(v.replica_id, v.in_flight) for v in membership.routable(everyone, None)] == [(live[1], 5), (live[2], 0)]
+    now[0] = PUBLICATION_TTL_S + 0.1
+    assert [(v.replica_id, v.in_flight) for v in membership.routable(everyone, None)] == [
+        (live[0], 1),
+        (live[1], 0),
+        (live[2], 0),
+    ]
+    assert [v.replica_id for v in membership.routable(everyone, "fe-gone")] == live
