@@ -1,8 +1,9 @@
 """CapacityLedger: one central count of in-flight requests per replica against its capacity. No Ray import.
 
 `acquire` grants a token on the least-loaded candidate with room, or queues the caller FIFO until a slot is handed
-to it; `release` is exactly-once (repeats, unknown and late releases are counted no-ops); `reject` gives back the
-token of a request its replica refused and holds that replica full until it reports room (THE REJECTION RULE);
+to it (a request that waited keeps its place, its ticket, when its caller asks again after a wait slice); `release`
+is exactly-once (repeats, unknown and late releases are counted no-ops); `reject` gives back the token of a request
+its replica refused and holds that replica full until it reports room (THE REJECTION RULE);
 `reap` takes back tokens older than `token_ttl_s`, and those of a replica out of the set for `gone_after_s` (it
 died: its requests cannot end there, and a Serve replica's id never comes back). A decision costs the same at any
 replica count. State is in memory only: after a restart at most 2 x capacity is admitted per replica until older
@@ -26,6 +27,8 @@ from routers.core import CapacityToken
 DEFAULT_TOKEN_TTL_S = 600.0
 # Finished token ids remembered to tell a double release from an unknown one (~10-20 MB).
 RELEASED_MEMORY = 100_000
+# Queue places remembered for requests still waiting (or given up): far more than ever wait at once.
+MAX_TICKETS = 100_000
 DEFAULT_REAP_INTERVAL_S = 10.0
 # A replica out of the set this long is gone, and its tokens with it: past a membership blip (a replica marked down
 # and back within a few health checks), well before the TTL (a killed replica's tokens held the soak's ledger).
@@ -55,6 +58,7 @@ class _Grant:
 @dataclass(slots=True)
 class _Waiter:
     candidates: CandidateSet
+    request_id: str
     future: asyncio.Future[CapacityToken] = field(repr=False)
 
 
@@ -90,8 +94,12 @@ class CapacityLedger:
         # Outstanding tokens in issue order (the clock is monotonic), so reaping stops early.
         self._grants: dict[str, _Grant] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
-        self._waiters: dict[int, _Waiter] = {}
+        # By (ticket, arrival): `_dispatch` serves them in ticket order.
+        self._waiters: dict[tuple[int, int], _Waiter] = {}
         self._next_waiter = 0
+        # The ticket of each request that has waited: its place in the queue, kept across the caller's wait slices
+        # (a caller re-asks every few seconds: `CapacityQueue`'s `WAIT_SLICE_S`) until it is granted.
+        self._tickets: OrderedDict[str, int] = OrderedDict()
         self.granted = 0
         self.released = 0
         self.double_releases = 0
@@ -121,19 +129,21 @@ class CapacityLedger:
         """A token on the least-loaded candidate with room; else wait up to `wait_s` for one; else None.
 
         Raises `UnknownReplicas` when none of the candidates is a current replica. Pass the same tuple
-        each time the set is the same: it is then matched in O(1). `request_id` is part of the
-        `LedgerClient` call; the ledger does not keep it."""
+        each time the set is the same: it is then matched in O(1). A request (`request_id`) that waited before and
+        asks again waits at its first place in the queue, ahead of every request that queued after it."""
         if self._held_full:
             self._end_holds(self._clock())
         candidates = self._candidate_set(replica_ids)
         if not candidates.members:
             raise UnknownReplicas(f"none of {len(replica_ids)} replicas is known to the ledger")
+        # A free slot here means no waiter can use it (each freed slot goes to the waiters first, `_dispatch`).
         replica_id = candidates.pick(self._rng)
         if replica_id is not None:
+            self._tickets.pop(request_id, None)
             return self._grant(replica_id)
         if wait_s <= 0:
             return None
-        return await self._wait(candidates, wait_s)
+        return await self._wait(candidates, wait_s, request_id)
 
     def release(self, token_id: str) -> bool:
         """Give back a token: True the first time, a counted no-op (False) after that."""
@@ -278,10 +288,14 @@ class CapacityLedger:
         if len(self._finished) > RELEASED_MEMORY:
             self._finished.popitem(last=False)
 
-    async def _wait(self, candidates: CandidateSet, wait_s: float) -> CapacityToken | None:
-        key = self._next_waiter
+    async def _wait(self, candidates: CandidateSet, wait_s: float, request_id: str) -> CapacityToken | None:
+        arrival = self._next_waiter
         self._next_waiter += 1
-        waiter = _Waiter(candidates, asyncio.get_running_loop().create_future())
+        ticket = self._tickets.setdefault(request_id, arrival)
+        if len(self._tickets) > MAX_TICKETS:
+            self._tickets.popitem(last=False)  # the oldest: a caller that gave up long ago
+        key = (ticket, arrival)
+        waiter = _Waiter(candidates, request_id, asyncio.get_running_loop().create_future())
         self._waiters[key] = waiter
         try:
             # shield: a timeout must not cancel the future, which may already hold a token.
@@ -299,7 +313,8 @@ class CapacityLedger:
     def _dispatch(self) -> None:
         """Hand free slots to waiters, oldest first; stop as soon as no replica has room."""
         served = []
-        for key, waiter in self._waiters.items():
+        for key in sorted(self._waiters) if self._open else ():
+            waiter = self._waiters[key]
             if not self._open:
                 break
             if not waiter.candidates.alive:  # dropped by `set_replicas` or the LRU: register it again
@@ -308,6 +323,7 @@ class CapacityLedger:
             if replica_id is None:
                 continue
             waiter.future.set_result(self._grant(replica_id))
+            self._tickets.pop(waiter.request_id, None)
             served.append(key)
         for key in served:
             del self._waiters[key]

@@ -500,3 +500,32 @@ def test_a_token_on_a_replica_outside_the_callers_set_is_given_back() -> None:
     ledger = StrayLedger()
     decided = asyncio.run(CapacityQueue(ledger, seed=0).decide(tuple(views({"a": 1})), request(1)))
     assert ledger.released == ["t1"] and decided.token.token_id == "t2" and decided.ranking[0][0].replica_id == "a"
+
+
+def test_waiters_keep_their_place_across_wait_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review #8: every wait slice re-queued a waiter at the back, so under sustained overload the oldest requests
+    timed out first. Slices of 50 ms here; the first waiter has re-asked several times before any slot frees."""
+    monkeypatch.setattr("routers.capacity_queue.WAIT_SLICE_S", 0.05)
+
+    async def run() -> None:
+        ledger = CapacityLedger()
+        ledger.set_replicas({"a": 1})
+        held = await ledger.acquire(["a"], "held")
+        policy = queue(ledger, max_wait_s=10)
+        order: list[str] = []
+
+        async def wait(n: int) -> None:
+            decision = await policy.decide(tuple(views({"a": 1})), request(n))
+            order.append(f"req-{n}")
+            await asyncio.sleep(0.01)
+            ledger.release(decision.token.token_id)
+
+        tasks = []
+        for n in range(4):
+            tasks.append(asyncio.create_task(wait(n)))
+            await asyncio.sleep(0.12)  # each arrives after the earlier ones re-asked at least twice
+        ledger.release(held.token_id)
+        await asyncio.gather(*tasks)
+        assert order == [f"req-{n}" for n in range(4)]
+
+    asyncio.run(run())
