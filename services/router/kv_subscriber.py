@@ -3,7 +3,10 @@
 On each refresh of the replica set, a new replica is asked where it publishes (`KV_EVENTS_PATH` under its app's
 prefix, a `KVEventSources`); the router subscribes to each publisher, then asks its replay socket for every batch it
 still buffers, so a router that starts late, or reconnects, knows what the engine already holds. Batches apply in
-sequence order (`routers.kv_events.StreamPosition`); a gap is replayed. A replica that publishes nothing, or that
+sequence order (`routers.kv_events.StreamPosition`); a gap is replayed, and one the replay does not close (no replay
+socket, a replay timeout, batches the publisher no longer buffers) clears the replica first: what it missed may
+have removed blocks (`unrepaired_gaps`). A batch that does not apply clears the replica, and the stream goes on. A
+stream that ended anyway is started again at the next announcement check. A replica that publishes nothing, or that
 cannot be asked, is scored by what this router sent it (`ReplicaEvents.APPROXIMATE`); one whose connection drops
 (it died, or its node did) is cleared and marked `LOST` at once, before Serve's replica list catches up. A replica
 that leaves the set is forgotten. Publishers are only ever connected to at the address the replica announced: its
@@ -43,16 +46,20 @@ HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 1500
 class KVEventSubscriber:
     """Keeps `policy`'s index and per-replica sources current for the replica views it is given."""
 
-    def __init__(self, policy: KVAware, route_prefix: str, ranks: int = 1) -> None:
+    def __init__(
+        self, policy: KVAware, route_prefix: str, ranks: int = 1, client: httpx.AsyncClient | None = None
+    ) -> None:
+        """`client`: what asks the replicas where they publish (default: a plain client, 5 s timeout)."""
         self.policy = policy
         self._route_prefix = route_prefix
         self._ranks = ranks
         self._context = zmq.asyncio.Context()
-        self._client = httpx.AsyncClient(timeout=5.0)
+        self._client = client or httpx.AsyncClient(timeout=5.0)
         # Per replica: what it announced last, and a stream task per publisher.
         self._streams: dict[str, tuple[KVEventSources | None, list[asyncio.Task]]] = {}
         self._asked_at: dict[str, float] = {}
         self.batches = 0
+        self.unrepaired_gaps = 0
 
     async def sync(self, views: Sequence[ReplicaView]) -> None:
         """Subscribe to replicas new in `views`, drop those gone from it."""
@@ -82,8 +89,9 @@ class KVEventSubscriber:
                 return  # a busy replica's slow answer is no reason to drop streams that flow
             logger.warning("replica %s does not say where it publishes KV events (%s)", replica, error)
             announced = None
-        if replica in self._streams and self._streams[replica][0] == announced:
-            return
+        current = self._streams.get(replica)
+        if current is not None and current[0] == announced and not any(task.done() for task in current[1]):
+            return  # unchanged, and every stream flows (one that ended is started again below)
         self._stop(replica)
         if announced is not None:
             self.policy.block_size = announced.block_size
@@ -148,6 +156,8 @@ class KVEventSubscriber:
                     if step == Step.GAP:
                         await self._replay(view_id, source, position, position.expected or 0)
                         step = position.step(number)
+                        if step == Step.GAP:
+                            self._unrepaired(view_id, number)
                     if step != Step.SKIP:
                         self._apply(view_id, payload, position, number)
         except asyncio.CancelledError:
@@ -161,11 +171,17 @@ class KVEventSubscriber:
             monitor.close(linger=0)
             subscriber.close(linger=0)
 
+    def _unrepaired(self, view_id: str, number: int) -> None:
+        """Batches before `number` are lost for good: the blocks they removed would stay in the index forever."""
+        logger.warning("KV events of %s: batches before %d are lost; its blocks are dropped", view_id, number)
+        self.policy.index.cleared(view_id)
+        self.unrepaired_gaps += 1
+
     def _apply(self, view_id: str, payload: bytes, position: StreamPosition, number: int) -> None:
         try:
             apply_batch(self.policy.index, view_id, payload)
-        except ValueError:
-            logger.warning("KV events of %s: batch %d does not decode; its blocks are dropped", view_id, number)
+        except Exception:  # does not decode, or an event field is not what this version knows: resynchronize
+            logger.warning("KV events of %s: batch %d does not apply; its blocks are dropped", view_id, number)
             self.policy.index.cleared(view_id)
         position.applied(number)
         self.batches += 1
@@ -184,7 +200,10 @@ class KVEventSubscriber:
                 number = sequence_number(number_frame)
                 if number == END_OF_REPLAY:
                     return
-                if position.step(number) != Step.SKIP:
+                step = position.step(number)
+                if step == Step.GAP:  # the publisher no longer buffers what came before
+                    self._unrepaired(view_id, number)
+                if step != Step.SKIP:
                     self._apply(view_id, payload, position, number)
         except TimeoutError:
             logger.warning("KV events of %s: replay from %d timed out; going on without it", view_id, start)
@@ -192,8 +211,12 @@ class KVEventSubscriber:
             dealer.close(linger=0)
 
     async def close(self) -> None:
+        """End every stream, then the ZMQ context: its `term` waits for every socket, and a cancelled stream closes
+        its sockets only once it has run its cancellation."""
+        streams = [task for _, tasks in self._streams.values() for task in tasks]
         for replica in list(self._streams):
             self._drop(replica)
+        await asyncio.gather(*streams, return_exceptions=True)
         await self._client.aclose()
         with contextlib.suppress(Exception):
             self._context.term()
