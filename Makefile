@@ -70,9 +70,11 @@ serve: $(STAMP)
 # Every test over a second is printed and each tier writes a JUnit XML under .cache/ (the slowest 20 at the end).
 PYTEST := $(PY) -m pytest -v -x --durations=0 --durations-min=1
 JUNIT := .cache/junit
-# The tiers. Fast: no Ray (marker `ray`) and no vLLM engine (marker `engine`). Ray: modules with a Ray or an engine of
-# their own first, then the session's cluster. Containers: once that cluster is gone.
-FAST_TESTS := $(PYTEST) --junitxml=$(JUNIT)-fast.xml -m "not ray and not engine" tests/unit tests/load tests/integration
+# The tiers. Fast: no Ray (marker `ray`) and no vLLM engine (marker `engine`), a pytest worker per core, each module
+# on one worker (its module fixtures start once). Ray: modules with a Ray or an engine of their own first, then the
+# session's cluster, in one process (its engines take both cores). Containers: once that cluster is gone.
+FAST_TESTS := $(PYTEST) -n auto --dist loadfile --junitxml=$(JUNIT)-fast.xml -m "not ray and not engine" \
+  tests/unit tests/load tests/integration
 RAY_TESTS := $(PYTEST) --junitxml=$(JUNIT)-ray.xml -m "ray or engine" tests/integration
 CONTAINER_TESTS := $(PYTEST) --junitxml=$(JUNIT)-containers.xml tests/containers
 IMAGE_BUILD_LOG := .cache/image-build.log

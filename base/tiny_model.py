@@ -10,6 +10,7 @@ parallelism with one server per rank only for MoE models, so the `ranks` mode ne
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -169,8 +170,12 @@ def is_built(path: Path) -> bool:
 
 
 def ensure_built(path: Path, moe: bool = False) -> Path:
-    """The tiny model (or its MoE variant) at `path`, built there first if it is not."""
-    if not is_built(path):
-        print(f"building the tiny {'MoE ' if moe else ''}model into {path}", flush=True)
-        build_tiny_model(path, moe)
+    """The tiny model (or its MoE variant) at `path`, built there first if it is not. A lock file beside the folder
+    holds other processes (test workers, two deploys) until the build is whole, so none reads it half written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_built(path):
+            print(f"building the tiny {'MoE ' if moe else ''}model into {path}", flush=True)
+            build_tiny_model(path, moe)
     return path

@@ -60,3 +60,15 @@ def test_transformers_loads_it_offline(tiny_model_dir: Path, monkeypatch) -> Non
     assert tokenizer.decode(ids[0]) == prompt
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 4
+
+
+def test_a_build_under_way_holds_other_processes_until_the_folder_is_whole(tmp_path: Path) -> None:
+    """Two processes asking for the same folder at once (test workers, two deploys): the second waits for the first's
+    build and finds it whole, instead of reading a half-written folder or building over it."""
+    out = tmp_path / "model"
+    script = f"from pathlib import Path; from base.tiny_model import ensure_built; ensure_built(Path({str(out)!r}))"
+    builds = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    printed = [build.communicate(timeout=300)[0] for build in builds]
+    assert all(build.returncode == 0 for build in builds)
+    assert sum("building" in text for text in printed) == 1, printed
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == HIDDEN_SIZE
