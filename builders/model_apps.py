@@ -15,6 +15,7 @@ import json
 from builders.plan_types import PlannedModel, ServeApp, import_path, model_path
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import replica_backend, router_backend
+from infra.haproxy.spoe import agent_timeout_s
 from routers.registry import handle_policy, policy_entry
 from services.legacy.ingress import LegacyIngressSettings, build_legacy_ingress_application
 from services.replica.llm_config import (
@@ -144,13 +145,15 @@ def _with_kv_events(engine: EngineConfig, routing: Routing) -> EngineConfig:
 
 
 def _router_settings(
-    llm_app: str, model: ModelBase, scaling: Scaling, routing: Routing, staging: bool, **extra: object
+    spec: StackBase, llm_app: str, model: ModelBase, scaling: Scaling, routing: Routing, **extra: object
 ) -> RouterSettings:
     needs_prompt = policy_entry(routing.policy).needs_prompt
     return RouterSettings(
+        # HAProxy's route timeout is the stack's (infra/haproxy/spoe.py renders the agent's share of it).
+        agent_deadline_s=agent_timeout_s(spec.routing.route_timeout_s),
         model_path=model_path(model.source) if needs_prompt else None,
         target_route_prefix=f"/{llm_app}",
-        fault_injection=staging,
+        fault_injection=spec.staging,
         target_app=llm_app,
         target_capacity=scaling.max_ongoing_requests,
         policy=routing.policy,
@@ -197,7 +200,7 @@ def openai_model_apps(spec: StackBase, index: int, model: OpenAIModel, stem: str
         _llm_serve_app(llm_app, llm),
         _router_serve_app(
             router_app,
-            _router_settings(llm_app, model, model, routing, spec.staging, data_parallel_size=in_engine_ranks),
+            _router_settings(spec, llm_app, model, model, routing, data_parallel_size=in_engine_ranks),
             spec.frontend.routers,
         ),
     ]
@@ -256,7 +259,7 @@ def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeM
         policy=prefill_routing.policy,
         policy_kwargs=prefill_routing.policy_kwargs,
     )
-    router = _router_settings(decode_app, model, model.decode, decode_routing, spec.staging, prefill=target)
+    router = _router_settings(spec, decode_app, model, model.decode, decode_routing, prefill=target)
     planned = _planned(
         spec,
         index,

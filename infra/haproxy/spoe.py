@@ -40,6 +40,11 @@ AGENT_FAILURES = (FAILURE_TIMEOUT, FAILURE_ERROR)
 SPOE_ERROR_TIMEOUT = 1
 
 
+def agent_timeout_s(route_timeout_s: float) -> float:
+    """SPOE's processing timeout: how long HAProxy waits for an agent's answer before the HTTP route call."""
+    return route_timeout_s * AGENT_TIMEOUT_SHARE
+
+
 def agent_backend(index: int) -> str:
     return AGENT_BACKEND if index == 0 else f"{AGENT_BACKEND}_{index}"
 
@@ -56,7 +61,7 @@ def agent_var(name: str) -> str:
 def render_spoe(settings: HAProxySettings) -> str:
     """The SPOE file: a scope per app, each with its agent, message and group."""
     lines = ["# Rendered by infra/haproxy/spoe.py from base/agent_wire.py: do not edit by hand."]
-    timeout = haproxy_time(settings.route_timeout_s * AGENT_TIMEOUT_SHARE)
+    timeout = haproxy_time(agent_timeout_s(settings.route_timeout_s))
     variables = " ".join((agent_wire.ERROR_VAR, *agent_wire.ANSWER_VARS))
     for index, app in enumerate(settings.apps):
         arguments = [

@@ -7,6 +7,11 @@ that needs no wait (every policy without a capacity ledger) is made inside the f
 that awaits gets a task, and its ACK goes out when it is done (SPOP's async capability: ACKs in any order). The
 app tells the agent's port at `ROUTE_LISTENER_PATH`; the frontend's router source reads it once per router replica
 (`with_route_ports`). Why, and the protocol's limits: services/router/README.md.
+
+A task is bounded by HAProxy's own wait for the answer (`deadline_s`, SPOE's processing timeout, less
+`DEADLINE_MARGIN_S` for the frame's way there and the ACK's way back) and cancelled when its connection is lost:
+HAProxy has then made the route call over HTTP instead, and an answer nobody reads must not hold what it took (a
+capacity wait cancelled gives its grant back; `late_answers` counts them).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ MAX_FRAME_BYTES = 65 * 1024 * 1024
 # Asking a router replica its agent's port: a local HTTP call; the next sync pass asks again on failure.
 LOOKUP_TIMEOUT_S = 2.0
 _FAILED = (500, RouteRefusal(reason=REASON_ROUTER_ERROR))
+# How much sooner than HAProxy's processing timeout the agent gives up on an answer: the frame's transit and the
+# event loop's lag before the task ran, so that an ACK still sent is one HAProxy still waits for.
+DEADLINE_MARGIN_S = 0.1
 
 
 class _Resumed:
@@ -65,10 +73,9 @@ class _Resumed:
 class _AgentConnection(asyncio.Protocol):
     """One connection from one HAProxy thread: the HELLO handshake, then NOTIFY frames until a DISCONNECT."""
 
-    def __init__(self, answer: RouteAnswer, session_header: str, running: set[asyncio.Task[None]]) -> None:
-        self._answer = answer
-        self._session_header = session_header
-        self._running = running
+    def __init__(self, listener: RouteListener) -> None:
+        self._listener = listener
+        self._pending: set[asyncio.Task[None]] = set()
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._max_frame = MAX_FRAME_BYTES
@@ -76,6 +83,10 @@ class _AgentConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for task in self._pending:
+            task.cancel()
 
     def data_received(self, data: bytes) -> None:
         # What this read answers goes out in one write: a burst of frames costs one send, not one per frame.
@@ -132,8 +143,9 @@ class _AgentConnection(asyncio.Protocol):
         if arguments is None:
             self._ack(frame, b"")
             return
-        headers, body = request_from_arguments(arguments, self._session_header)
-        coroutine = self._answer(headers, body)
+        received = asyncio.get_running_loop().time()
+        headers, body = request_from_arguments(arguments, self._listener.session_header)
+        coroutine = self._listener.answer(headers, body)
         try:
             yielded = coroutine.send(None)  # type: ignore[attr-defined]
         except StopIteration as done:
@@ -143,13 +155,23 @@ class _AgentConnection(asyncio.Protocol):
             logger.exception("route call failed")
             self._ack_answer(frame, _FAILED)
             return
-        task = asyncio.get_running_loop().create_task(self._finish(frame, _Resumed(coroutine, yielded)))  # type: ignore[arg-type]
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        resumed = _Resumed(coroutine, yielded)  # type: ignore[arg-type]
+        task = asyncio.get_running_loop().create_task(self._finish(frame, resumed, received))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
-    async def _finish(self, frame: spop.Frame, pending: _Resumed) -> None:
+    async def _finish(self, frame: spop.Frame, pending: _Resumed, received: float) -> None:
+        deadline_s = self._listener.deadline_s
+        bound = asyncio.timeout_at(None if deadline_s is None else received + deadline_s - DEADLINE_MARGIN_S)
         try:
-            answered = await pending
+            async with bound:
+                answered = await pending
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            self._listener.late_answers += 1
+            logger.warning("route call answered by HTTP instead: its agent decision outlasted HAProxy's wait")
+            return
         except Exception:
             logger.exception("route call failed")
             answered = _FAILED
@@ -184,19 +206,19 @@ class _AgentConnection(asyncio.Protocol):
 
 
 class RouteListener:
-    """Serves route calls as an SPOE agent on `host`:`port` (0: a free one) until closed."""
+    """Serves route calls as an SPOE agent on `host`:`port` (0: a free one) until closed; `deadline_s`: how long
+    HAProxy waits for an answer (None: unbounded)."""
 
-    def __init__(self, answer: RouteAnswer, session_header: str) -> None:
-        self._answer = answer
-        self._session_header = session_header
-        self._running: set[asyncio.Task[None]] = set()
+    def __init__(self, answer: RouteAnswer, session_header: str, deadline_s: float | None = None) -> None:
+        self.answer = answer
+        self.session_header = session_header
+        self.deadline_s = deadline_s
+        self.late_answers = 0
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int = 0) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _AgentConnection(self._answer, self._session_header, self._running), host, port
-        )
+        self._server = await loop.create_server(lambda: _AgentConnection(self), host, port)
         return self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:

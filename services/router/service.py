@@ -276,7 +276,9 @@ class RouterReplica:
             await self._prefill_replicas.start()
             prefill = PrefillChooser(prefill_policy, self._prefill_replicas.views, side.route_prefix, side.required)
         self._app = build_router_app(self._settings, policy, self._replicas.views, prefill)
-        self._listener = RouteListener(self._app.state.answer_route, self._settings.session_header)
+        self._listener = RouteListener(
+            self._app.state.answer_route, self._settings.session_header, self._settings.agent_deadline_s
+        )
         self._app.state.route_listener_port = await self._listener.start(ray.util.get_node_ip_address())
 
     def _live_replicas(self, app: str, capacity: int, ranks: int = 1) -> LiveReplicas:

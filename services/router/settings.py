@@ -86,6 +86,10 @@ class RouterSettings(PolicyChoice):
     model_path: str | None = None
     # The target app's route prefix: where its replicas answer `KV_EVENTS_PATH` (a policy fed by KV events).
     target_route_prefix: str = ""
+    # How long HAProxy waits for the route agent's answer (SPOE's processing timeout): a decision still pending then
+    # is cancelled, so a capacity wait gives its grant back instead of holding a token no request carries. None: no
+    # bound (a router no frontend's agent calls).
+    agent_deadline_s: float | None = Field(None, gt=0)
 
     @field_validator("session_header")
     @classmethod

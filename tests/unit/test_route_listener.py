@@ -5,6 +5,7 @@ agent servers point at it while their health checks probe Serve's port."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,9 +16,13 @@ from base.contracts import FRONTEND_HEADER, REASON_ROUTER_ERROR, REQUEST_ID_HEAD
 from base.route_wire import RouteRefusal, RouteReply
 from infra.haproxy.config import ROUTER_BACKEND
 from infra.haproxy.spoe import AGENT_BACKEND
+from routers.capacity_ledger import CapacityLedger
+from routers.core import RouteRequest
 from services.router import spop
-from services.router.route_listener import RouteListener
+from services.router.route_listener import DEADLINE_MARGIN_S, RouteListener
+from services.router.service import route_reply
 from services.router.spop import FrameType, Status
+from tests.support.capacity import queue, views
 from tests.support.syncer_fakes import FakeRuntime, endpoint, make_syncer
 
 LOOPBACK = "127.0.0.1"
@@ -133,6 +138,65 @@ def test_each_notify_is_acked_with_its_answer_as_variables_in_any_order() -> Non
     assert _variables(acks[12].payload)["fallbacks"] == b"req-2,none"
     assert _variables(acks[13].payload) == {"status": 503, "reason": b"no_replica"}
     assert _variables(acks[14].payload) == {"status": 500, "reason": REASON_ROUTER_ERROR.encode()}
+
+
+# HAProxy's wait for the agent in these tests (SPOE's processing timeout).
+AGENT_DEADLINE_S = 0.4
+
+
+def _capacity_wait_past_haproxys_wait(
+    close_at_once: bool, deadline_s: float | None = AGENT_DEADLINE_S
+) -> tuple[dict, list[spop.Frame], RouteListener]:
+    """A capacity_queue agent on one replica of capacity 1 whose slot another request holds: a NOTIFY waits in the
+    ledger; twice HAProxy's wait later (its connection closed at once, or kept) the slot is freed. The ledger's
+    figures then, the frames the agent sent after its HELLO, and the listener."""
+
+    async def run() -> tuple[dict, list[spop.Frame], RouteListener]:
+        ledger = CapacityLedger(seed=0)
+        ledger.set_replicas({"a": 1})
+        policy = queue(ledger, max_wait_s=30)
+        replicas = views({"a": 1})
+        held = await ledger.acquire(["a"], "earlier")
+        assert held is not None
+
+        async def answer(headers: Mapping[str, str], body: bytes) -> tuple[int, Answer]:
+            request = RouteRequest(request_id=headers[REQUEST_ID_HEADER])
+            return 200, route_reply(await policy.decide(replicas, request))
+
+        listener = RouteListener(answer, SESSION, deadline_s=deadline_s)
+        port = await listener.start(LOOPBACK)
+        reader, writer = await asyncio.open_connection(LOOPBACK, port)
+        writer.write(_hello() + _notify(1, 1, {REQUEST_ID_HEADER: b"late"}))
+        await writer.drain()
+        await _read_frames(reader, 1)
+        if close_at_once:
+            writer.close()
+        await asyncio.sleep(2 * AGENT_DEADLINE_S)
+        ledger.release(held.token_id)
+        await asyncio.sleep(0.05)  # what the freed slot wakes runs
+        acks = []
+        if not close_at_once:
+            with contextlib.suppress(TimeoutError):
+                acks = await asyncio.wait_for(_read_frames(reader, 1), 0.3)
+            writer.close()
+        listener.close()
+        return ledger.snapshot(), acks, listener
+
+    return asyncio.run(run())
+
+
+def test_a_capacity_wait_that_outlasts_haproxys_wait_is_cancelled_and_holds_no_token() -> None:
+    """HAProxy gave up on the agent and made the route call over HTTP: the agent's decision, still waiting in the
+    ledger, is cancelled at that deadline instead of taking the next free slot for a request nobody sends."""
+    ledger, acks, listener = _capacity_wait_past_haproxys_wait(close_at_once=False)
+    assert acks == [] and listener.late_answers == 1
+    assert ledger["outstanding"] == 0, ledger
+    assert DEADLINE_MARGIN_S < AGENT_DEADLINE_S
+
+
+def test_a_lost_connection_cancels_the_decisions_it_was_waiting_for() -> None:
+    ledger, _, _ = _capacity_wait_past_haproxys_wait(close_at_once=True, deadline_s=None)
+    assert ledger["outstanding"] == 0, ledger
 
 
 def test_every_reply_field_has_a_variable() -> None:
