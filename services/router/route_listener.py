@@ -8,6 +8,9 @@ that awaits gets a task, and its ACK goes out when it is done (SPOP's async capa
 app tells the agent's port at `ROUTE_LISTENER_PATH`; the frontend's router source reads it once per router replica
 (`with_route_ports`). Why, and the protocol's limits: services/router/README.md.
 
+Until its HELLO a peer may send one small frame (`HELLO_FRAME_BYTES`) and no NOTIFY, for `HELLO_TIMEOUT_S`; the
+listener takes `MAX_CONNECTIONS` at once: a peer that is no HAProxy pins no memory and takes no capacity token.
+
 A task is bounded by HAProxy's own wait for the answer (`deadline_s`, SPOE's processing timeout, less
 `DEADLINE_MARGIN_S` for the frame's way there and the ACK's way back) and cancelled when its connection is lost:
 HAProxy has then made the route call over HTTP instead, and an answer nobody reads must not hold what it took (a
@@ -38,6 +41,12 @@ ROUTE_LISTENER_PATH = "/internal/route-listener"
 # The largest frame the agent takes: a forwarded body up to its maximum (`routing.body_buffer_bytes` is at most
 # 64 MiB) and the route call's few headers.
 MAX_FRAME_BYTES = 65 * 1024 * 1024
+# Before its HELLO a peer is no HAProxy yet: a frame of a HELLO's size at most (HAProxy's is under 200 bytes), no
+# NOTIFY, and the HELLO within HAProxy's own `timeout hello` or the connection is closed.
+HELLO_FRAME_BYTES = 4096
+HELLO_TIMEOUT_S = 5.0
+# Connections at once: HAProxy keeps one per thread per agent server (a frontend per stack, a few threads each).
+MAX_CONNECTIONS = 256
 # Asking a router replica its agent's port: a local HTTP call; the next sync pass asks again on failure.
 LOOKUP_TIMEOUT_S = 2.0
 _FAILED = (500, RouteRefusal(reason=REASON_ROUTER_ERROR))
@@ -75,17 +84,29 @@ class _AgentConnection(asyncio.Protocol):
 
     def __init__(self, listener: RouteListener) -> None:
         self._listener = listener
-        self._pending: set[asyncio.Task[None]] = set()
+        self.pending: set[asyncio.Task[None]] = set()
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
-        self._max_frame = MAX_FRAME_BYTES
+        self._max_frame = HELLO_FRAME_BYTES
         self._batch: list[bytes] | None = None
+        self._hello_overdue: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        if len(self._listener.connections) >= MAX_CONNECTIONS:
+            logger.warning("route agent: %d connections already, closing a new one", MAX_CONNECTIONS)
+            transport.close()
+            return
+        self._listener.connections.add(self)
+        self._hello_overdue = asyncio.get_running_loop().call_later(
+            HELLO_TIMEOUT_S, self._disconnect, Status.TIMEOUT, "no HELLO in time"
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for task in self._pending:
+        self._listener.connections.discard(self)
+        if self._hello_overdue is not None:
+            self._hello_overdue.cancel()
+        for task in self.pending:
             task.cancel()
 
     def data_received(self, data: bytes) -> None:
@@ -117,6 +138,8 @@ class _AgentConnection(asyncio.Protocol):
         if not frame.flags & spop.FLAG_FIN:
             raise FrameError(Status.FRAG_NOT_SUPPORTED, "fragmented frames are not supported")
         if frame.kind == FrameType.NOTIFY:
+            if self._hello_overdue is not None:
+                raise FrameError(Status.INVALID, "a NOTIFY before the HELLO")
             self._notify(frame)
         elif frame.kind == FrameType.HAPROXY_HELLO:
             self._hello(spop.decode_kv_list(frame.payload))
@@ -133,6 +156,9 @@ class _AgentConnection(asyncio.Protocol):
         if not isinstance(offered, int) or offered < 256:
             raise FrameError(Status.BAD_FRAME_SIZE, "no usable max-frame-size")
         self._max_frame = min(offered, MAX_FRAME_BYTES)
+        if self._hello_overdue is not None:
+            self._hello_overdue.cancel()
+            self._hello_overdue = None
         reply = {"version": spop.VERSION, "max-frame-size": self._max_frame, "capabilities": spop.CAPABILITIES}
         self._write(spop.encode_frame(FrameType.AGENT_HELLO, 0, 0, spop.encode_kv_list(reply)))
         if items.get("healthcheck") is True:
@@ -157,8 +183,8 @@ class _AgentConnection(asyncio.Protocol):
             return
         resumed = _Resumed(coroutine, yielded)  # type: ignore[arg-type]
         task = asyncio.get_running_loop().create_task(self._finish(frame, resumed, received))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
 
     async def _finish(self, frame: spop.Frame, pending: _Resumed, received: float) -> None:
         deadline_s = self._listener.deadline_s
@@ -214,6 +240,7 @@ class RouteListener:
         self.session_header = session_header
         self.deadline_s = deadline_s
         self.late_answers = 0
+        self.connections: set[_AgentConnection] = set()
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int = 0) -> int:

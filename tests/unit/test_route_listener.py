@@ -18,7 +18,7 @@ from infra.haproxy.config import ROUTER_BACKEND
 from infra.haproxy.spoe import AGENT_BACKEND
 from routers.capacity_ledger import CapacityLedger
 from routers.core import RouteRequest
-from services.router import spop
+from services.router import route_listener, spop
 from services.router.route_listener import DEADLINE_MARGIN_S, RouteListener
 from services.router.service import route_reply
 from services.router.spop import FrameType, Status
@@ -212,6 +212,9 @@ def test_every_reply_field_has_a_variable() -> None:
         (spop.encode_frame(FrameType.ACK, 0, 0, b""), Status.INVALID),
         (spop.LENGTH.pack(3) + b"abc", Status.INVALID),
         (spop.LENGTH.pack(2**31), Status.TOO_BIG),
+        # Before the HELLO: a frame larger than a HELLO, or a NOTIFY.
+        (spop.LENGTH.pack(route_listener.HELLO_FRAME_BYTES + 1), Status.TOO_BIG),
+        (_notify(1, 1, {SESSION: b"quick"}), Status.INVALID),
         (spop.encode_frame(FrameType.HAPROXY_DISCONNECT, 0, 0, b""), Status.NORMAL),
     ],
 )
@@ -239,3 +242,31 @@ def test_agent_servers_point_at_the_agent_and_are_checked_on_serves_port(tmp_pat
     # A fresh syncer (e.g. the frontend restarted) adopts the servers instead of replacing them.
     again = make_syncer(tmp_path, runtime, [endpoint("a", 1001)], routers, [1.0])
     assert not asyncio.run(again.sync_once()).changed and set(again.apps[0].agents.live) == {"q"}
+
+
+def test_a_peer_that_sends_no_hello_in_time_is_disconnected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(route_listener, "HELLO_TIMEOUT_S", 0.2)
+    [reply] = _exchange(b"", replies=1, closes=True)
+    assert reply.kind == FrameType.AGENT_DISCONNECT
+    assert spop.decode_kv_list(reply.payload)["status-code"] == Status.TIMEOUT
+
+
+def test_connections_over_the_cap_are_closed_at_once_and_the_others_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(route_listener, "MAX_CONNECTIONS", 2)
+
+    async def run() -> tuple[bytes, list[spop.Frame]]:
+        listener = RouteListener(_answer, SESSION)
+        port = await listener.start(LOOPBACK)
+        opened = [await asyncio.open_connection(LOOPBACK, port) for _ in range(3)]
+        try:
+            refused = await asyncio.wait_for(opened[2][0].read(), 5)
+            reader, writer = opened[0]
+            writer.write(_hello() + _notify(1, 1, {SESSION: b"quick"}))
+            return refused, await _read_frames(reader, 2)
+        finally:
+            for _, writer in opened:
+                writer.close()
+            listener.close()
+
+    refused, [hello, ack] = asyncio.run(run())
+    assert refused == b"" and hello.kind == FrameType.AGENT_HELLO and ack.kind == FrameType.ACK

@@ -16,7 +16,7 @@ from base.contracts import REQUEST_ID_HEADER
 from base.route_wire import RouteReply
 from loadtests.sse_timing import StreamRow, record_stream
 from services.router import spop
-from services.router.route_listener import _AgentConnection
+from services.router.route_listener import RouteListener, _AgentConnection
 from services.router.route_request import fields_from_body, route_request_from
 from services.router.spop import FrameType
 from topologies.problems import SpecError
@@ -52,15 +52,15 @@ def _feed(chunks: list[bytes]) -> tuple[_Transport, list[tuple[dict[str, str], b
 
     async def run() -> _Transport:
         transport = _Transport()
-        running: set[asyncio.Task[None]] = set()
-        connection = _AgentConnection(answer, SESSION_HEADER, running)
+        connection = _AgentConnection(RouteListener(answer, SESSION_HEADER))
         connection.connection_made(transport)  # type: ignore[arg-type]
         for chunk in chunks:
             if transport.closed:
                 break
             connection.data_received(chunk)
-        if running:
-            await asyncio.gather(*running)
+        while connection.pending:
+            await asyncio.gather(*connection.pending)
+        connection.connection_lost(None)
         return transport
 
     return asyncio.run(run()), calls
