@@ -4,12 +4,16 @@ The replica supervises HAProxy (restarted at once if it dies alone), runs the sy
 watchers and the ingress controller on a background loop of its own, and answers the CLI (`status`, `shift`,
 `ingress`, `requests`). Its declared ingress is the deployment's `user_config`. How and why:
 services/frontend/README.md.
+
+A redeploy hands over: Serve starts the new frontend beside the old one (`max_surge_percent` 100) and stops the old
+one only once the new one runs, its HAProxy listening on the same port (HAProxy binds with SO_REUSEPORT). The old
+replica's stop then soft-stops its HAProxy, which closes its listeners and serves the streams it holds to their end,
+for up to `HANDOVER_DRAIN_S`; the replica's graceful-shutdown budget is that plus `SHUTDOWN_MARGIN_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -33,7 +37,7 @@ from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.api_key_watcher import ApiKeyWatcher
 from services.frontend.background_loop import BackgroundLoop
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
-from services.frontend.ingress_control import IngressConfig, IngressController
+from services.frontend.ingress_control import IngressConfig, IngressController, ingress_store_key
 from services.frontend.path_log import PathLog
 from services.frontend.tls_watcher import TLSWatcher
 from services.router.route_listener import router_source
@@ -45,6 +49,11 @@ FRONTEND_DEPLOYMENT_NAME = "Frontend"
 # How often the supervisor looks at HAProxy's master process.
 SUPERVISE_INTERVAL_S = 0.2
 FIRST_START_TIMEOUT_S = 30.0
+# How long a stopping frontend's HAProxy serves the streams it still holds (an SSE answer of a few thousand tokens
+# takes seconds to a minute); a stream past it is cut when the replica ends.
+HANDOVER_DRAIN_S = 60.0
+# Serve's budget for the stop beyond the drain: stopping the background loop and removing the workdir.
+SHUTDOWN_MARGIN_S = 10.0
 
 
 class ServedApp(BaseModel):
@@ -91,6 +100,8 @@ class FrontendReplica:
         self._syncer: HAProxySyncer | None = None
         self.restarts = 0
         self._first_start = threading.Event()
+        # Set when Serve stops this replica: the supervisor starts no HAProxy any more.
+        self._retiring = threading.Event()
         self._log = PathLog()
         self._ingress = IngressController(
             self._settings,
@@ -98,7 +109,7 @@ class FrontendReplica:
             self._log,
             self._live_replicas,
             self._legacy_up,
-            f"sluice/ingress/{parsed.stack}",
+            ingress_store_key(parsed.stack),
         )
         self._loop = BackgroundLoop([self._listen, self._supervise, self._ingress.guard])
         self._loop.start()
@@ -137,7 +148,7 @@ class FrontendReplica:
         return self._haproxy is not None and self._haproxy.process is not None and self._haproxy.process.poll() is None
 
     async def _supervise(self) -> None:
-        while True:
+        while not self._retiring.is_set():
             self._haproxy = await self._start_haproxy()
             await asyncio.to_thread(self._ingress.publish_rollbacks)
             self._first_start.set()
@@ -158,6 +169,8 @@ class FrontendReplica:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if self._retiring.is_set():
+                return
             logger.error("HAProxy exited (status %s): starting a new one", self._haproxy.process.returncode)
             self._haproxy.stop()
             self.restarts += 1
@@ -237,16 +250,19 @@ class FrontendReplica:
         }
 
     def __del__(self) -> None:
-        ingress = getattr(self, "_ingress", None)
-        if ingress is not None:
-            with contextlib.suppress(Exception):  # Ray may be gone already when the process exits
-                ingress.forget()
+        """Serve stops this replica (a redeploy's new frontend already runs, or the stack is deleted): HAProxy
+        soft-stops and serves what it holds for up to `HANDOVER_DRAIN_S`, while the loop whose thread started it
+        (its death signal) lives; then the loop ends. The run-time weight stays in Ray's KV store for the next
+        frontend (`sluice down` drops it)."""
+        retiring = getattr(self, "_retiring", None)
+        if retiring is not None:
+            retiring.set()
+        haproxy = getattr(self, "_haproxy", None)
+        if haproxy is not None:
+            haproxy.stop(grace_s=HANDOVER_DRAIN_S)
         loop = getattr(self, "_loop", None)
         if loop is not None:
             loop.stop()
-        haproxy = getattr(self, "_haproxy", None)
-        if haproxy is not None:
-            haproxy.stop(grace_s=1)
         settings = getattr(self, "_settings", None)
         if settings is not None:
             shutil.rmtree(settings.workdir, ignore_errors=True)
@@ -265,11 +281,14 @@ def build_frontend_application(args: dict[str, Any]) -> Application:
     """Serve's application builder (`import_path: services.frontend.app:build_frontend_application`).
 
     One replica, no CPU reserved (HAProxy and the syncer mostly wait), never an HTTP ingress. Its version is its
-    args: a redeploy that changes only the ingress (`user_config`) reconfigures the running replica."""
+    args: a redeploy that changes only the ingress (`user_config`) reconfigures the running replica; one that changes
+    the rest hands over (the module's docstring)."""
     parsed = FrontendArgs.model_validate(args)
     deployment = serve.deployment(FrontendReplica).options(
         name=FRONTEND_DEPLOYMENT_NAME,
         num_replicas=1,
+        max_surge_percent=100,
+        graceful_shutdown_timeout_s=HANDOVER_DRAIN_S + SHUTDOWN_MARGIN_S,
         max_ongoing_requests=8,
         ray_actor_options={"num_cpus": 0, "resources": node_role_resources(parsed.node_role)},
         user_config=parsed.ingress.model_dump(mode="json"),

@@ -26,6 +26,9 @@ from services.frontend.path_log import PathLog
 
 logger = logging.getLogger(__name__)
 GUARD_INTERVAL_S = 1.0
+# Where a stack's run-time weight is kept in Ray's KV store: it outlives every frontend replica of the stack, and
+# only deleting the stack (`forget_ingress`) drops it.
+INGRESS_STORE_PREFIX = "sluice/ingress/"
 # How long a move towards the legacy path waits for every app's legacy ingress to be UP in HAProxy.
 LEGACY_WAIT_S = 60.0
 DRAIN_POLL_S = 0.1
@@ -250,12 +253,6 @@ class IngressController:
                 runtime.set_map(self.settings.weights_map_path, name, str(weight))
         self._store({"declared": self.config.model_dump(mode="json"), "weight": weight})
 
-    def forget(self) -> None:
-        from ray.experimental import internal_kv
-
-        if internal_kv._internal_kv_initialized():
-            internal_kv._internal_kv_del(self._store_key)
-
     def _load(self) -> dict[str, object] | None:
         from ray.experimental import internal_kv
 
@@ -269,3 +266,15 @@ class IngressController:
 
         if internal_kv._internal_kv_initialized():
             internal_kv._internal_kv_put(self._store_key, json.dumps(value).encode(), overwrite=True)
+
+
+def ingress_store_key(stack: str) -> str:
+    return f"{INGRESS_STORE_PREFIX}{stack}"
+
+
+def forget_ingress(stack: str) -> None:
+    """Drop a deleted stack's run-time weight, so a stack deployed later under its name starts at its declaration."""
+    from ray.experimental import internal_kv
+
+    if internal_kv._internal_kv_initialized():
+        internal_kv._internal_kv_del(ingress_store_key(stack))

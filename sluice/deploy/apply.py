@@ -19,12 +19,16 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from base.contracts import DIRECT_WEIGHT_MAX
 from base.waiting import WaitTimeout, wait_until
 from builders.plan import StackPlan, build_plan, model_path, serve_config
+from services.frontend.ingress_control import forget_ingress
 from sluice.deploy import registry
 from sluice.deploy.preflight import cluster_spans_nodes, connect, preflight, replica_demands
 from sluice.deploy.progress import DeployProgress
 from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, StackBase, load_spec
+
+logger = logging.getLogger(__name__)
 
 # Sized for a model load: the tiny model on CPU starts in ~30 s, a real model on GPUs in minutes.
 CPU_DEPLOY_TIMEOUT_S = 600.0
@@ -173,28 +177,47 @@ def apply_plan(spec: StackBase, plan: StackPlan, timeout_s: float | None = None,
 
 
 def settle_ingress(spec: StackBase, plan: StackPlan, say: Callable[[str], None]) -> None:
-    """Wait for the declared ingress: the frontend reconfigured to its weight, a path that lost its traffic drained;
-    then remove a legacy ingress the spec no longer retains."""
+    """Wait for the declared ingress: the frontend holding this declaration (its weight in force, or a run-time
+    weight `sluice canary`/`rollback` set over the same declaration, which a redeploy keeps), a path that lost its
+    traffic drained; then remove a legacy ingress the spec no longer retains, once no request goes there."""
     from ray import serve
 
     frontend = serve.get_app_handle(plan.frontend_app)
     latest: dict[str, Any] = {}
 
+    def drained() -> bool:
+        drain = latest.get("drain")
+        return drain is None or drain["done"] or bool(drain["still_running"])
+
     def settled() -> bool:
-        latest.update(frontend.ingress.remote().result(timeout_s=30))
-        drain = latest["drain"]
-        drained = drain is None or drain["done"] or bool(drain["still_running"])
-        return latest["direct_weight"] == spec.ingress.direct_weight and drained
+        try:
+            latest.update(frontend.ingress.remote().result(timeout_s=30))
+        except Exception as error:  # noqa: BLE001 - the frontend busy or restarting: not settled yet
+            logger.debug("the frontend's ingress did not answer: %r", error)
+            return False
+        return latest["declared_weight"] == spec.ingress.direct_weight and drained()
 
     with contextlib.suppress(WaitTimeout):
         wait_until(spec.ingress.drain_deadline_s + 30, settled, "the declared ingress", poll_s=0.2)
-    ingress, drain = latest, latest["drain"]
-    say(f"frontend: direct weight {ingress['direct_weight']}% (ingress mode {spec.ingress.mode})")
+    if not latest:
+        say("frontend: its ingress did not answer; the legacy path, if any, is left as it is")
+        return
+    weight, drain = latest["direct_weight"], latest["drain"]
+    kept = (
+        ""
+        if weight == spec.ingress.direct_weight
+        else f" (a run-time weight over the declared {spec.ingress.direct_weight}%)"
+    )
+    say(f"frontend: direct weight {weight}%{kept} (ingress mode {spec.ingress.mode})")
     if drain is not None:
         state = "drained" if drain["done"] else f"still streaming at the deadline: {drain['still_running']}"
         say(f"frontend: the {drain['path']} path {state}")
+    unused = weight == DIRECT_WEIGHT_MAX and drained()
     for model in plan.models:
         if model.legacy_app and not model.legacy_deployed and model.legacy_app in serve.status().applications:
+            if not unused:
+                say(f"{model.legacy_app}: kept (the spec retains no legacy path, but requests still go there)")
+                continue
             serve.delete(model.legacy_app)
             say(f"{model.legacy_app}: deleted (the spec retains no legacy path)")
 
@@ -285,4 +308,5 @@ def down(target: str, address: str) -> int:
         return 1
     delete_apps(apps)
     registry.forget(stack)
+    forget_ingress(stack)
     return 0

@@ -2,19 +2,25 @@
 two vLLM replicas, a router, the legacy ingress, HAProxy): `sluice check` passing twice on the live canary and
 leaving it as it was (its injected fault counts nowhere), sticky weighted split, connection-draining rollback and its
 reverse under streaming load, automatic rollback on a real router fault (counted on the frontend's metrics), one
-generation per request id on either path, and `sluice check` failing by name when a router is broken or a replica is
-out of HAProxy's map."""
+generation per request id on either path, `sluice check` failing by name when a router is broken or a replica is
+out of HAProxy's map, and, last, a redeploy of the frontend's settings handing over to a new frontend with no
+stream cut, no connection refused and the rollback in force kept, also by the frontend after it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import psutil
 import pytest
 from ray import serve
 
@@ -31,6 +37,7 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.waiting import WaitTimeout, wait_until
+from infra.haproxy.process import pid_alive
 from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.ingress_control import GUARD_INTERVAL_S
 from services.serve_internals import list_replica_endpoints
@@ -46,7 +53,7 @@ from sluice.deploy.check import (
     verdict,
 )
 from tests.support.frontend_metrics import frontend_counts
-from tests.support.sse import DONE, data_payloads, stream_lines
+from tests.support.sse import DONE, chunks, data_payloads, stream_lines
 from tests.support.streaming_users import Stream, streaming_users
 from tests.support.team_stack import TeamStack, team_stack
 from tests.support.vllm_metrics import engine_requests
@@ -305,3 +312,91 @@ def test_sluice_check_fails_naming_the_item_when_a_replica_is_missing_from_hapro
     assert code == 1 and verdict["failed"] == ["server map"]
     item = next(i for i in verdict["items"] if i["item"] == "server map")
     assert replica in item["detail"]
+
+
+HELD_STREAMS = 8
+# Each event of a completion with 20 logprobs is about a kilobyte: a stream of 600 tokens cannot sit in the sockets'
+# buffers, so HAProxy holds it until its client reads, across the hand-over.
+HELD = {**STREAM, "max_tokens": 600, "logprobs": 20}
+PROBE_INTERVAL_S = 0.05
+
+
+@contextlib.contextmanager
+def _probes(url: str) -> Iterator[list[str]]:
+    """A request on a new connection every `PROBE_INTERVAL_S` until the block ends: what failed, each said."""
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            try:
+                response = httpx.get(f"{url}/v1/models", timeout=10)
+                if response.status_code != 200:
+                    failures.append(f"{response.status_code} {response.headers.get(SERVE_REASON_HEADER)}")
+            except httpx.HTTPError as error:
+                failures.append(repr(error))
+            stop.wait(PROBE_INTERVAL_S)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        yield failures
+    finally:
+        stop.set()
+        prober.join(timeout=15)
+
+
+def _listens(pid: int, port: int) -> bool:
+    try:
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in psutil.Process(pid).net_connections()
+        )
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _frontend_status(stack: TeamStack) -> dict[str, Any]:
+    return _frontend(stack).status.remote().result(timeout_s=30)
+
+
+def test_a_frontend_redeploy_hands_over_cutting_no_stream_refusing_no_connection_and_keeping_the_rollback(
+    stack: TeamStack, tmp_path: Path
+) -> None:
+    stack.shift(0, wait=True)  # a rollback: a run-time weight over the declared 30
+    before = _frontend_status(stack)
+    port = stack.spec.frontend.port
+
+    def longer_urls(data: dict[str, Any]) -> None:
+        data["frontend"].setdefault("protection", {})["max_url_bytes"] = (
+            2 * stack.spec.frontend.protection.max_url_bytes
+        )
+
+    with contextlib.ExitStack() as held:
+        clients = [held.enter_context(httpx.Client(timeout=120)) for _ in range(HELD_STREAMS)]
+        responses = [held.enter_context(c.stream("POST", f"{stack.url}/v1/completions", json=HELD)) for c in clients]
+        assert [r.status_code for r in responses] == [200] * HELD_STREAMS
+        lines = [stream_lines(r) for r in responses]
+        for stream in lines:
+            next(line for line in stream if line.startswith("data: "))
+        with _probes(stack.url) as failures:
+            redeployed = stack.redeploy(longer_urls, tmp_path)
+            # The old frontend's HAProxy has closed its listeners (soft stop): what it still serves is the held streams.
+            wait_until(60, lambda: not _listens(before["worker_pid"], port), "the old HAProxy to stop listening", 0.1)
+            assert pid_alive(before["master_pid"]), "the old HAProxy ended with streams still held"
+        bodies = ["\n".join(stream) for stream in lines]
+    events = [data_payloads(body) for body in bodies]
+    assert all(payloads[-1] == DONE for payloads in events), "a held stream was cut"
+    assert all(chunks(payloads[:-1])[-1]["choices"][0]["finish_reason"] == "length" for payloads in events)
+    assert failures == [], failures
+    after = _frontend_status(redeployed)
+    assert after["replica_pid"] != before["replica_pid"] and after["direct_weight"] == 0
+    # The rollback is kept by the frontend after that one too: Serve replaces a killed frontend replica.
+    os.kill(after["replica_pid"], signal.SIGKILL)
+
+    def replaced() -> dict[str, Any] | None:
+        with contextlib.suppress(Exception):
+            status = _frontend_status(redeployed)
+            return status if status["running"] and status["replica_pid"] != after["replica_pid"] else None
+        return None
+
+    assert wait_until(90, replaced, "Serve to replace the killed frontend", 0.5)["direct_weight"] == 0

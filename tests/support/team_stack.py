@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,18 @@ class TeamStack:
     def ingress(self) -> dict[str, Any]:
         """The frontend's ingress state: weight, drain, abort."""
         return self._frontend().ingress.remote().result(timeout_s=30)
+
+    def redeploy(self, change: Callable[[dict[str, Any]], None], folder: Path) -> TeamStack:
+        """Deploy the stack again, its file changed by `change` (written into `folder`), as `sluice deploy` would;
+        the stack as now deployed (same name, same ports: the caller's stack deletes it)."""
+        data = yaml.safe_load(self.path.read_text())
+        change(data)
+        path = folder / "redeployed.yaml"
+        path.write_text(yaml.safe_dump(data))
+        spec = load_spec(path)
+        plan = build_plan(spec)
+        _deploy(spec, plan)
+        return TeamStack(spec, plan, path, self.url)
 
     def _frontend(self) -> Any:
         from ray import serve
