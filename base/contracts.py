@@ -89,6 +89,11 @@ PROTECTION_REASONS = {
     429: REASON_CLIENT_LIMIT,
     431: REASON_HEADERS_TOO_LARGE,
 }
+# The frontend serves the public API alone: vLLM's OpenAI paths (`/v1/...`, the models list among them) and its
+# health; any other path (a replica's `/tokenize`, `/metrics`, a router's `/internal/...`) is 404 before routing.
+PUBLIC_PATH_PREFIX = "/v1/"
+PUBLIC_PATHS = ("/health",)
+REASON_UNKNOWN_PATH = "unknown_path"  # 404: a path outside the public API
 # A frontend with several models refuses a request whose model it cannot tell (before any route call).
 REASON_MODEL_NOT_FOUND = "model_not_found"  # 404: a model this frontend does not serve
 REASON_MODEL_MISSING = "model_missing"  # 400: neither the header nor the body names a model

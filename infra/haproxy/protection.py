@@ -1,6 +1,7 @@
 """What the frontend refuses before any route call, so that no client can hold or starve a replica.
 
-Header and body timeouts, size limits, API keys and per-client limits, rendered as the public frontend's rules;
+The public API's paths alone (`PUBLIC_PATH_PREFIX`, `PUBLIC_PATHS`: 404 `unknown_path` for any other), header and
+body timeouts, size limits, API keys and per-client limits, rendered as the public frontend's rules;
 every refusal carries `x-serve-reason` (`base.contracts.PROTECTION_REASONS`) and an OpenAI-style JSON body. The
 rules in the order HAProxy applies them: infra/haproxy/README.md (protection of the replicas).
 """
@@ -16,11 +17,14 @@ from base.contracts import (
     MAX_URL_BYTES_DEFAULT,
     MODEL_REASONS,
     PROTECTION_REASONS,
+    PUBLIC_PATH_PREFIX,
+    PUBLIC_PATHS,
     REASON_BODY_TOO_LARGE,
     REASON_CLIENT_LIMIT,
     REASON_HEADERS_TOO_LARGE,
     REASON_INVALID_API_KEY,
     REASON_TLS_REQUIRED,
+    REASON_UNKNOWN_PATH,
     REASON_URL_TOO_LONG,
     REQUEST_TIMEOUT_S_DEFAULT,
     RETRY_AFTER_HEADER,
@@ -35,6 +39,7 @@ REFUSAL_TABLE = "sluice_refusals"
 # The rules' refusals (a body that is not whole in time gets HAProxy's own 408, after which no rule runs), and
 # a multi-model frontend's refusals of a request whose model it cannot tell (`infra.haproxy.models`).
 COUNTED_REASONS = (
+    REASON_UNKNOWN_PATH,
     *(reason for status, reason in PROTECTION_REASONS.items() if status != 408),
     *MODEL_REASONS,
 )
@@ -99,8 +104,10 @@ def protection_lines(protection: FrontendProtection, keys_acl: str, plain_port: 
     """The public frontend's rules before the route action; `keys_acl`: the key digests' pattern file;
     `plain_port`: the plain-HTTP port of a frontend with TLS, where a request carrying a key is refused."""
     limits = protection.client_limits
+    outside_the_api = " ".join([f"!{{ path_beg {PUBLIC_PATH_PREFIX} }}", *(f"!{{ path {p} }}" for p in PUBLIC_PATHS)])
     lines = [
         "    # Protection of the replicas (infra/haproxy/protection.py): refused here, never routed.",
+        *_refusal(404, REASON_UNKNOWN_PATH, f"no such path: the API is under {PUBLIC_PATH_PREFIX}", outside_the_api),
         *(
             _refusal(
                 403,

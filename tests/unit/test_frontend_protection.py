@@ -83,13 +83,20 @@ def test_every_refusal_is_openai_json_with_its_reason() -> None:
     # A TLS frontend with a plain port kept: its refusal of keys in clear too.
     refusals = [rule for rule in _rules(protection, plain_port=8080) if rule.startswith("http-request return")]
     statuses = set()
+    reasons = {**contracts.PROTECTION_REASONS, 404: contracts.REASON_UNKNOWN_PATH}
     for rule in refusals:
         status = int(re.search(r"status (\d+)", rule)[1])
         statuses.add(status)
-        assert f"hdr {contracts.SERVE_REASON_HEADER} {contracts.PROTECTION_REASONS[status]} " in rule
+        assert f"hdr {contracts.SERVE_REASON_HEADER} {reasons[status]} " in rule
         error = json.loads(re.search(r"string '([^']*)'", rule)[1])["error"]
         assert error["code"] == status and error["type"] and error["message"]
-    assert statuses == set(contracts.PROTECTION_REASONS) - {408}  # 408 is HAProxy's own (http-error)
+    assert statuses == set(reasons) - {408}  # 408 is HAProxy's own (http-error)
+
+
+def test_only_the_public_api_is_routed_any_other_path_is_404_first() -> None:
+    rules = [rule for rule in _rules(FrontendProtection()) if rule.startswith("http-request return")]
+    assert f"hdr {contracts.SERVE_REASON_HEADER} {contracts.REASON_UNKNOWN_PATH} " in rules[0]
+    assert rules[0].endswith(f"!{{ path_beg {contracts.PUBLIC_PATH_PREFIX} }} !{{ path /health }}")
 
 
 def test_without_keys_clients_are_source_addresses_and_without_limits_nothing_is_tracked() -> None:

@@ -18,8 +18,11 @@ from base.contracts import (
     AUTHORIZATION_HEADER,
     REASON_CLIENT_LIMIT,
     REASON_INVALID_API_KEY,
+    REASON_UNKNOWN_PATH,
+    REPLICA_HEADER,
     REQUEST_ID_HEADER,
     RETRY_AFTER_HEADER,
+    SERVE_REASON_HEADER,
 )
 from base.waiting import wait_until
 from infra.api_keys import ApiKeySource, key_hash_line
@@ -207,3 +210,27 @@ def test_a_broken_chunked_body_gets_haproxys_400_and_is_never_routed(keyed: Plan
     # HAProxy's 400 at the broken chunk, not the request timeout's 408: it refused before waiting for more body.
     assert response.status == 400
     assert len(env.behavior.calls) == calls
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/internal/kv_index"),
+        ("POST", "/internal/route"),
+        ("POST", "/tokenize"),
+        ("GET", "/metrics"),
+        ("GET", "/v1"),
+    ],
+)
+def test_a_path_outside_the_public_api_is_404_and_reaches_no_router_or_replica(
+    by_address: Plane, env: Env, method: str, path: str
+) -> None:
+    calls, refused = len(env.behavior.calls), refusal_counts(by_address.haproxy.settings.prometheus_port)
+    with httpx.Client(base_url=by_address.url, timeout=10) as client:
+        response = client.request(method, path, json={"prompt": "hi"} if method == "POST" else None)
+        assert response.status_code == 404 and response.headers[SERVE_REASON_HEADER] == REASON_UNKNOWN_PATH
+        assert REPLICA_HEADER not in response.headers and response.json()["error"]["code"] == 404
+        assert client.get("/v1/models").status_code == 200
+    assert len(env.behavior.calls) == calls
+    counted = refusal_counts(by_address.haproxy.settings.prometheus_port)
+    assert counted[REASON_UNKNOWN_PATH] - refused.get(REASON_UNKNOWN_PATH, 0) == 1
