@@ -16,7 +16,8 @@ tokenizers whose added tokens strip no neighbouring spaces, where the split is e
 The body is a client's: `chat_template_kwargs` naming `chat_template` or `tokenize` are refused as vLLM refuses them
 (it answers 400; the router routes such a request by load and renders nothing: a client's template is a program),
 and only the kwargs that are variables of the model's own template reach it, as in vLLM. The piece cache is bounded
-by characters (`PIECE_CACHE_CHARS`), and a piece longer than `PIECE_MAX_CHARS` is never kept.
+by characters (`PIECE_CACHE_CHARS`), a piece longer than `PIECE_MAX_CHARS` is never kept, and only the prompt's first
+`MAX_PROMPT_CHARS` characters are tokenized.
 
 A caller that only needs the prompt as far as it can change its decision passes `read_on(tokens)`: before a new
 piece is tokenized, and after the first `HEAD_CHARS` of a long new piece, a leading part it has no use beyond ends the
@@ -39,6 +40,10 @@ from typing import Any
 PIECE_CACHE_CHARS = 8 * 1024 * 1024
 # A piece longer than this is tokenized each time it comes: a few such pieces would fill the cache alone.
 PIECE_MAX_CHARS = 64 * 1024
+# The prompt text tokenized at most (a completion's prompt, a rendered chat): about 64k tokens of English, a
+# decision's prefix far past any prefix two requests share in practice, and at ~1.5 µs a token ~0.1 s at worst on
+# the router's loop; the rest of a longer prompt decides nothing (`routing.body_buffer_bytes` may reach 64 MiB).
+MAX_PROMPT_CHARS = 256 * 1024
 # Chat template kwargs vLLM refuses from a request (`resolve_chat_template_kwargs`).
 REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
 # The head of a long new piece tokenized first: about 200 tokens of English, more than one KV block of any common
@@ -124,6 +129,7 @@ class PromptTokens:
 
     def _completion(self, prompt: Any, read_on: ReadOn | None) -> list[int] | None:
         if isinstance(prompt, str):
+            prompt = prompt[:MAX_PROMPT_CHARS]
             cut = head_cut(prompt) if read_on is not None and self._cuts_heads and self._specials_lead else None
             if cut is not None:
                 head = self._encode(prompt[:cut], specials=True)
@@ -157,7 +163,7 @@ class PromptTokens:
             continue_final_message=body.get("continue_final_message", False),
             tokenize=False,
             **{name: value for name, value in kwargs.items() if self._reads(name)},
-        )
+        )[:MAX_PROMPT_CHARS]
         if self._splitter is None:
             return self._encode(text)
         tokens: list[int] = []

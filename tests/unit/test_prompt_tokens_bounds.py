@@ -1,6 +1,7 @@
 """A client's body cannot make the router render or keep what it likes (review #5): `chat_template_kwargs` that vLLM
 refuses (`chat_template`, `tokenize`) are routed by load with nothing rendered, kwargs the model's template does not
-read never reach `apply_chat_template`, and the piece cache is bounded in characters."""
+read never reach `apply_chat_template`, the piece cache is bounded in characters, and only a prompt's first
+`MAX_PROMPT_CHARS` characters are tokenized."""
 
 from __future__ import annotations
 
@@ -51,3 +52,23 @@ def test_the_piece_cache_is_bounded_in_characters(tiny_model_dir: Path, monkeypa
     held = fresh.cached_chars
     fresh.tokens(_chat(" ".join(rng.choice(WORDS) for _ in range(3_000))))  # ~9k characters: never kept
     assert fresh.cached_chars <= held + 100
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_only_a_prompts_first_characters_are_tokenized(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    monkeypatch.setattr(prompt_tokens, "MAX_PROMPT_CHARS", 3_000)
+    fresh = PromptTokens(str(tiny_model_dir))
+    encoded: list[int] = []
+    encode = fresh._encode
+    monkeypatch.setattr(
+        fresh, "_encode", lambda text, specials=False: encoded.append(len(text)) or encode(text, specials)
+    )
+    long_text = " ".join(WORDS[i % len(WORDS)] for i in range(100_000))  # ~300k characters
+    if kind == "completion":
+        body = json.dumps({"model": "m", "prompt": long_text}).encode()
+    else:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": long_text}]}).encode()
+    found = fresh.tokens(body)
+    assert found and sum(encoded) <= 3_000
