@@ -6,6 +6,12 @@ blocks, their parent and tokens), `BlockRemoved` (evicted blocks) or `AllBlocksC
 the batches it still buffers from a given sequence number, ending with sequence -1. Numbers rise by one per batch;
 a jump means batches were lost (ask the replay socket); a number already applied (a replay overlapping the live
 stream) is skipped. An engine that restarts publishes on a new port: a new stream, announced anew.
+
+Only blocks a plain prompt's token chain can hit are indexed: those in the engine's own cache (`medium` "GPU", the
+name vLLM gives its primary tier on every device, or none), keyed by tokens alone. A block stored with `extra_keys`
+(a LoRA adapter, multimodal inputs, a `cache_salt`) or for a LoRA is hashed by the engine with those too, so the
+same tokens from another request never hit it; an offload tier's store or removal leaves the primary cache's entry
+as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import msgspec
 from routers.kv_index import KVBlockIndex
 
 END_OF_REPLAY = -1
+# vLLM's name for the engine's own KV cache tier (`vllm.distributed.kv_events.MEDIUM_GPU`, on CPU engines too).
+PRIMARY_MEDIUM = "GPU"
 
 
 def sequence_number(frame: bytes) -> int:
@@ -41,7 +49,15 @@ def apply_batch(index: KVBlockIndex, replica_id: str, payload: bytes) -> int:
         if not isinstance(event, dict) or event.get("group_idx") not in (None, 0):
             continue  # a second KV cache group (hybrid models) has blocks of its own kind; group 0 decides
         kind = event.get("type")
+        if event.get("medium") not in (None, PRIMARY_MEDIUM):
+            continue
         if kind == "BlockStored":
+            if (
+                event.get("lora_name") is not None
+                or event.get("lora_id") is not None
+                or any(event.get("extra_keys") or ())
+            ):
+                continue
             index.stored(
                 replica_id, event["block_hashes"], event["parent_block_hash"], event["token_ids"], event["block_size"]
             )

@@ -13,16 +13,9 @@ from routers.kv_index import KVBlockIndex, PromptChain, RoutedPrefixes, chain_ke
 BLOCK = 4
 
 
-def _stored(hashes: list[object], parent: object | None, tokens: list[int]) -> BlockStored:
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=BLOCK,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+def _stored(hashes: list[object], parent: object | None, tokens: list[int], **keyed: object) -> BlockStored:
+    fields: dict[str, object] = {"lora_id": None, "medium": "GPU", "lora_name": None, **keyed}
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BLOCK, **fields)
 
 
 def _batch(*events: object) -> bytes:
@@ -61,6 +54,28 @@ def test_removed_and_cleared_blocks_leave_the_index() -> None:
     assert index.matched_blocks(keys, ["a", "b"]) == {"a": 1, "b": 0}
     index.cleared("a")
     assert index.matched_blocks(keys, ["a", "b"]) == {"a": 0, "b": 0} and index.replicas() == []
+
+
+@pytest.mark.parametrize(
+    "keyed",
+    [{"extra_keys": [("salt-1",)]}, {"lora_name": "adapter", "lora_id": 1}, {"medium": "CPU"}],
+    ids=["cache_salt", "lora", "offload_tier"],
+)
+def test_blocks_a_plain_prompt_cannot_hit_are_not_indexed(keyed: dict[str, object]) -> None:
+    """vLLM hashes a salted, LoRA or multimodal block with its extra keys: the same tokens of another request do not
+    hit it. A block stored in an offload tier is not in the engine's own cache."""
+    index = KVBlockIndex()
+    tokens = list(range(8))
+    apply_batch(index, "a", _batch(_stored([1, 2], None, tokens, **keyed)))
+    assert index.matched_blocks(chain_keys(tokens, BLOCK), ["a"]) == {"a": 0}
+
+
+def test_an_offload_tiers_removal_leaves_the_engines_own_block() -> None:
+    index = KVBlockIndex()
+    tokens = list(range(8))
+    apply_batch(index, "a", _batch(_stored([1, 2], None, tokens)))
+    apply_batch(index, "a", _batch(BlockRemoved(block_hashes=[2], medium="CPU")))
+    assert index.matched_blocks(chain_keys(tokens, BLOCK), ["a"]) == {"a": 2}
 
 
 def test_a_block_whose_parent_was_never_seen_is_not_indexed() -> None:
