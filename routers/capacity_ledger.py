@@ -215,6 +215,7 @@ class CapacityLedger:
                 r: {"in_flight": self.in_flight(r), "capacity": self._capacity.get(r, 0)} for r in replica_ids
             },
             "outstanding": len(self._grants),
+            "token_ttl_s": self.token_ttl_s,
             "waiting": len(self._waiters),
             "granted": self.granted,
             "released": self.released,

@@ -5,6 +5,9 @@ deployment finds it by name (`ledger_actor_name`) in the `sluice` namespace. `Ac
 `LedgerClient` over it, every call bounded by a timeout; a router's client finds the ledger again once the one it
 holds is dead for good (killed with no restart: the next lookup creates it anew). Restart options, constants and why:
 routers/README.md#the-ledger-actor.
+
+A ledger found by name takes the caller's `token_ttl_s` (a redeploy's setting applies to the ledger that outlived the
+last router), and deleting a stack's apps ends their ledgers (`end_ledgers`): detached, nothing else would.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import ray
@@ -25,6 +28,7 @@ from routers.capacity_queue import CapacityQueue, CapacityQueueSettings, LedgerC
 from routers.core import CapacityToken
 
 LEDGER_NAMESPACE = "sluice"
+LEDGER_NAME_PREFIX = "sluice-capacity-ledger"
 # A waiting acquire holds a call slot for up to `WAIT_SLICE_S`; releases must never queue behind waiters.
 MAX_CONCURRENCY = 100_000
 # On top of a call's own wait: a healthy ledger answers in well under a millisecond plus the RPC.
@@ -52,16 +56,34 @@ class CapacityLedgerActor:
     async def snapshot(self) -> dict:
         return self._ledger.snapshot()
 
+    async def set_token_ttl(self, token_ttl_s: float) -> None:
+        self._ledger.token_ttl_s = token_ttl_s
+
 
 def ledger_actor_name(app: str, deployment: str) -> str:
-    return f"sluice-capacity-ledger:{app}:{deployment}"
+    return f"{LEDGER_NAME_PREFIX}:{app}:{deployment}"
 
 
 def get_or_create_ledger(name: str, token_ttl_s: float = DEFAULT_TOKEN_TTL_S) -> ActorHandle:
-    """The deployment's ledger actor, created on first use; it outlives the router that made it."""
-    return CapacityLedgerActor.options(
+    """The deployment's ledger actor, created on first use (it outlives the router that made it); one that exists
+    takes `token_ttl_s`."""
+    handle = CapacityLedgerActor.options(
         name=name, namespace=LEDGER_NAMESPACE, get_if_exists=True, lifetime="detached"
     ).remote(token_ttl_s)
+    handle.set_token_ttl.remote(token_ttl_s)
+    return handle
+
+
+def end_ledgers(apps: Iterable[str]) -> list[str]:
+    """Kill the ledger actors of these apps' deployments for good; returns their names."""
+    prefixes = tuple(f"{LEDGER_NAME_PREFIX}:{app}:" for app in apps)
+    ended = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == LEDGER_NAMESPACE and actor["name"].startswith(prefixes):
+            with contextlib.suppress(ValueError):  # ended meanwhile
+                ray.kill(ray.get_actor(actor["name"], namespace=LEDGER_NAMESPACE), no_restart=True)
+                ended.append(actor["name"])
+    return ended
 
 
 def capacity_queue_policy(

@@ -247,8 +247,11 @@ def delete_apps(
     going away (`frontend_first`); then the others together, so their replicas' draining periods (Serve keeps each for
     at least `RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`) overlap instead of adding up. `wait` False: every
     delete is only issued, the frontend's first, and Serve drains them while the caller goes on (a test's teardown,
-    where no request is sent any more and a later stack has names of its own)."""
+    where no request is sent any more and a later stack has names of its own). The apps' capacity ledgers (detached
+    actors) are ended with them."""
     from ray import serve
+
+    from routers.ledger_actor import end_ledgers
 
     existing = serve.status().applications
     rest = [app for app in reversed(apps) if app in existing]
@@ -258,6 +261,8 @@ def delete_apps(
         print(f"deleted {first}", flush=True)
     for app in rest:
         serve.delete(app, _blocking=False)
+    for ledger in end_ledgers(apps):  # detached: they would outlive the stack
+        print(f"ended {ledger}", flush=True)
     if not wait:
         return
 

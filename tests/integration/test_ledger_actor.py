@@ -1,5 +1,6 @@
 """The ledger actor: grants and releases through ActorLedgerClient, restarts empty after a kill
-(the restart bound holds through the actor), and calls to a dead ledger fail instead of hanging."""
+(the restart bound holds through the actor), calls to a dead ledger fail instead of hanging, a ledger found again
+takes the finder's token TTL, and deleting its app's stack ends it."""
 
 from __future__ import annotations
 
@@ -241,3 +242,26 @@ def test_a_router_finds_the_ledger_created_anew_after_its_ledger_was_killed_for_
         assert snapshot_of(handle_of(name))["granted"] == 1
     finally:
         ray.kill(handle_of(name), no_restart=True)
+
+
+def test_a_ledger_found_again_takes_the_new_ttl_and_ending_its_app_ends_it(ray_cluster: None) -> None:
+    import ray
+
+    from base.waiting import wait_until
+    from routers.ledger_actor import LEDGER_NAMESPACE, end_ledgers, get_or_create_ledger, ledger_actor_name
+
+    app = f"ledger-app-{uuid.uuid4().hex[:8]}"
+    name = ledger_actor_name(app, "LLMReplica")
+    assert snapshot_of(get_or_create_ledger(name, token_ttl_s=600.0))["token_ttl_s"] == 600.0
+    # A redeploy's router with another TTL finds the ledger that outlived the last one.
+    assert snapshot_of(get_or_create_ledger(name, token_ttl_s=30.0))["token_ttl_s"] == 30.0
+    assert end_ledgers([f"other-{app}", app]) == [name]
+
+    def gone() -> bool:
+        try:
+            ray.get_actor(name, namespace=LEDGER_NAMESPACE)
+        except ValueError:
+            return True
+        return False
+
+    wait_until(30, gone, "the ended ledger's name to be free", poll_s=0.2)
