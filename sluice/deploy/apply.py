@@ -150,9 +150,13 @@ def apply_plan(spec: StackBase, plan: StackPlan, timeout_s: float | None = None,
         builder = getattr(importlib.import_module(module), name)
         targets.append(serve.RunTarget(builder(app.args), name=app.name, route_prefix=app.route_prefix))
     # Serve's own wait for an app to run has no deadline: submit every app, then follow them here.
+    previous = registry.deployed(plan.stack)
+    if previous is None:
+        registry.record(spec, plan, source)
+    else:
+        registry.add_apps(plan.stack, [app.name for app in plan.apps])
     serve.run_many(targets, wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
     say(f"deploying {', '.join(app.name for app in plan.apps)}")
-    registry.record(spec, plan, source)
     progress = DeployProgress([app.name for app in plan.apps], say)
 
     def settled() -> tuple[str | None] | None:
@@ -173,6 +177,10 @@ def apply_plan(spec: StackBase, plan: StackPlan, timeout_s: float | None = None,
     for model in plan.models:
         say(f"frontend: {model.name}: {model.min_replicas} replica(s) UP and published to its routers")
     settle_ingress(spec, plan, say)
+    registry.record(spec, plan, source)
+    retired = registry.retired_apps(previous, plan)
+    if retired:
+        delete_apps(retired, frontend_first=False)
     return True
 
 
