@@ -249,6 +249,7 @@ def prefill_decode_model_apps(spec: StackBase, index: int, model: PrefillDecodeM
             role="decode",
             local_prefill_fallback=model.local_prefill_fallback,
             prefill_timeout_s=model.prefill_timeout_s,
+            prefill_app=prefill_app,
         ),
     )
     target = PrefillTarget(

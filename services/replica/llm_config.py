@@ -186,6 +186,14 @@ class PrefillDecodeRole(BaseModel):
     local_prefill_fallback: bool = False
     # Decode only: how long the prefill call may take (connect, send, and the prefill itself).
     prefill_timeout_s: float = Field(60.0, gt=0)
+    # Decode only: the prefill app; a prefill URL is called only when it is one of this app's replicas.
+    prefill_app: str = ""
+
+    @model_validator(mode="after")
+    def _decode_names_its_prefill_app(self) -> PrefillDecodeRole:
+        if self.role == "decode" and not self.prefill_app:
+            raise ValueError("a decode replica needs its prefill_app (the only replicas it sends a prefill to)")
+        return self
 
 
 class LLMAppConfig(BaseModel):

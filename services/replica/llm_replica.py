@@ -7,6 +7,7 @@ lifecycle, variants (data parallel, prefill/decode, the benchmark stand-in) and 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -28,9 +29,10 @@ from services.replica.middleware.capacity_release import CapacityReleaseMiddlewa
 from services.replica.middleware.disconnect_on_cancel import DisconnectOnCancelMiddleware
 from services.replica.middleware.remote_prefill import RemotePrefillMiddleware
 from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
+from services.replica.prefill_endpoints import KnownPrefillURLs
 from services.replica.rank_gang import RankGang
 from services.replica.vllm_app import build_openai_app, parse_engine_args, require_model_folder, start_engine
-from services.serve_internals import with_rollout_version
+from services.serve_internals import list_replica_endpoints, with_rollout_version
 
 
 class ReplicaFault(BaseModel):
@@ -80,6 +82,9 @@ class LLMReplica:
                 local_fallback=role.local_prefill_fallback,
                 timeout_s=role.prefill_timeout_s,
                 client=self._prefill_client,
+                prefill_urls=KnownPrefillURLs(
+                    role.prefill_app, functools.partial(list_replica_endpoints, role.prefill_app)
+                ),
             )
         if self._config.deployment.capacity_ledger:
             context = serve.get_replica_context()

@@ -24,8 +24,12 @@ from base.contracts import (
 )
 from services.replica.asgi_call import route_path
 from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS, RemotePrefillMiddleware, prefill_body
+from services.replica.prefill_endpoints import KnownPrefillURLs
+from services.serve_internals import ReplicaEndpoint
 
 PREFILL_URL = "http://127.0.0.1:30007/tiny-prefill"
+# The prefill app's replicas as Serve lists them: p7 serves at PREFILL_URL.
+PREFILL_ENDPOINTS = [ReplicaEndpoint(replica_id="p7", deployment="LLMReplica", host="127.0.0.1", port=30007)]
 TRANSFER = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [3, 4], "remote_port": 5600}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
 
@@ -83,7 +87,12 @@ async def drive(
     """One request through the middleware in front of `app`: the messages it sent. The client sends the body,
     then disconnects after `disconnect_after_s` (or never)."""
     client = httpx.AsyncClient(transport=httpx.MockTransport(prefill))
-    middleware = RemotePrefillMiddleware(app, "d1", local_fallback, timeout_s=5.0, client=client)
+
+    async def endpoints() -> list[ReplicaEndpoint]:
+        return PREFILL_ENDPOINTS
+
+    known = KnownPrefillURLs("tiny-prefill", endpoints)
+    middleware = RemotePrefillMiddleware(app, "d1", local_fallback, timeout_s=5.0, client=client, prefill_urls=known)
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     scope = {
         "type": "http",
@@ -241,3 +250,41 @@ def test_a_listener_cancelled_by_the_app_does_not_cancel_the_next_ones_receive()
 
     asyncio.run(drive(streaming_app, PrefillReplica()))
     assert outcome == ["still listening"]
+
+
+def test_a_prefill_url_that_is_no_prefill_replicas_is_never_called() -> None:
+    """A request on the decode replica's own port with a forged prefill URL (past the frontend, which strips the
+    header from clients): nothing is sent there; 503 `prefill_unrouted`, or a local prefill where the model allows."""
+    for forged in (
+        {**ROUTED, PREFILL_URL_HEADER: "http://169.254.169.254/latest"},
+        {**ROUTED, PREFILL_REPLICA_HEADER: "p9"},
+    ):
+        prefill = PrefillReplica()
+        status, headers, _, inner = call(prefill, headers=forged)
+        assert status == 503 and headers[SERVE_REASON_HEADER] == REASON_PREFILL_UNROUTED and not inner.bodies
+        assert prefill.requests == []
+        status, headers, _, inner = call(prefill, headers=forged, local_fallback=True)
+        assert status == 200 and headers[PREFILL_FALLBACK_HEADER] == REASON_PREFILL_UNROUTED and prefill.requests == []
+
+
+def test_a_new_prefill_replica_is_known_after_one_look_up_and_look_ups_are_spaced() -> None:
+    listed: list[list[ReplicaEndpoint]] = [PREFILL_ENDPOINTS]
+    looked_up = []
+    now = [100.0]
+
+    async def endpoints() -> list[ReplicaEndpoint]:
+        looked_up.append(now[0])
+        return listed[-1]
+
+    async def run() -> list[bool]:
+        known = KnownPrefillURLs("tiny-prefill", endpoints, clock=lambda: now[0])
+        seen = [await known.known("p7", PREFILL_URL), await known.known("p7", PREFILL_URL)]
+        listed.append([*PREFILL_ENDPOINTS, ReplicaEndpoint(replica_id="p8", deployment="d", host="127.0.0.2", port=1)])
+        seen.append(await known.known("p8", "http://127.0.0.2:1/tiny-prefill"))  # within a second: not asked again
+        now[0] += 1.5
+        seen.append(await known.known("p8", "http://127.0.0.2:1/tiny-prefill"))
+        seen.append(await known.known("p8", "http://127.0.0.2:1/elsewhere"))
+        return seen
+
+    assert asyncio.run(run()) == [True, True, False, True, False]
+    assert looked_up == [100.0, 101.5]

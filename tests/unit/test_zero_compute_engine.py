@@ -147,4 +147,8 @@ def test_the_stand_in_is_opt_in_and_never_a_prefill_decode_role() -> None:
     with pytest.raises(ValueError, match="unknown|literal|Input should be"):
         LLMAppConfig(engine=engine, engine_stand_in="fast")
     with pytest.raises(ValueError, match="prefill/decode"):
-        LLMAppConfig(engine=engine, engine_stand_in="zero_compute", prefill_decode=PrefillDecodeRole(role="decode"))
+        LLMAppConfig(
+            engine=engine,
+            engine_stand_in="zero_compute",
+            prefill_decode=PrefillDecodeRole(role="decode", prefill_app="p"),
+        )

@@ -2,8 +2,9 @@
 vLLM's app here decode from the transferred KV blocks and stream back through HAProxy.
 
 The prefill call goes straight to the prefill replica the router chose (`max_tokens` 1, `kv_transfer_params` asking
-for a remote decode); its answer's `kv_transfer_params` go into the original body. A client's own are dropped. The
-steps, the failures (`prefill_failed`, `prefill_unrouted`) and the local fallback: services/replica/README.md.
+for a remote decode); its answer's `kv_transfer_params` go into the original body. A client's own are dropped. Only
+a URL of the prefill app's replicas is called (`KnownPrefillURLs`; any other is `prefill_unrouted`). The steps, the
+failures (`prefill_failed`, `prefill_unrouted`) and the local fallback: services/replica/README.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from base.contracts import (
 )
 from services.replica.asgi_call import read_body, route_path, send_openai_error
 from services.replica.middleware.replica_headers import ASGIApp, Message, Receive, Scope, Send
+from services.replica.prefill_endpoints import KnownPrefillURLs
 
 PREFILL_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # What the prefill request asks of vLLM's KV connector: keep the blocks for a remote decode.
@@ -88,13 +90,20 @@ class RemotePrefillMiddleware:
     """Runs each completion request's prefill on the prefill replica the router chose (see the module docstring)."""
 
     def __init__(
-        self, app: ASGIApp, replica_id: str, local_fallback: bool, timeout_s: float, client: httpx.AsyncClient
+        self,
+        app: ASGIApp,
+        replica_id: str,
+        local_fallback: bool,
+        timeout_s: float,
+        client: httpx.AsyncClient,
+        prefill_urls: KnownPrefillURLs,
     ) -> None:
         self.app = app
         self.replica_id = replica_id
         self.local_fallback = local_fallback
         self.timeout_s = timeout_s
         self.client = client
+        self.prefill_urls = prefill_urls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in PREFILL_PATHS:
@@ -172,6 +181,8 @@ class RemotePrefillMiddleware:
     ) -> dict[str, Any]:
         if not prefill_replica or not prefill_url:
             raise PrefillFailed(REASON_PREFILL_UNROUTED, "no prefill replica was chosen for this request")
+        if not await self.prefill_urls.known(prefill_replica, prefill_url):
+            raise PrefillFailed(REASON_PREFILL_UNROUTED, f"{prefill_replica} is no prefill replica of this model")
         headers = {"content-type": "application/json"}
         request_id = _header(scope, REQUEST_ID_HEADER)
         if request_id is not None:
