@@ -18,8 +18,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 
 from base.contracts import SESSION_HEADER_DEFAULT
 from routers.background import run_in_background
-from routers.core import CapacityToken, NoReplicaAvailable, ReplicaView, RouteRequest
+from routers.capacity_ledger import DEFAULT_TOKEN_TTL_S
+from routers.core import NoReplicaAvailable, ReplicaView, RouteRequest
 from routers.entry import PolicyContext, adapter_class_name
+from routers.held_tokens import HeldTokens
 from routers.registry import build_policy, policy_entry, policy_names, validate_settings
 
 # `sluice_router_events_total{event=...}`: a completion for a request this router had already counted out.
@@ -59,7 +61,7 @@ class SluiceRequestRouter(RequestRouter):
         # A policy with a ledger uses the actor of this deployment (`ledger_actor_name(app, deployment)`).
         context = PolicyContext(app=self._deployment_id.app_name, deployment=self._deployment_id.name)
         self.policy = build_policy(self.policy_name, kwargs, context)
-        self._tokens: dict[str, CapacityToken] = {}
+        self._tokens = HeldTokens(float(kwargs.get("token_ttl_s", DEFAULT_TOKEN_TTL_S)))
         self._releases: set[asyncio.Task] = set()
 
     async def choose_replicas(
@@ -72,7 +74,7 @@ class SluiceRequestRouter(RequestRouter):
         ]
         request = route_request_from(pending_request)
         # Serve asks again for the same request when every ranked replica rejected it, the token's one included.
-        stale = self._tokens.pop(request.request_id, None)
+        stale = self._tokens.take(request.request_id)
         if stale is not None:
             await self.policy.reject(stale)
         try:
@@ -80,7 +82,7 @@ class SluiceRequestRouter(RequestRouter):
         except NoReplicaAvailable:
             return []
         if decision.token is not None:
-            self._tokens[request.request_id] = decision.token
+            self._tokens.hold(request.request_id, decision.token)
         return [[by_id[view.replica_id] for view in tier] for tier in decision.ranking]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
@@ -93,7 +95,7 @@ class SluiceRequestRouter(RequestRouter):
         # finds the request already counted out and its token gone, and only shows in the events.
         if not self.policy.on_completed(internal_request_id, replica_id.unique_id):
             self.policy.counts.event(REPEATED_COMPLETION_EVENT)
-        token = self._tokens.pop(internal_request_id, None)
+        token = self._tokens.take(internal_request_id)
         if token is not None:
             run_in_background(self._releases, self.policy.release(token))
 
