@@ -8,7 +8,11 @@ leave mid-stream all along, one LLM replica killed at a quarter of the run, a sc
 - figures: requests, non-2xx by status and reason, the requests lost with the killed replica (streams cut after their
   headers; before them, `lost_at_kill`: HAProxy closes a kept-alive client connection without a status, a new one
   gets 502 `replica_failed`), clients that left, and the RSS of HAProxy, each router and each LLM replica at start
-  and end, as growth per hour.
+  and end, as growth per hour;
+- memory, in a run of `MEMORY_JUDGED_FROM_S` or longer: after the warm-up (`WARMUP_SHARE` of the run) the RSS of
+  HAProxy, the frontend replica and each router may grow by `MAX_RSS_GROWTH` at most to the end (an LLM replica's is
+  reported: the engine's caches fill with the traffic). A shorter run (CI's 90 s) reports it without judging: its
+  warm-up is too short to tell a leak from a filling cache.
 
 The stack runs `capacity_queue` (the policy with a ledger). Loopback only; every loop is bounded by the duration.
 """
@@ -45,6 +49,12 @@ SETTLE_S = 60.0  # how long the invariants may take to hold once the load is ove
 KILL_LOSS_WINDOW_S = 5.0
 # The load's client (requests) names a connection closed before any response this way.
 CLOSED_WITHOUT_RESPONSE = "ConnectionError"
+# Memory: the share of the run taken as warm-up, the growth allowed after it, and the shortest run judged.
+WARMUP_SHARE = 0.2
+MAX_RSS_GROWTH = 0.05
+MEMORY_JUDGED_FROM_S = 600.0
+# Processes whose memory is judged (by name prefix in `rss_mb`): the data plane's, never an engine's.
+JUDGED_PROCESSES = ("haproxy", "frontend:", "router:")
 
 
 def _leaving_clients(url: str, model: str, stop: threading.Event, left: list[int]) -> None:
@@ -64,6 +74,8 @@ def _processes(plan: Any, frontend: dict[str, Any]) -> dict[str, psutil.Process]
     """HAProxy's worker, each router replica and each LLM replica (Ray titles a replica's process
     `ray::ServeReplica:<app>:<deployment>`), by name."""
     found = {"haproxy": psutil.Process(frontend["worker_pid"] or frontend["master_pid"])}
+    if frontend.get("replica_pid"):
+        found[f"frontend:{frontend['replica_pid']}"] = psutil.Process(frontend["replica_pid"])
     roles = {plan.models[0].router_app: "router", plan.models[0].llm_app: "replica"}
     for process in psutil.process_iter(["pid", "cmdline"]):
         title = " ".join(process.info["cmdline"] or [])
@@ -145,10 +157,18 @@ def soak(
     leaving.start()
     events = []
     kill_window = (0.0, 0.0)
+    warm: dict[str, float | None] = {}
     try:
-        for at, action in ((KILL_AT, "kill"), (SCALE_UP_AT, "scale to 3"), (SCALE_DOWN_AT, "scale to 2")):
+        for at, action in (
+            (WARMUP_SHARE, "warmed up"),
+            (KILL_AT, "kill"),
+            (SCALE_UP_AT, "scale to 3"),
+            (SCALE_DOWN_AT, "scale to 2"),
+        ):
             time.sleep(max(0.0, started + at * duration_s - time.monotonic()))
-            if action == "kill":
+            if action == "warmed up":
+                warm = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
+            elif action == "kill":
                 # The campaign's rows are stamped with time.perf_counter (a monotonic clock across this machine).
                 kill_started = time.perf_counter()
                 events.append({"at_s": time.monotonic() - started, "action": f"killed {kill_one_replica(plan)}"})
@@ -172,7 +192,12 @@ def soak(
         "ledger_outstanding": 0 if drained else _ledger_outstanding(plan),
         "servers_match": bool(_settled(lambda: _servers_match(plan), SETTLE_S)),
         "rss_mb": {
-            name: {"start": mb, "end": after[name], "growth_per_hour": (after[name] - mb) / hours}
+            name: {
+                "start": mb,
+                "warm": warm.get(name),
+                "end": after[name],
+                "growth_per_hour": (after[name] - mb) / hours,
+            }
             for name, mb in before.items()
             if mb is not None and after.get(name) is not None
         },
@@ -215,6 +240,12 @@ def broken_invariants(figures: dict[str, Any]) -> list[str]:
         broken.append(f"non-2xx without a reason: {without_reason}")
     if figures["no_response"]:
         broken.append(f"requests with no response away from the kill: {figures['no_response']}")
+    if figures.get("duration_s", 0) >= MEMORY_JUDGED_FROM_S:
+        for name, rss in figures.get("rss_mb", {}).items():
+            warm = rss.get("warm")
+            if name.startswith(JUDGED_PROCESSES) and warm and rss["end"] > warm * (1 + MAX_RSS_GROWTH):
+                grown = 100 * (rss["end"] / warm - 1)
+                broken.append(f"{name}'s RSS grew {grown:.1f} % after the warm-up ({warm:.0f} -> {rss['end']:.0f} MB)")
     return broken
 
 

@@ -44,3 +44,4 @@ def test_mixed_load_kills_and_scaling_leave_no_token_and_no_stale_server(
     assert figures["requests"] > least and figures["clients_left"] > least, figures
     assert [event["action"].split()[0] for event in figures["events"]] == ["killed", "scale", "scale"]
     assert {"haproxy"} < set(figures["rss_mb"]) and any(name.startswith("router:") for name in figures["rss_mb"])
+    assert any(name.startswith("frontend:") for name in figures["rss_mb"]) and figures["rss_mb"]["haproxy"]["warm"]

@@ -1,11 +1,11 @@
 """The soak's judgement of its requests: a request with no response is lost with the killed replica only when its
 connection closed without one around the kill; anything else without a response, and any non-2xx without a reason,
-breaks an invariant."""
+breaks an invariant; in a run long enough to judge memory, the data plane's RSS may grow 5 % after the warm-up."""
 
 from __future__ import annotations
 
 from loadtests.sse_timing import StreamRow
-from sluice.bench.soak import CLOSED_WITHOUT_RESPONSE, broken_invariants, request_figures
+from sluice.bench.soak import CLOSED_WITHOUT_RESPONSE, MEMORY_JUDGED_FROM_S, broken_invariants, request_figures
 
 KILL_WINDOW = (100.0, 110.0)
 
@@ -47,3 +47,16 @@ def test_no_response_away_from_the_kill_or_a_hang_and_a_reasonless_5xx_break_inv
     assert broken_invariants({**figures, "no_response": {}, "non_2xx": {}, "ledger_outstanding": 2}) == [
         "the capacity ledger still holds 2 tokens"
     ]
+
+
+def test_the_data_planes_memory_may_grow_5_percent_after_the_warm_up_in_a_long_run() -> None:
+    rss = {
+        "haproxy": {"start": 10.0, "warm": 40.0, "end": 41.0},  # 2.5 %: within
+        "router:12": {"start": 200.0, "warm": 250.0, "end": 270.0},  # 8 %: a leak
+        "replica:13": {"start": 1000.0, "warm": 1200.0, "end": 1500.0},  # an engine's: reported only
+    }
+    figures = {**judged([row(1.0, 200)])[0], "rss_mb": rss}
+    assert broken_invariants({**figures, "duration_s": MEMORY_JUDGED_FROM_S}) == [
+        "router:12's RSS grew 8.0 % after the warm-up (250 -> 270 MB)"
+    ]
+    assert broken_invariants({**figures, "duration_s": 90}) == []
