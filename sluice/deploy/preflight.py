@@ -160,7 +160,7 @@ def check_serve_controller(must_reach_nodes: bool) -> bool:
         raise PreflightError(
             f"Serve's HTTP binds {settings.http_host}, but the cluster's nodes are not on loopback: HAProxy could "
             "not reach the replicas' own ports",
-            f"`serve shutdown -y` (running now: {others}) and deploy again: sluice starts Serve on {NODE_BIND_ALL}",
+            f"`serve shutdown -y` (running now: {others}) and deploy again: sluice starts Serve on the node's address",
         )
     return True
 
@@ -212,10 +212,23 @@ def check_resources(plan: StackPlan) -> None:
         )
 
 
+def serve_http_host(spans_nodes: bool) -> str:
+    """Where Serve's HTTP binds (its proxy and every replica's own port): loopback on a loopback cluster; on one node
+    elsewhere, that node's own address, never a wildcard (past the frontend nothing checks keys or limits); only a
+    cluster of several nodes binds every interface, since Serve takes one host for all nodes (a private network
+    there: docs/deploy.md)."""
+    nodes = _alive_nodes()
+    if not spans_nodes and all(_is_loopback(node["NodeManagerAddress"]) for node in nodes):
+        return LOOPBACK
+    if not spans_nodes and len(nodes) == 1:
+        return str(nodes[0]["NodeManagerAddress"])
+    return NODE_BIND_ALL
+
+
 def serve_start_options(spans_nodes: bool) -> dict[str, Any]:
-    """What `deploy` starts Serve with when no controller runs: its HTTP where HAProxy reaches the replicas, the
-    controller's environment through `controller_options`."""
-    host = NODE_BIND_ALL if spans_nodes or not nodes_on_loopback() else LOOPBACK
+    """What `deploy` starts Serve with when no controller runs: its HTTP where HAProxy reaches the replicas
+    (`serve_http_host`), the controller's environment through `controller_options`."""
+    host = serve_http_host(spans_nodes)
     return {
         "http_options": {"host": host, "port": DEFAULT_SERVE_PROXY_PORT},
         "controller_options": {"runtime_env": {"env_vars": serve_controller_env()}},

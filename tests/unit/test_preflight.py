@@ -68,13 +68,27 @@ def test_serve_on_loopback_cannot_serve_nodes_on_other_addresses(monkeypatch: py
 def test_no_controller_means_sluice_starts_serve_with_its_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("services.serve_internals.serve_controller_settings", lambda keys, timeout_s: None)
     assert not preflight.check_serve_controller(must_reach_nodes=False)
-    monkeypatch.setattr(preflight, "nodes_on_loopback", lambda: True)
+    _addresses(monkeypatch, "127.0.0.1")
     options = preflight.serve_start_options(spans_nodes=False)
     assert options["http_options"]["host"] == "127.0.0.1"
     env = options["controller_options"]["runtime_env"]["env_vars"]
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and env["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
-    monkeypatch.setattr(preflight, "nodes_on_loopback", lambda: False)
-    assert preflight.serve_start_options(spans_nodes=False)["http_options"]["host"] == "0.0.0.0"
+
+
+def _addresses(monkeypatch: pytest.MonkeyPatch, *addresses: str) -> None:
+    nodes = [{"Alive": True, "NodeManagerAddress": address} for address in addresses]
+    monkeypatch.setattr(preflight, "_alive_nodes", lambda: nodes)
+
+
+def test_serve_binds_a_single_nodes_own_address_never_a_wildcard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain `ray start --head` on a host's address (review #10): Serve's proxy and every replica's own port bind
+    that address; only several nodes, which Serve gives one host for all, bind every interface."""
+    _addresses(monkeypatch, "10.1.2.3")
+    assert preflight.serve_http_host(spans_nodes=False) == "10.1.2.3"
+    _addresses(monkeypatch, "10.1.2.3", "10.1.2.4")
+    assert preflight.serve_http_host(spans_nodes=False) == "0.0.0.0"
+    _addresses(monkeypatch, "10.1.2.3")
+    assert preflight.serve_http_host(spans_nodes=True) == "0.0.0.0"
 
 
 def test_the_apps_carry_every_worker_setting_but_the_node_start_and_engine_ones() -> None:
