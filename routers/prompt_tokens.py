@@ -40,10 +40,10 @@ from typing import Any
 PIECE_CACHE_CHARS = 8 * 1024 * 1024
 # A piece longer than this is tokenized each time it comes: a few such pieces would fill the cache alone.
 PIECE_MAX_CHARS = 64 * 1024
-# The prompt text tokenized at most (a completion's prompt, a rendered chat): about 64k tokens of English, a
-# decision's prefix far past any prefix two requests share in practice, and at ~1.5 µs a token ~0.1 s at worst on
-# the router's loop; the rest of a longer prompt decides nothing (`routing.body_buffer_bytes` may reach 64 MiB).
-MAX_PROMPT_CHARS = 256 * 1024
+# The prompt text tokenized at most (a completion's prompt, a rendered chat): about 16k tokens of English, hundreds
+# of KV blocks of any size (enough to tell apart the prefixes requests share), at ~1.5 µs a token ~25 ms at worst on
+# the router's loop; past it a prompt's blocks are not scored (`routing.body_buffer_bytes` may reach 64 MiB).
+MAX_PROMPT_CHARS = 64 * 1024
 # Chat template kwargs vLLM refuses from a request (`resolve_chat_template_kwargs`).
 REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
 # The head of a long new piece tokenized first: about 200 tokens of English, more than one KV block of any common
