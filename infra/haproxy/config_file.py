@@ -170,6 +170,9 @@ def render_config(settings: HAProxySettings) -> str:
         "",
         "defaults",
         "    mode http",
+        "    # A soft stop (a frontend's hand-over) answers an idle keep-alive connection's next request with",
+        "    # `Connection: close`, instead of closing it while the client may be sending one.",
+        "    option idle-close-on-response",
         # SSE: send each event as soon as it arrives (without it the first event came ~205 ms late).
         "    option http-no-delay",
         f"    timeout connect {haproxy_time(settings.timeout_connect_s)}",

@@ -3,8 +3,8 @@ two vLLM replicas, a router, the legacy ingress, HAProxy): `sluice check` passin
 leaving it as it was (its injected fault counts nowhere), sticky weighted split, connection-draining rollback and its
 reverse under streaming load, automatic rollback on a real router fault (counted on the frontend's metrics), one
 generation per request id on either path, `sluice check` failing by name when a router is broken or a replica is
-out of HAProxy's map, and, last, a redeploy of the frontend's settings handing over to a new frontend with no
-stream cut, no connection refused and the rollback in force kept, also by the frontend after it."""
+out of HAProxy's map, and, last, a redeploy of the frontend's settings under 12 streaming users handing over to a new
+frontend with no stream cut, no connection refused and the rollback in force kept, also by the frontend after it."""
 
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.waiting import WaitTimeout, wait_until
-from infra.haproxy.process import pid_alive
 from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.ingress_control import GUARD_INTERVAL_S
 from services.serve_internals import list_replica_endpoints
@@ -53,7 +52,7 @@ from sluice.deploy.check import (
     verdict,
 )
 from tests.support.frontend_metrics import frontend_counts
-from tests.support.sse import DONE, chunks, data_payloads, stream_lines
+from tests.support.sse import DONE, data_payloads, stream_lines
 from tests.support.streaming_users import Stream, streaming_users
 from tests.support.team_stack import TeamStack, team_stack
 from tests.support.vllm_metrics import engine_requests
@@ -314,10 +313,10 @@ def test_sluice_check_fails_naming_the_item_when_a_replica_is_missing_from_hapro
     assert replica in item["detail"]
 
 
-HELD_STREAMS = 8
-# Each event of a completion with 20 logprobs is about a kilobyte: a stream of 600 tokens cannot sit in the sockets'
-# buffers, so HAProxy holds it until its client reads, across the hand-over.
-HELD = {**STREAM, "max_tokens": 600, "logprobs": 20}
+REDEPLOY_USERS = 12
+REDEPLOY_STREAM = {**STREAM, "max_tokens": 200}
+# The users stream until the hand-over is over, this long at most.
+REDEPLOY_LOAD_S = 120
 PROBE_INTERVAL_S = 0.05
 
 
@@ -359,34 +358,49 @@ def _frontend_status(stack: TeamStack) -> dict[str, Any]:
     return _frontend(stack).status.remote().result(timeout_s=30)
 
 
-def test_a_frontend_redeploy_hands_over_cutting_no_stream_refusing_no_connection_and_keeping_the_rollback(
+def test_a_frontend_redeploy_under_12_streaming_users_cuts_nothing_refuses_nothing_and_keeps_the_rollback(
     stack: TeamStack, tmp_path: Path
 ) -> None:
-    stack.shift(0, wait=True)  # a rollback: a run-time weight over the declared 30
+    """The frontend's settings changed while 12 users stream 200-token completions and a request arrives every 50 ms
+    on a new connection: the new frontend runs before the old one stops, whose HAProxy serves what it holds to the
+    end. A rollback in force (weight 0 over the declared 30) is kept by the new frontend and by the one after it."""
+    stack.shift(0, wait=True)
     before = _frontend_status(stack)
     port = stack.spec.frontend.port
+    moments: dict[str, float] = {}
 
     def longer_urls(data: dict[str, Any]) -> None:
-        data["frontend"].setdefault("protection", {})["max_url_bytes"] = (
-            2 * stack.spec.frontend.protection.max_url_bytes
-        )
+        protection = data["frontend"].setdefault("protection", {})
+        protection["max_url_bytes"] = 2 * stack.spec.frontend.protection.max_url_bytes
 
-    with contextlib.ExitStack() as held:
-        clients = [held.enter_context(httpx.Client(timeout=120)) for _ in range(HELD_STREAMS)]
-        responses = [held.enter_context(c.stream("POST", f"{stack.url}/v1/completions", json=HELD)) for c in clients]
-        assert [r.status_code for r in responses] == [200] * HELD_STREAMS
-        lines = [stream_lines(r) for r in responses]
-        for stream in lines:
-            next(line for line in stream if line.startswith("data: "))
-        with _probes(stack.url) as failures:
-            redeployed = stack.redeploy(longer_urls, tmp_path)
-            # The old frontend's HAProxy has closed its listeners (soft stop): what it still serves is the held streams.
-            wait_until(60, lambda: not _listens(before["worker_pid"], port), "the old HAProxy to stop listening", 0.1)
-            assert pid_alive(before["master_pid"]), "the old HAProxy ended with streams still held"
-        bodies = ["\n".join(stream) for stream in lines]
-    events = [data_payloads(body) for body in bodies]
-    assert all(payloads[-1] == DONE for payloads in events), "a held stream was cut"
-    assert all(chunks(payloads[:-1])[-1]["choices"][0]["finish_reason"] == "length" for payloads in events)
+    def hand_over() -> TeamStack:
+        moments["redeploy"] = time.monotonic()
+        redeployed = stack.redeploy(longer_urls, tmp_path)
+        # The old frontend's HAProxy closed its listeners (soft stop): the new one takes every new connection.
+        wait_until(60, lambda: not _listens(before["worker_pid"], port), "the old HAProxy to stop listening", 0.1)
+        moments["handed_over"] = time.monotonic()
+        return redeployed
+
+    async def run() -> tuple[list[Stream], TeamStack]:
+        done = asyncio.Event()
+        url = f"{stack.url}/v1/completions"
+        users = asyncio.create_task(streaming_users(url, REDEPLOY_STREAM, REDEPLOY_USERS, REDEPLOY_LOAD_S, done))
+        await asyncio.sleep(2)
+        try:
+            redeployed = await asyncio.to_thread(hand_over)
+            await asyncio.sleep(2)
+        finally:
+            done.set()
+        return await users, redeployed
+
+    with _probes(stack.url) as failures:
+        streams, redeployed = asyncio.run(run())
+    took = moments["handed_over"] - moments["redeploy"]
+    print(f"{len(streams)} streams across a frontend redeploy, handed over {took:.1f} s after it began")
+    assert streams and all(s.status == 200 for s in streams), {s.status for s in streams}
+    assert all(s.done for s in streams), f"{sum(not s.done for s in streams)} streams were cut"
+    assert any(s.started < moments["redeploy"] for s in streams)
+    assert any(s.started > moments["handed_over"] for s in streams)
     assert failures == [], failures
     after = _frontend_status(redeployed)
     assert after["replica_pid"] != before["replica_pid"] and after["direct_weight"] == 0

@@ -25,15 +25,17 @@ class Stream:
     done: bool = False
 
 
-async def streaming_users(url: str, body: dict[str, Any], users: int, run_s: float) -> list[Stream]:
-    """`users` clients, each POSTing `body` (a streamed request) to `url` one after another for `run_s` seconds,
-    each request its own session."""
+async def streaming_users(
+    url: str, body: dict[str, Any], users: int, run_s: float, done: asyncio.Event | None = None
+) -> list[Stream]:
+    """`users` clients, each POSTing `body` (a streamed request) to `url` one after another for `run_s` seconds (or
+    until `done` is set, if sooner), each request its own session."""
     streams: list[Stream] = []
     stop = time.monotonic() + run_s
 
     async def user(client: httpx.AsyncClient, index: int) -> None:
         turn = 0
-        while time.monotonic() < stop and turn < MAX_TURNS:
+        while time.monotonic() < stop and turn < MAX_TURNS and not (done is not None and done.is_set()):
             turn += 1
             stream = Stream(started=time.monotonic())
             streams.append(stream)
