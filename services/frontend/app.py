@@ -49,6 +49,8 @@ FRONTEND_DEPLOYMENT_NAME = "Frontend"
 # How often the supervisor looks at HAProxy's master process.
 SUPERVISE_INTERVAL_S = 0.2
 FIRST_START_TIMEOUT_S = 30.0
+# How long a new frontend waits for its HAProxy to route every live replica before Serve counts it running.
+FIRST_SYNC_WAIT_S = 10.0
 # How long a stopping frontend's HAProxy serves the streams it still holds (an SSE answer of a few thousand tokens
 # takes seconds to a minute); a stream past it is cut when the replica ends.
 HANDOVER_DRAIN_S = 60.0
@@ -116,6 +118,11 @@ class FrontendReplica:
         # Serve checks the replica's health as soon as it is constructed: HAProxy must be up by then.
         if not self._first_start.wait(FIRST_START_TIMEOUT_S):
             raise RuntimeError(f"HAProxy did not start within {FIRST_START_TIMEOUT_S} s")
+        # A redeploy's old frontend stops once this one runs: its HAProxy should route every live replica by then
+        # (a stack whose replicas are not up yet, a first deploy, goes on after the wait: deploy waits for them).
+        syncer = self._syncer
+        if syncer is None or not syncer.serving.wait(FIRST_SYNC_WAIT_S):
+            logger.warning("HAProxy does not route every live replica after %.0f s; running anyway", FIRST_SYNC_WAIT_S)
 
     def _runtime(self) -> RuntimeAPI | None:
         return self._haproxy.runtime if self._running() and self._haproxy is not None else None
@@ -151,10 +158,10 @@ class FrontendReplica:
         while not self._retiring.is_set():
             self._haproxy = await self._start_haproxy()
             await asyncio.to_thread(self._ingress.publish_rollbacks)
-            self._first_start.set()
             runtime = self._haproxy.runtime
             sources = [_sources(app, route) for app, route in zip(self._apps, self._settings.apps, strict=True)]
             self._syncer = HAProxySyncer(runtime, self._settings, sources)
+            self._first_start.set()
             tasks = [asyncio.create_task(self._syncer.run())]
             for watcher in (
                 ApiKeyWatcher.for_settings(runtime, self._settings),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -66,6 +67,8 @@ class HAProxySyncer:
         # The kept-open publication client while `run` runs; a lone `sync_once` opens one for its pass.
         self._client: httpx.AsyncClient | None = None
         self._publish_transport = publish_transport
+        # Set once a pass found every app's live replicas UP in HAProxy (a new HAProxy routes as the old one did).
+        self.serving = threading.Event()
 
     async def sync_once(self) -> SyncReport:
         """One reconciliation pass, then the publication. A source that fails leaves HAProxy as it is and its
@@ -96,22 +99,33 @@ class HAProxySyncer:
                         report = await self.sync_once()
                         if report.changed:
                             logger.info("haproxy sync: %s", report)
+                        if self._all_routable(report):
+                            self.serving.set()
                     except Exception:
                         logger.exception("haproxy sync pass failed; retrying in %.2f s", interval_s)
                     await asyncio.sleep(interval_s)
             finally:
                 self._client = None
 
+    def _all_routable(self, report: SyncReport) -> bool:
+        return all(
+            app.replicas.live and set(routable) == set(app.replicas.live)
+            for app, routable in zip(self.apps, report.in_flight_by_app, strict=True)
+        )
+
     # Blocking part (runs in a worker thread; the runtime API is a unix socket round trip per command).
     def _sync(self, endpoints: Endpoints) -> SyncReport:
         stats = self.runtime.show_stat()
-        if not self._adopted:
+        # This HAProxy's first pass: what Serve lists now already serves (the HAProxy before this one routed to it),
+        # so its servers start UP, as a config file's would; one that appears later waits for its health checks.
+        first_pass = not self._adopted
+        if first_pass:
             self._adopt(stats, endpoints)
             self._adopted = True
         report = SyncReport()
         for app, (replicas, routers, legacy) in zip(self.apps, endpoints, strict=True):
             for pool, wanted in app.pools(replicas, routers, legacy):
-                self._sync_pool(pool, wanted, stats, SyncReport() if app.mirrors(pool) else report)
+                self._sync_pool(pool, wanted, stats, SyncReport() if app.mirrors(pool) else report, first_pass)
             # `stats` predates this pass's additions: a server added now is published once a later pass sees it UP.
             backend = app.replicas.backend
             routable = {
@@ -128,6 +142,7 @@ class HAProxySyncer:
         endpoints: list[ReplicaEndpoint],
         stats: dict[tuple[str, str], ServerStat],
         report: SyncReport,
+        up_at_once: bool = False,
     ) -> None:
         wanted: dict[str, ReplicaEndpoint] = {}
         for endpoint in endpoints:
@@ -190,8 +205,9 @@ class HAProxySyncer:
             self.runtime.add_server(pool.backend, name, endpoint.host, endpoint.haproxy_port, options)
             if pool.checked:
                 self.runtime.enable_health(pool.backend, name)
-                # Routable only once its checks say so: HAProxy would otherwise assume a new server UP.
-                self.runtime.set_server_health_down(pool.backend, name)
+                if not up_at_once:
+                    # Routable only once its checks say so: HAProxy would otherwise assume a new server UP.
+                    self.runtime.set_server_health_down(pool.backend, name)
             self.runtime.set_server_state(pool.backend, name, "ready")
             pool.members[name] = Member(endpoint)
             report.added.append(name)

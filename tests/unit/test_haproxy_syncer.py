@@ -132,3 +132,18 @@ def test_the_routers_are_told_each_routable_replicas_open_requests_when_they_cha
     for step in range(1, 4):
         sync_at(0.25 + PUBLISH_HEARTBEAT_S + step * 0.25)
         assert len(posted) == sent + 1 + step and posted[-1]["in_flight"] == {"a": 3, "b": 0}
+
+
+def test_what_serves_when_haproxy_starts_is_up_at_once_and_what_comes_later_waits_for_its_checks(
+    tmp_path: Path,
+) -> None:
+    """A new HAProxy (a frontend's hand-over, or a restart) routes at once to the replicas its predecessor routed
+    to; a replica that appears later is routable once its health checks pass."""
+    runtime = FakeRuntime()
+    replicas = [endpoint("a", 1001)]
+    syncer = make_syncer(tmp_path, runtime, replicas, [], [0.0])
+    asyncio.run(syncer.sync_once())
+    assert "health down a" not in runtime.commands
+    replicas.append(endpoint("b", 1002))
+    asyncio.run(syncer.sync_once())
+    assert runtime.commands.count("health down b") == 1

@@ -204,8 +204,9 @@ def test_the_syncer_keeps_each_router_s_serve_address_as_a_target(tmp_path: Path
     assert runtime.servers[(ROUTER_BACKEND, "r")]["addr"] == "127.0.0.1:2001"
     target = runtime.servers[(ROUTER_TARGETS_BACKEND, "r")]
     assert (target["addr"], target["state"], target["options"]) == ("127.0.0.1:2001", "ready", [])
-    # The router and its agent start DOWN until checked; the target is never checked.
-    assert runtime.commands.count("health down r") == 2
+    # Listed when this HAProxy started: the router and its agent start UP (checked from then on); the target is
+    # never checked.
+    assert runtime.commands.count("health down r") == 0
     # The router is replaced on a new Serve port, then leaves: its target follows.
     routers[:] = [router.model_copy(update={"port": 2002})]
     now[0] = 1.0
