@@ -99,6 +99,17 @@ class RuntimeAPI:
         if reply.strip():
             raise RuntimeAPIError(command, reply)
 
+    # Frontends.
+    def pause_frontend(self, frontend: str) -> None:
+        """Stop accepting connections on the frontend's listeners (a soft stop's pause: on Linux another process
+        bound to the same port with SO_REUSEPORT takes them meanwhile)."""
+        _check_token(frontend)
+        self.checked(f"disable frontend {frontend}")
+
+    def resume_frontend(self, frontend: str) -> None:
+        _check_token(frontend)
+        self.checked(f"enable frontend {frontend}")
+
     # Servers.
     def set_server_addr(self, backend: str, server: str, host: str, port: int) -> None:
         command = f"set server {backend}/{server} addr {host} port {int(port)}"

@@ -31,7 +31,7 @@ from base.rollout import config_version
 from base.runtime import cache_dir
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import legacy_backend
-from infra.haproxy.config import HAProxySettings, is_internal_server
+from infra.haproxy.config import FRONTEND, HAProxySettings, is_internal_server
 from infra.haproxy.process import DATA_PLANE_NICENESS, HAProxyProcess, HAProxyStartError
 from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.api_key_watcher import ApiKeyWatcher
@@ -49,7 +49,7 @@ FRONTEND_DEPLOYMENT_NAME = "Frontend"
 # How often the supervisor looks at HAProxy's master process.
 SUPERVISE_INTERVAL_S = 0.2
 FIRST_START_TIMEOUT_S = 30.0
-# How long a new frontend waits for its HAProxy to route every live replica before Serve counts it running.
+# How long a new HAProxy stays paused waiting to route every live replica (then it listens anyway).
 FIRST_SYNC_WAIT_S = 10.0
 # How long a stopping frontend's HAProxy serves the streams it still holds (an SSE answer of a few thousand tokens
 # takes seconds to a minute); a stream past it is cut when the replica ends.
@@ -104,6 +104,8 @@ class FrontendReplica:
         self._first_start = threading.Event()
         # Set when Serve stops this replica: the supervisor starts no HAProxy any more.
         self._retiring = threading.Event()
+        # Set once HAProxy's public frontend listens (after its first servers are in).
+        self._listening = threading.Event()
         self._log = PathLog()
         self._ingress = IngressController(
             self._settings,
@@ -118,11 +120,9 @@ class FrontendReplica:
         # Serve checks the replica's health as soon as it is constructed: HAProxy must be up by then.
         if not self._first_start.wait(FIRST_START_TIMEOUT_S):
             raise RuntimeError(f"HAProxy did not start within {FIRST_START_TIMEOUT_S} s")
-        # A redeploy's old frontend stops once this one runs: its HAProxy should route every live replica by then
-        # (a stack whose replicas are not up yet, a first deploy, goes on after the wait: deploy waits for them).
-        syncer = self._syncer
-        if syncer is None or not syncer.serving.wait(FIRST_SYNC_WAIT_S):
-            logger.warning("HAProxy does not route every live replica after %.0f s; running anyway", FIRST_SYNC_WAIT_S)
+        # A redeploy's old frontend stops once this one runs: this one's HAProxy listens by then (`_open`).
+        if not self._listening.wait(FIRST_SYNC_WAIT_S + FIRST_START_TIMEOUT_S):
+            raise RuntimeError("HAProxy's public frontend was not opened")
 
     def _runtime(self) -> RuntimeAPI | None:
         return self._haproxy.runtime if self._running() and self._haproxy is not None else None
@@ -157,12 +157,15 @@ class FrontendReplica:
     async def _supervise(self) -> None:
         while not self._retiring.is_set():
             self._haproxy = await self._start_haproxy()
-            await asyncio.to_thread(self._ingress.publish_rollbacks)
             runtime = self._haproxy.runtime
+            # Paused until its servers are in: beside a redeploy's old frontend (both bound with SO_REUSEPORT) it
+            # would otherwise take connections it cannot route yet.
+            await asyncio.to_thread(runtime.pause_frontend, FRONTEND)
+            await asyncio.to_thread(self._ingress.publish_rollbacks)
             sources = [_sources(app, route) for app, route in zip(self._apps, self._settings.apps, strict=True)]
             self._syncer = HAProxySyncer(runtime, self._settings, sources)
             self._first_start.set()
-            tasks = [asyncio.create_task(self._syncer.run())]
+            tasks = [asyncio.create_task(self._syncer.run()), asyncio.create_task(self._open(runtime, self._syncer))]
             for watcher in (
                 ApiKeyWatcher.for_settings(runtime, self._settings),
                 TLSWatcher.for_settings(runtime, self._settings),
@@ -181,6 +184,16 @@ class FrontendReplica:
             logger.error("HAProxy exited (status %s): starting a new one", self._haproxy.process.returncode)
             self._haproxy.stop()
             self.restarts += 1
+
+    async def _open(self, runtime: RuntimeAPI, syncer: HAProxySyncer) -> None:
+        """Resume HAProxy's public frontend once it routes every live replica (`FIRST_SYNC_WAIT_S` at most: a first
+        deploy's replicas are still starting)."""
+        if not await asyncio.to_thread(syncer.serving.wait, FIRST_SYNC_WAIT_S):
+            logger.warning(
+                "HAProxy does not route every live replica after %.0f s; listening anyway", FIRST_SYNC_WAIT_S
+            )
+        await asyncio.to_thread(runtime.resume_frontend, FRONTEND)
+        self._listening.set()
 
     async def _start_haproxy(self) -> HAProxyProcess:
         """A new HAProxy, retried while the old one's port is still held (its worker exits after its master)."""

@@ -115,17 +115,17 @@ class IngressController:
         # Automatic rollbacks by the criterion breached, since this replica started.
         self.rollbacks: Counter[str] = Counter()
         self._drain_task: asyncio.Task[DrainReport] | None = None
-        self._declared_once = False
         # When the weight last changed: the guard judges the weight in force on what happened since.
         self._weight_since = time.monotonic()
 
     # Declarations and moves.
     async def declare(self, config: IngressConfig) -> None:
-        """Apply the declared ingress; a restarted replica keeps a run-time weight set since this declaration."""
-        first, self._declared_once = not self._declared_once, True
+        """Apply the declared ingress; a run-time weight set since this same declaration stays in force (a restarted
+        or redeployed replica's, and when Serve applies the same `user_config` again, as it does after a rolling
+        restart): only a new declaration replaces it."""
         stored = await asyncio.to_thread(self._load)
         self.config = config
-        restored = first and stored is not None and stored.get("declared") == config.model_dump(mode="json")
+        restored = stored is not None and stored.get("declared") == config.model_dump(mode="json")
         try:
             await self.shift(int(stored["weight"]) if restored and stored else config.direct_weight)
         except NoLegacyPath as error:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from base.contracts import DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT, REASON_ROUTER_UNREACHABLE
+from base.contracts import DIRECT_PATH, DIRECT_WEIGHT_MAX, LEGACY_PATH, REASON_INJECTED_FAULT, REASON_ROUTER_UNREACHABLE
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import ROLLBACK_COUNTER, ROLLBACK_TABLE
 from infra.haproxy.config import HAProxySettings
@@ -169,3 +169,18 @@ def test_a_restarted_replica_keeps_a_run_time_weight_only_under_the_same_declara
     monkeypatch.setattr(ingress, "_load", lambda: stored)
     asyncio.run(ingress.declare(IngressConfig(direct_weight=30)))
     assert ingress.weight == expected and runtime.maps == {"app": str(expected)}
+
+
+def test_the_same_declaration_applied_again_keeps_the_run_time_weight(tmp_path: Path, monkeypatch) -> None:
+    """Serve applies a deployment's `user_config` again after a rolling restart: a rollback in force stays."""
+    ingress, runtime, _ = controller(tmp_path)
+    kv: dict[str, object] = {}
+    monkeypatch.setattr(ingress, "_load", lambda: kv.get("value"))
+    monkeypatch.setattr(ingress, "_store", lambda value: kv.__setitem__("value", value))
+    declared = IngressConfig(direct_weight=DIRECT_WEIGHT_MAX)
+    asyncio.run(ingress.declare(declared))
+    asyncio.run(ingress.shift(0))  # `sluice rollback`
+    asyncio.run(ingress.declare(declared))
+    assert ingress.weight == 0 and runtime.maps == {"app": "0"}
+    asyncio.run(ingress.declare(IngressConfig(direct_weight=50)))  # a new declaration wins
+    assert ingress.weight == 50
