@@ -174,6 +174,11 @@ def _lua_apps(settings: HAProxySettings) -> str:
     return "{\n" + "\n".join(entries) + "\n}"
 
 
+# A rotation (GET/HEAD) that finds no routable replica waits this long for one, polling: a new HAProxy's servers
+# come with its syncer's first pass, a fraction of a second after it starts (it stays paused meanwhile, but a
+# connection may reach it in the moment between its start and the pause).
+EMPTY_POOL_WAIT_MS = 1000
+EMPTY_POOL_POLL_MS = 50
 # The Lua source with `$placeholders` for every constant (string.Template; `$$` is a literal `$`): the table
 # decisions (and the helpers the rest shares), the route action, then, in the same chunk, the metrics frontend's
 # services (counters and target discovery).
@@ -271,6 +276,8 @@ def render_lua(settings: HAProxySettings) -> str:
         url_pattern=_lua_str(LUA_URL_PATTERN),
         max_id_length=str(MAX_ID_LENGTH),
         rotation_candidates=str(1 + DEFAULT_NUM_FALLBACK_REPLICAS),
+        empty_pool_wait_ms=str(EMPTY_POOL_WAIT_MS),
+        empty_pool_poll_ms=str(EMPTY_POOL_POLL_MS),
         table_refresh_ms=str(round(TABLE_REFRESH_S * 1000)),
         table_lease_s=repr(float(TABLE_LEASE_S)),
         var_table_kind=_lua_str(VAR_TABLE_KIND),
