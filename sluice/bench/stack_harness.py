@@ -75,6 +75,8 @@ class DirectStreamSpec(BaseModel):
     protection: FrontendProtection = FrontendProtection()
     # Config, Lua, key list and runtime socket; None: a folder per HAProxy port in the cache.
     workdir: Path | None = None
+    # The LLM app's route prefix, which HAProxy puts before a client's `/v1/...` path ("": the app holds "/").
+    replica_route_prefix: str = ""
 
     @property
     def router_app(self) -> str:
@@ -101,6 +103,7 @@ class DirectStreamSpec(BaseModel):
                     body_buffer_bytes=self.body_buffer_bytes,
                     session_header=self.session_header,
                     router_route_prefix=self.router_route_prefix,
+                    replica_route_prefix=self.replica_route_prefix,
                 )
             ],
         )

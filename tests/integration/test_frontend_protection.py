@@ -49,9 +49,11 @@ KEY_A, KEY_B, KEY_C = "sk-client-a", "sk-client-b", "sk-client-c"
 REQUEST_TIMEOUT_S = 3.0
 MAX_BODY_BYTES, MAX_HEADER_BYTES, MAX_URL_BYTES = 64 * 1024, 4096, 2048
 ATTACKERS = 200
-# The session's app holds "/": the module's app serves under its own prefix, on its replica's port too.
+# The session's app holds "/": the module's app serves under its own prefix, on its replica's port too; clients of
+# its frontend send the public path, HAProxy adds the prefix.
 PREFIX = "/protected"
-PROTECTED_CHAT = f"{PREFIX}/v1/chat/completions"
+CHAT_PATH = "/v1/chat/completions"
+PROTECTED_CHAT = f"{PREFIX}{CHAT_PATH}"
 CHAT = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
@@ -72,7 +74,9 @@ def guarded(keyed_app: LLMCluster) -> Iterator[DirectStreamStack]:
         max_header_bytes=MAX_HEADER_BYTES,
         max_url_bytes=MAX_URL_BYTES,
     )
-    with direct_stack(keyed_app, router_name="protected-router", replicas=1, protection=protection) as started:
+    with direct_stack(
+        keyed_app, router_name="protected-router", replicas=1, protection=protection, replica_route_prefix=PREFIX
+    ) as started:
         yield started
 
 
@@ -88,7 +92,9 @@ def keyed_replica(keyed_app: LLMCluster, tmp_path_factory: pytest.TempPathFactor
     path = tmp_path_factory.mktemp("replica-key") / "keys.txt"
     path.write_text(key_hash_line(REPLICA_KEY) + "\n")
     protection = FrontendProtection(api_keys=ApiKeySource(file=path))
-    with direct_stack(keyed_app, router_name="protected-keyed-router", replicas=1, protection=protection) as started:
+    with direct_stack(
+        keyed_app, router_name="protected-keyed-router", replicas=1, protection=protection, replica_route_prefix=PREFIX
+    ) as started:
         yield started
 
 
@@ -119,7 +125,7 @@ def test_200_partial_bodies_cannot_take_the_replica_down(guarded: DirectStreamSt
     engine_before, routes_before = engine_requests(keyed_app.app, PREFIX), route_calls(guarded)
     errors_before = request_errors(guarded.spec.prometheus_port)
     port = guarded.spec.haproxy_port
-    head = request_head(PROTECTED_CHAT, 1000, f"Authorization: Bearer {REPLICA_KEY}")
+    head = request_head(CHAT_PATH, 1000, f"Authorization: Bearer {REPLICA_KEY}")
     worker = psutil.Process(guarded.haproxy.worker_pid)
     rss_before = worker.memory_info().rss
 
@@ -134,7 +140,7 @@ def test_200_partial_bodies_cannot_take_the_replica_down(guarded: DirectStreamSt
         await asyncio.sleep(0.5)
         async with httpx.AsyncClient(timeout=10) as client:
             started = time.monotonic()
-            served = await client.post(f"{guarded.url}{PROTECTED_CHAT}", json=CHAT, headers=_bearer(REPLICA_KEY))
+            served = await client.post(f"{guarded.url}{CHAT_PATH}", json=CHAT, headers=_bearer(REPLICA_KEY))
             served_in = time.monotonic() - started
         return await asyncio.gather(*attackers), served_in, served
 
@@ -154,7 +160,7 @@ def test_200_partial_bodies_cannot_take_the_replica_down(guarded: DirectStreamSt
 
 def test_oversized_requests_reach_neither_router_nor_replica(guarded: DirectStreamStack, keyed_app) -> None:
     engine_before, routes_before = engine_requests(keyed_app.app, PREFIX), route_calls(guarded)
-    url = f"{guarded.url}{PROTECTED_CHAT}"
+    url = f"{guarded.url}{CHAT_PATH}"
     with httpx.Client(timeout=10, headers=_bearer(REPLICA_KEY)) as client:
         big = {**CHAT, "messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES + 1)}]}
         assert_refused(client.post(url, json=big), 413)
@@ -217,7 +223,7 @@ def test_without_a_valid_key_nothing_is_routed(team: DirectStreamStack) -> None:
 def test_the_replica_never_sees_the_key(guarded: DirectStreamStack, keyed_replica: DirectStreamStack) -> None:
     with httpx.Client(timeout=10) as client:
         # Without frontend keys the client's Authorization header goes through: vLLM accepts its own key.
-        passed = client.post(f"{guarded.url}{PROTECTED_CHAT}", json=CHAT, headers=_bearer(REPLICA_KEY))
+        passed = client.post(f"{guarded.url}{CHAT_PATH}", json=CHAT, headers=_bearer(REPLICA_KEY))
         assert passed.status_code == 200
         # With frontend keys the same key is valid at the frontend, removed there, and vLLM sees none.
         stripped = client.post(f"{keyed_replica.url}{PROTECTED_CHAT}", json=CHAT, headers=_bearer(REPLICA_KEY))
