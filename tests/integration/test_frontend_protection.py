@@ -226,7 +226,7 @@ def test_the_replica_never_sees_the_key(guarded: DirectStreamStack, keyed_replic
         passed = client.post(f"{guarded.url}{CHAT_PATH}", json=CHAT, headers=_bearer(REPLICA_KEY))
         assert passed.status_code == 200
         # With frontend keys the same key is valid at the frontend, removed there, and vLLM sees none.
-        stripped = client.post(f"{keyed_replica.url}{PROTECTED_CHAT}", json=CHAT, headers=_bearer(REPLICA_KEY))
+        stripped = client.post(f"{keyed_replica.url}{CHAT_PATH}", json=CHAT, headers=_bearer(REPLICA_KEY))
         assert stripped.status_code == 401 and stripped.headers[REPLICA_HEADER]
         assert SERVE_REASON_HEADER not in stripped.headers  # vLLM's own 401, not the frontend's
 
