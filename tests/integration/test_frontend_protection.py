@@ -53,7 +53,6 @@ ATTACKERS = 200
 # its frontend send the public path, HAProxy adds the prefix.
 PREFIX = "/protected"
 CHAT_PATH = "/v1/chat/completions"
-PROTECTED_CHAT = f"{PREFIX}{CHAT_PATH}"
 CHAT = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
