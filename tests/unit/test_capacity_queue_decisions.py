@@ -5,6 +5,7 @@ place across wait slices."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -60,13 +61,19 @@ def test_three_ledger_faults_fall_back_to_power_of_two() -> None:
     asyncio.run(run())
 
 
+def _recording_sleep() -> tuple[list[float], Callable[[float], Awaitable[None]]]:
+    """The backoff's sleeps, recorded instead of slept."""
+    sleeps: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    return sleeps, sleep
+
+
 def test_two_ledger_faults_then_success_does_not_fall_back() -> None:
     async def run() -> None:
-        sleeps: list[float] = []
-
-        async def sleep(seconds: float) -> None:
-            sleeps.append(seconds)
-
+        sleeps, sleep = _recording_sleep()
         policy = CapacityQueue(FailingLedger(failures=2), seed=0, sleep=sleep)
         decision = await policy.decide(views(), request(1))
         assert decision.reason == "acquired"
@@ -79,11 +86,7 @@ def test_two_ledger_faults_then_success_does_not_fall_back() -> None:
 
 def test_backoff_doubles_up_to_its_cap() -> None:
     async def run() -> None:
-        sleeps: list[float] = []
-
-        async def sleep(seconds: float) -> None:
-            sleeps.append(seconds)
-
+        sleeps, sleep = _recording_sleep()
         policy = CapacityQueue(FailingLedger(failures=10), fault_limit=8, seed=0, sleep=sleep)
         await policy.decide(views(), request(1))
         assert sleeps == pytest.approx([0.025, 0.05, 0.1, 0.2, 0.4, 0.5, 0.5])
