@@ -71,11 +71,11 @@ serve: $(STAMP)
 PYTEST := $(PY) -m pytest -v -x --durations=0 --durations-min=1
 JUNIT := .cache/junit
 # The tiers. Fast: no Ray (marker `ray`) and no vLLM engine (marker `engine`), a pytest worker per core, each module
-# on one worker (its module fixtures start once). Ray: modules with a Ray or an engine of their own first, then the
-# session's cluster, in one process (its engines take both cores). Containers: once that cluster is gone.
+# on one worker (its module fixtures start once). Ray: two workers side by side, one for the modules with a Ray or an
+# engine of their own, one for the session's cluster (tests/conftest.py groups them). Containers: once both are done.
 FAST_TESTS := $(PYTEST) -n auto --dist loadfile --junitxml=$(JUNIT)-fast.xml -m "not ray and not engine" \
   tests/unit tests/load tests/integration
-RAY_TESTS := $(PYTEST) --junitxml=$(JUNIT)-ray.xml -m "ray or engine" tests/integration
+RAY_TESTS := $(PYTEST) -n 2 --dist loadgroup --junitxml=$(JUNIT)-ray.xml -m "ray or engine" tests/integration
 CONTAINER_TESTS := $(PYTEST) --junitxml=$(JUNIT)-containers.xml tests/containers
 IMAGE_BUILD_LOG := .cache/image-build.log
 

@@ -1,6 +1,6 @@
 """Shared fixtures and the suite's tiers: the tiny model is built once per checkout into the cache folder; a test that
-needs Ray carries the marker `ray` (`make test-fast` runs the others), and Ray's tests run in the order that keeps
-one cluster on the machine at a time."""
+needs Ray carries the marker `ray` (`make test-fast` runs the others), and Ray's tests run in two groups side by
+side: the modules with a Ray or an engine of their own, and the session's cluster."""
 
 from __future__ import annotations
 
@@ -38,28 +38,39 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # The session's Ray cluster (tests/integration/conftest.py); the markers of a module that starts a Ray of its own and
-# of one that starts a vLLM engine in the test process: both run before the session's cluster starts.
+# of one that starts a vLLM engine in the test process; the marker of a module on the session's cluster whose
+# assertions hold while another module's processes share the cores (counts and outcomes, no latency bound).
 SESSION_CLUSTER_FIXTURE = "ray_cluster"
 OWN_PROCESSES_MARKERS = ("own_ray", "engine")
+SHARES_CORES_MARKER = "shares_cores"
+# `make test` runs the Ray tier on two pytest workers, one per group (`--dist loadgroup`): the modules with processes
+# of their own beside the session cluster's modules that share the cores, which run first. Measured, an engine start
+# takes both cores, but a module waits for HTTP, drains and load about a quarter of its time: the other group's
+# work fills it.
+RAY_TIER_GROUPS = {1: "own_processes", 2: "session_cluster", 3: "session_cluster"}
 
 
 def _ray_rank(item: pytest.Item) -> int:
-    """0: no Ray, no engine; 1: a Ray or an engine of its own; 2: the session's cluster, which starts at its first
-    test and stays up."""
+    """0: no Ray, no engine; 1: a Ray or an engine of its own; on the session's cluster, which starts at its first
+    test and stays up: 2 a module that shares the cores, 3 the others."""
     if SESSION_CLUSTER_FIXTURE in getattr(item, "fixturenames", ()):
-        return 2
+        return 2 if item.get_closest_marker(SHARES_CORES_MARKER) else 3
     return 1 if any(item.get_closest_marker(marker) for marker in OWN_PROCESSES_MARKERS) else 0
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that needs Ray `ray` (before `-m` selects), then run whole modules in Ray rank order: the
-    modules with a Ray of their own before the session's cluster starts, so two clusters never share the cores."""
+    """Mark every test that needs Ray `ray` (before `-m` selects) and put it in its Ray tier group (before
+    pytest-xdist names the groups), then run whole modules in rank order."""
     module_rank: dict[str, int] = {}
     for item in items:
         rank = _ray_rank(item)
-        if rank == 2 or item.get_closest_marker("own_ray"):
+        if rank >= 2 or item.get_closest_marker("own_ray"):
             item.add_marker(pytest.mark.ray)
         module = item.nodeid.split("::")[0]
         module_rank[module] = max(rank, module_rank.get(module, 0))
+    for item in items:
+        group = RAY_TIER_GROUPS.get(module_rank[item.nodeid.split("::")[0]])
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: module_rank[item.nodeid.split("::")[0]])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,6 +111,8 @@ def cluster() -> Iterator[str]:
         _, alive = psutil.wait_procs(_ours(folder), timeout=20)
         for process in alive:
             process.kill()
+        psutil.wait_procs(alive, timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _spec(tmp: Path, name: str, **model: object) -> tuple[Path, int]:

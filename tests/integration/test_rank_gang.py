@@ -26,7 +26,7 @@ from builders.plan import StackPlan
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.team_stack import team_stack
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
 
 GANG_SIZE = 2
 _ENGINE_LABELS = re.compile(r'^vllm:num_requests_running\{[^}]*engine="(\d+)"', re.M)
