@@ -36,7 +36,8 @@ for name in sorted(set(found) - set(skipped)):
 endef
 export LOCK_LINES
 
-.PHONY: venv lock lock-cpu lock-gpu model serve test test-fast test-unit lint bench bench-replicas bench-routers soak clean
+.PHONY: venv lock lock-cpu lock-gpu model serve test test-fast test-ray test-unit lint bench bench-replicas bench-routers \
+  soak clean
 
 venv: $(STAMP)
 
@@ -71,11 +72,14 @@ serve: $(STAMP)
 PYTEST := $(PY) -m pytest -v -x --durations=0 --durations-min=1
 JUNIT := .cache/junit
 # The tiers. Fast: no Ray (marker `ray`) and no vLLM engine (marker `engine`), a pytest worker per core, each module
-# on one worker (its module fixtures start once). Ray: two workers side by side, one for the modules with a Ray or an
-# engine of their own, one for the session's cluster (tests/conftest.py groups them). Containers: once both are done.
+# on one worker (its module fixtures start once). Ray: two pytest processes side by side, each on its own slice of
+# the test ports: the modules with a Ray or an engine of their own (their output kept in a log, shown when they end),
+# and the session cluster's. Containers: once both are done.
 FAST_TESTS := $(PYTEST) -n auto --dist loadfile --junitxml=$(JUNIT)-fast.xml -m "not ray and not engine" \
   tests/unit tests/load tests/integration
-RAY_TESTS := $(PYTEST) -n 2 --dist loadgroup --junitxml=$(JUNIT)-ray.xml -m "ray or engine" tests/integration
+OWN_PROCESSES_TESTS := $(PYTEST) --junitxml=$(JUNIT)-ray-own.xml -m "own_ray or engine" tests/integration
+OWN_PROCESSES_LOG := .cache/ray-own.log
+SESSION_CLUSTER_TESTS := $(PYTEST) --junitxml=$(JUNIT)-ray.xml -m "ray and not own_ray and not engine" tests/integration
 CONTAINER_TESTS := $(PYTEST) --junitxml=$(JUNIT)-containers.xml tests/containers
 IMAGE_BUILD_LOG := .cache/image-build.log
 
@@ -89,10 +93,19 @@ test-fast: lint
 test: lint
 	@mkdir -p .cache && rm -f $(JUNIT)-*.xml
 	nice -n 19 $(VENV)/bin/sluice image build >$(IMAGE_BUILD_LOG) 2>&1 & build=$$!; \
-	$(FAST_TESTS) && $(RAY_TESTS) || { status=$$?; kill $$build 2>/dev/null; exit $$status; }; \
+	$(FAST_TESTS) && $(MAKE) --no-print-directory test-ray || { status=$$?; kill $$build 2>/dev/null; exit $$status; }; \
 	wait $$build || echo "the background image build failed ($(IMAGE_BUILD_LOG)): the container test builds it"; \
 	$(CONTAINER_TESTS)
-	$(PY) -m tests.support.durations $(JUNIT)-fast.xml $(JUNIT)-ray.xml $(JUNIT)-containers.xml
+	$(PY) -m tests.support.durations $(JUNIT)-fast.xml $(JUNIT)-ray-own.xml $(JUNIT)-ray.xml $(JUNIT)-containers.xml
+
+# The Ray tier alone; it fails when either of its processes does (each stops at its own first failure).
+test-ray: $(STAMP)
+	@mkdir -p .cache
+	SLUICE_TEST_PORT_SLICE=0/2 $(OWN_PROCESSES_TESTS) >$(OWN_PROCESSES_LOG) 2>&1 & own=$$!; \
+	SLUICE_TEST_PORT_SLICE=1/2 $(SESSION_CLUSTER_TESTS); cluster=$$?; \
+	wait $$own; own=$$?; \
+	echo "--- the modules with a Ray or an engine of their own ($(OWN_PROCESSES_LOG)):"; cat $(OWN_PROCESSES_LOG); \
+	exit $$((cluster || own))
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -v tests/unit

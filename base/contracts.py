@@ -58,6 +58,10 @@ ENGINE_STAND_IN_HEADER = "x-serve-engine-stand-in"
 ZERO_COMPUTE_STAND_IN = "zero_compute"
 # Checked by the frontend when a stack turns API keys on, then removed: a replica never sees it.
 AUTHORIZATION_HEADER = "authorization"
+# Set by HAProxy on every request it forwards (and by every internal caller): the cluster's secret, without which the
+# ports past the frontend refuse a request (services/internal_credential.py). A client's is stripped like any
+# `x-sluice-` header.
+INTERNAL_CREDENTIAL_HEADER = "x-sluice-internal"
 RETRY_AFTER_HEADER = "retry-after"
 
 # Routing failure reasons (HAProxy -> client, `X-Serve-Reason`).
@@ -80,6 +84,8 @@ REASON_URL_TOO_LONG = "url_too_long"  # 414: a request line over the maximum
 REASON_CLIENT_LIMIT = "client_limit"  # 429: the client is over its concurrency or rate limit
 REASON_HEADERS_TOO_LARGE = "headers_too_large"  # 431: headers over the maximum
 REASON_TLS_REQUIRED = "tls_required"  # 403: an API key on the plain-HTTP port of a frontend with TLS
+# 403 from a replica, router or legacy port reached without the internal credential (not through the frontend).
+REASON_INTERNAL_CREDENTIAL = "internal_credential"
 PROTECTION_REASONS = {
     401: REASON_INVALID_API_KEY,
     403: REASON_TLS_REQUIRED,

@@ -103,11 +103,13 @@ async def probe(
     max_tokens: int,
     timeout_s: float = 300,
     verify: ssl.SSLContext | bool = True,
+    extra_headers: dict[str, str] | None = None,
 ) -> ProbeReport:
     """Run `streams` concurrent streams spread round-robin over `urls` and summarise them (`verify`: what an https
-    URL's certificate is checked against)."""
+    URL's certificate is checked against; `extra_headers`: sent on every request, e.g. the internal credential of a
+    replica's own port)."""
     limits = httpx.Limits(max_connections=streams)
-    headers = {"accept-encoding": "identity"}
+    headers = {"accept-encoding": "identity", **(extra_headers or {})}
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers, verify=verify) as client:
         start = time.perf_counter()
         results = await asyncio.gather(

@@ -1,6 +1,6 @@
 """Shared fixtures and the suite's tiers: the tiny model is built once per checkout into the cache folder; a test that
-needs Ray carries the marker `ray` (`make test-fast` runs the others), and Ray's tests run in two groups side by
-side: the modules with a Ray or an engine of their own, and the session's cluster."""
+needs Ray carries the marker `ray` (`make test-fast` runs the others); `make test-ray` runs the modules with a Ray or
+an engine of their own beside the session cluster's."""
 
 from __future__ import annotations
 
@@ -43,11 +43,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 SESSION_CLUSTER_FIXTURE = "ray_cluster"
 OWN_PROCESSES_MARKERS = ("own_ray", "engine")
 SHARES_CORES_MARKER = "shares_cores"
-# `make test` runs the Ray tier on two pytest workers, one per group (`--dist loadgroup`): the modules with processes
-# of their own beside the session cluster's modules that share the cores, which run first. Measured, an engine start
-# takes both cores, but a module waits for HTTP, drains and load about a quarter of its time: the other group's
-# work fills it.
-RAY_TIER_GROUPS = {1: "own_processes", 2: "session_cluster", 3: "session_cluster"}
 
 
 def _ray_rank(item: pytest.Item) -> int:
@@ -60,8 +55,10 @@ def _ray_rank(item: pytest.Item) -> int:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that needs Ray `ray` (before `-m` selects) and put it in its Ray tier group (before
-    pytest-xdist names the groups), then run whole modules in rank order."""
+    """Mark every test that needs Ray `ray` (before `-m` selects), then run whole modules in rank order. `make
+    test-ray` runs the modules with processes of their own (rank 1) in one pytest process and the session cluster's
+    in another, side by side: measured, an engine start takes both cores, but a module waits for HTTP, drains and
+    load about a fifth of its time, and the other process's work fills it. The modules that share the cores go first."""
     module_rank: dict[str, int] = {}
     for item in items:
         rank = _ray_rank(item)
@@ -69,8 +66,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
         module = item.nodeid.split("::")[0]
         module_rank[module] = max(rank, module_rank.get(module, 0))
-    for item in items:
-        group = RAY_TIER_GROUPS.get(module_rank[item.nodeid.split("::")[0]])
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: module_rank[item.nodeid.split("::")[0]])

@@ -10,13 +10,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from base.contracts import (
     DEFAULT_BIND_HOST,
     DIRECT_WEIGHT_MAX,
     HAPROXY_PORT_DEFAULT,
     HAPROXY_PROMETHEUS_PORT_DEFAULT,
+    INTERNAL_CREDENTIAL_HEADER,
     ROUTE_TIMEOUT_S_DEFAULT,
 )
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
@@ -111,6 +112,15 @@ class HAProxySettings(BaseModel):
     tls: FrontendTLS | None = None
     # Share of sessions on the direct path at start (the rest go to each app's legacy backend); changed at run time.
     direct_weight: int = Field(DIRECT_WEIGHT_MAX, ge=0, le=DIRECT_WEIGHT_MAX)
+    # The cluster's internal credential, set on every request forwarded past the frontend and on every route call
+    # (services/internal_credential.py); None: none is set (HAProxy in front of stand-ins). Private: never printed.
+    internal_credential: SecretStr | None = None
+
+    def internal_header(self) -> tuple[str, str] | None:
+        """(name, value) of the internal credential header HAProxy sends past the frontend, if any."""
+        if self.internal_credential is None:
+            return None
+        return INTERNAL_CREDENTIAL_HEADER, self.internal_credential.get_secret_value()
 
     @field_validator("workdir")
     @classmethod

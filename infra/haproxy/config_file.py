@@ -221,6 +221,9 @@ def render_config(settings: HAProxySettings) -> str:
     lines.append("    # A client can neither pin a replica (nor an engine rank) nor forge a capacity token.")
     lines += [f"    http-request del-header {prefix} -m beg" for prefix in INTERNAL_HEADER_PREFIXES]
     lines.append(f"    http-request del-header {DATA_PARALLEL_RANK_HEADER}")
+    if (internal := settings.internal_header()) is not None:
+        lines.append("    # Past the frontend every port asks for the cluster's credential; only HAProxy sends it.")
+        lines.append(f"    http-request set-header {internal[0]} {internal[1]}")
     lines += [
         f"    http-request set-header {REQUEST_ID_HEADER} %[unique-id]"
         f" unless {{ req.hdr({REQUEST_ID_HEADER}) -m found }}",

@@ -228,6 +228,7 @@ def render_lua(settings: HAProxySettings) -> str:
         frontend_id=_lua_str(settings.frontend_id),
         app_header=_lua_str(APP_HEADER),
         frontend_header=_lua_str(FRONTEND_HEADER),
+        internal_header=_lua_str(": ".join(settings.internal_header() or ())),
         request_id_header=_lua_str(REQUEST_ID_HEADER),
         body_truncated_header=_lua_str(BODY_TRUNCATED_HEADER),
         body_total_unknown=_lua_str(BODY_TOTAL_UNKNOWN),

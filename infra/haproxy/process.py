@@ -129,7 +129,7 @@ def haproxy_environment(environment: dict[str, str]) -> dict[str, str]:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner reads (a private key), replacing it whole."""
+    """Write a file only its owner reads (a private key, a credential), replacing it whole."""
     partial = path.with_suffix(".partial")
     partial.touch(mode=0o600)
     partial.write_text(text)
@@ -141,14 +141,15 @@ def write_files(settings: HAProxySettings) -> None:
     certificate into the workdir (the syncer adds the servers at run time; the watchers replace the digests and the
     certificate). A key list or a certificate that cannot be used stops here."""
     settings.workdir.mkdir(parents=True, exist_ok=True)
-    settings.lua_path.write_text(render_lua(settings))
+    # The config and the Lua carry the internal credential: private, like the TLS key.
+    write_private(settings.lua_path, render_lua(settings))
     settings.spoe_path.write_text(render_spoe(settings))
     keys = settings.protection.api_keys
     settings.keys_acl_path.write_text(render_acl(keys.digests()) if keys is not None else "")
     if settings.tls is not None:
         write_private(settings.tls_pem_path, settings.tls.pem())
     settings.weights_map_path.write_text(weights_map([app.name for app in settings.apps], settings.direct_weight))
-    settings.config_path.write_text(render_config(settings))
+    write_private(settings.config_path, render_config(settings))
 
 
 def check_config(settings: HAProxySettings, binary: Path | None = None) -> str:

@@ -40,6 +40,7 @@ from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.frontend.ingress_control import IngressConfig, IngressController, ingress_store_key
 from services.frontend.path_log import PathLog
 from services.frontend.tls_watcher import TLSWatcher
+from services.internal_credential import internal_credential
 from services.router.route_listener import router_source
 from services.serve_internals import list_replica_endpoints, with_rollout_version
 
@@ -97,7 +98,7 @@ class FrontendReplica:
         workdir = cache_dir() / f"frontend-{parsed.stack}-{os.getpid()}"
         shutil.rmtree(workdir, ignore_errors=True)  # left by a dead process that had this PID
         workdir.mkdir(parents=True)
-        self._settings = HAProxySettings(workdir=workdir, **haproxy)
+        self._settings = HAProxySettings(workdir=workdir, internal_credential=internal_credential(), **haproxy)
         self._haproxy: HAProxyProcess | None = None
         self._syncer: HAProxySyncer | None = None
         self.restarts = 0

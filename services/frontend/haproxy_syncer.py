@@ -276,7 +276,8 @@ class HAProxySyncer:
         return stale or any(membership.in_flight.values())
 
     def _publish_client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=PUBLISH_TIMEOUT_S, transport=self._publish_transport)
+        headers = dict([internal]) if (internal := self.settings.internal_header()) is not None else None
+        return httpx.AsyncClient(timeout=PUBLISH_TIMEOUT_S, transport=self._publish_transport, headers=headers)
 
     @staticmethod
     async def _post_all(client: httpx.AsyncClient, urls: list[str], body: str) -> list[None | BaseException]:

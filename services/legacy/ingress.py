@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.deployment import Application
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import Mount
 
 from base.contracts import (
@@ -29,6 +30,7 @@ from base.contracts import (
     node_role_resources,
 )
 from base.rollout import config_version
+from services.internal_credential import InternalCredentialMiddleware, internal_credential
 from services.legacy.handle_path import chosen_stream, prefill_choice
 from services.replica.asgi_call import ResponseStart, read_body, route_path, send_openai_error
 from services.replica.llm_config import LLM_DEPLOYMENT_NAME
@@ -163,7 +165,9 @@ class LegacyIngress:
             prefill_handle = serve.get_deployment_handle(LLM_DEPLOYMENT_NAME, app_name=self._settings.prefill_app)
             prefill = PrefillSide(prefill_handle.options(stream=True).stream, self._settings.prefill_app)
         relay = HandleRelay(handle.options(stream=True).stream, prefill)
-        self._app = Starlette(routes=[Mount("/", app=relay)])
+        # Only what came through the frontend (HAProxy adds the credential) reaches the relay.
+        credential = Middleware(InternalCredentialMiddleware, credential=internal_credential())
+        self._app = Starlette(routes=[Mount("/", app=relay)], middleware=[credential])
 
     async def __serve_build_asgi_app__(self) -> Starlette:
         return self._app

@@ -23,6 +23,7 @@ from base.contracts import FAULT_PATH, KV_EVENTS_PATH, VERSIONS_PATH
 from base.route_wire import ComponentVersions, KVEventSource, KVEventSources
 from base.runtime import engine_env, free_port
 from routers.ledger_actor import ledger_actor_name
+from services.internal_credential import InternalCredentialMiddleware, internal_credential, internal_headers
 from services.replica.asgi_call import ResponseStart, stream_asgi
 from services.replica.llm_config import LLMAppConfig
 from services.replica.middleware.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
@@ -70,12 +71,13 @@ class LLMReplica:
         if self._config.fault_injection:
             self._app.add_api_route(FAULT_PATH, self.inject_fault, methods=["POST"], status_code=204)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
-        # outermost: the cancel-to-disconnect, the headers stamp, the capacity release, the remote prefill, then vLLM's.
+        # outermost: the internal credential, the cancel-to-disconnect, the headers stamp, the capacity release, the
+        # remote prefill, then vLLM's.
         self._app.middleware_stack = None
         role = self._config.prefill_decode
         if role is not None and role.role == "decode":
             limits = httpx.Limits(max_connections=self._config.deployment.max_ongoing_requests)
-            self._prefill_client = httpx.AsyncClient(limits=limits)
+            self._prefill_client = httpx.AsyncClient(limits=limits, headers=internal_headers())
             self._app.add_middleware(
                 RemotePrefillMiddleware,
                 replica_id=self.replica_id,
@@ -100,6 +102,8 @@ class LLMReplica:
             engine_stand_in=stand_in,
         )
         self._app.add_middleware(DisconnectOnCancelMiddleware)
+        # A request that did not come through the frontend reaches nothing (the handle path is in-cluster).
+        self._app.add_middleware(InternalCredentialMiddleware, credential=internal_credential())
         self._handle_app = ReplicaHeadersMiddleware(
             self._app, self.replica_id, echo_request_id=True, data_parallel_rank=rank, engine_stand_in=stand_in
         )

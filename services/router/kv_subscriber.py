@@ -47,14 +47,20 @@ class KVEventSubscriber:
     """Keeps `policy`'s index and per-replica sources current for the replica views it is given."""
 
     def __init__(
-        self, policy: KVAware, route_prefix: str, ranks: int = 1, client: httpx.AsyncClient | None = None
+        self,
+        policy: KVAware,
+        route_prefix: str,
+        ranks: int = 1,
+        client: httpx.AsyncClient | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
-        """`client`: what asks the replicas where they publish (default: a plain client, 5 s timeout)."""
+        """`client`: what asks the replicas where they publish (default: a client with `headers`, the internal
+        credential, 5 s timeout)."""
         self.policy = policy
         self._route_prefix = route_prefix
         self._ranks = ranks
         self._context = zmq.asyncio.Context()
-        self._client = client or httpx.AsyncClient(timeout=5.0)
+        self._client = client or httpx.AsyncClient(timeout=5.0, headers=headers)
         # Per replica: what it announced last, and a stream task per publisher.
         self._streams: dict[str, tuple[KVEventSources | None, list[asyncio.Task]]] = {}
         self._asked_at: dict[str, float] = {}

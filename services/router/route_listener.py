@@ -29,6 +29,7 @@ import httpx
 from base.agent_wire import MESSAGE, Answer, answer_variables, request_from_arguments
 from base.contracts import REASON_ROUTER_ERROR
 from base.route_wire import RouteRefusal
+from services.internal_credential import internal_headers
 from services.router import spop
 from services.router.spop import FrameError, FrameType, Status
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
@@ -254,15 +255,16 @@ class RouteListener:
 
 
 async def with_route_ports(
-    endpoints: list[ReplicaEndpoint], route_prefix: str, known: dict[str, int]
+    endpoints: list[ReplicaEndpoint], route_prefix: str, known: dict[str, int], headers: dict[str, str]
 ) -> list[ReplicaEndpoint]:
     """Router endpoints with the port of their route listener, asked once per router replica (`known` caches it by
-    replica id). A router that does not answer keeps its Serve port for route calls until it does."""
+    replica id) with `headers` (the internal credential). A router that does not answer keeps its Serve port for
+    route calls until it does."""
     for stale in set(known) - {e.replica_id for e in endpoints}:
         del known[stale]
     unknown = [e for e in endpoints if e.replica_id not in known]
     if unknown:
-        async with httpx.AsyncClient(timeout=LOOKUP_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=LOOKUP_TIMEOUT_S, headers=headers) as client:
             for endpoint in unknown:
                 try:
                     response = await client.get(f"{endpoint.url}{route_prefix}{ROUTE_LISTENER_PATH}")
@@ -278,6 +280,7 @@ def router_source(router_app: str, route_prefix: str) -> Callable[[], Awaitable[
     known: dict[str, int] = {}
 
     async def routers() -> list[ReplicaEndpoint]:
-        return await with_route_ports(await list_replica_endpoints(router_app), route_prefix, known)
+        endpoints = await list_replica_endpoints(router_app)
+        return await with_route_ports(endpoints, route_prefix, known, internal_headers())
 
     return routers

@@ -44,6 +44,7 @@ from routers.core import Decision, NoReplicaAvailable, ReplicaView, RouteRequest
 from routers.kv_aware import KVAware, ReplicaEvents
 from routers.metrics import LEDGER_METRICS
 from routers.registry import table_of
+from services.internal_credential import InternalCredentialMiddleware, internal_credential, internal_headers
 from services.router.kv_subscriber import KVEventSubscriber
 from services.router.live_replicas import LiveReplicas
 from services.router.membership import FrontendMembership
@@ -264,7 +265,10 @@ class RouterReplica:
         self._kv_events: KVEventSubscriber | None = None
         if isinstance(policy, KVAware):
             self._kv_events = KVEventSubscriber(
-                policy, self._settings.target_route_prefix, self._settings.data_parallel_size
+                policy,
+                self._settings.target_route_prefix,
+                self._settings.data_parallel_size,
+                headers=internal_headers(),
             )
             await self._kv_events.sync(self._replicas.views())
             self._kv_sync = asyncio.get_running_loop().create_task(self._follow_kv_events(self._kv_events))
@@ -276,6 +280,8 @@ class RouterReplica:
             await self._prefill_replicas.start()
             prefill = PrefillChooser(prefill_policy, self._prefill_replicas.views, side.route_prefix, side.required)
         self._app = build_router_app(self._settings, policy, self._replicas.views, prefill)
+        # Route calls, membership and tables come from the frontend's HAProxy and replica; nobody else's count.
+        self._app.add_middleware(InternalCredentialMiddleware, credential=internal_credential())
         self._listener = RouteListener(
             self._app.state.answer_route, self._settings.session_header, self._settings.agent_deadline_s
         )

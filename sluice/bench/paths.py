@@ -23,6 +23,7 @@ from base.contracts import ZERO_COMPUTE_STAND_IN
 from base.quantiles import quantile
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.stream_probe import StreamResult, one_stream
+from services.internal_credential import internal_headers
 from sluice.bench.goals import PROXY_CASES, breakdown, judge, verdict_lines
 from sluice.bench.overhead import DEFAULT_VARIANT, passthrough_haproxy, rates_table, route_call_rates, variant_label
 from sluice.bench.summary import (
@@ -74,11 +75,17 @@ VARIANTS = (
 )
 
 
+def _client_headers() -> dict[str, str]:
+    """Every path's requests: unencoded, and with the internal credential the ports past the frontend ask for (the
+    frontend strips and sets its own; Ray's peer ignores it)."""
+    return {"accept-encoding": "identity", **internal_headers()}
+
+
 async def _round(urls: list[str], streams: int, max_tokens: int) -> dict[str, float]:
     """`streams` concurrent streams over `urls` (round-robin; one stream: `SINGLE_STREAM_SAMPLES` in a row): the
     figures of one round."""
     limits = httpx.Limits(max_connections=streams)
-    async with httpx.AsyncClient(timeout=300, limits=limits, headers={"accept-encoding": "identity"}) as client:
+    async with httpx.AsyncClient(timeout=300, limits=limits, headers=_client_headers()) as client:
         started = time.perf_counter()
         if streams == 1:
             results = [
@@ -109,7 +116,7 @@ async def _steady_round(urls: list[str], streams: int, max_tokens: int) -> dict[
         return [await one_stream(client, url, SERVED_MODEL_NAME, n) for n in steady_lengths(index, streams, max_tokens)]
 
     limits = httpx.Limits(max_connections=streams)
-    async with httpx.AsyncClient(timeout=300, limits=limits, headers={"accept-encoding": "identity"}) as client:
+    async with httpx.AsyncClient(timeout=300, limits=limits, headers=_client_headers()) as client:
         started = time.perf_counter()
         per_stream = await asyncio.gather(*(stream(client, i) for i in range(streams)))
         wall = time.perf_counter() - started

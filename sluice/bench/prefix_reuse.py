@@ -36,6 +36,7 @@ from loadtests.counted import counted_rows
 from loadtests.report import prefix_cache_rates
 from loadtests.sse_timing import StreamRow
 from loadtests.workloads import SYSTEM_PROMPT_TOKENS, system_prompt_key
+from services.internal_credential import internal_headers
 from services.replica.llm_config import EngineConfig
 
 # Each prefix case: its workload and whether its requests carry the session header.
@@ -153,7 +154,7 @@ def engine_block_size(plan: Any) -> int:
 
     model = plan.models[0]
     endpoint = asyncio.run(list_replica_endpoints(model.llm_app))[0]
-    announced = httpx.get(f"{endpoint.url}/{model.llm_app}{KV_EVENTS_PATH}", timeout=30)
+    announced = httpx.get(f"{endpoint.url}/{model.llm_app}{KV_EVENTS_PATH}", timeout=30, headers=internal_headers())
     return KVEventSources.model_validate_json(announced.content).block_size
 
 

@@ -11,6 +11,7 @@ import psutil
 from base.quantiles import quantile
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.stream_probe import probe
+from services.internal_credential import internal_headers
 
 BENCH_APP = "bench"
 
@@ -44,7 +45,8 @@ def run_replica_bench(model: Path, replicas: int = 2) -> None:
         deploy_s = time.monotonic() - deploy_started
         urls = [e.url for e in endpoints]
         name = config.engine.served_model_name
-        asyncio.run(probe(urls[:1], name, streams=2, max_tokens=16))
+        internal = internal_headers()
+        asyncio.run(probe(urls[:1], name, streams=2, max_tokens=16, extra_headers=internal))
         print(f"ray+serve start: {ray_ready:.1f} s; deploy-to-ready of {replicas} replicas: {deploy_s:.1f} s")
         for rss, uss in replica_memory_mib(BENCH_APP):
             print(f"replica memory: RSS {rss:.0f} MiB, unique {uss:.0f} MiB (replica + engine process)")
@@ -55,7 +57,7 @@ def run_replica_bench(model: Path, replicas: int = 2) -> None:
             (f"16 streams x128, {replicas} replicas", urls, 16),
         ]
         for label, targets, streams in cases:
-            report = asyncio.run(probe(targets, name, streams=streams, max_tokens=128))
+            report = asyncio.run(probe(targets, name, streams=streams, max_tokens=128, extra_headers=internal))
             print(
                 f"{label:<34}{report.ttft_p50_ms:>12.1f}{report.ttft_max_ms:>12.1f}"
                 f"{report.per_stream_tokens_per_s:>14.0f}{report.aggregate_tokens_per_s:>12.0f}"
@@ -65,14 +67,18 @@ def run_replica_bench(model: Path, replicas: int = 2) -> None:
 
 
 def _ttft_ms(url: str, model: str, samples: int) -> list[float]:
-    return [asyncio.run(probe([url], model, streams=1, max_tokens=8)).ttft_p50_ms for _ in range(samples)]
+    internal = internal_headers()
+    return [
+        asyncio.run(probe([url], model, streams=1, max_tokens=8, extra_headers=internal)).ttft_p50_ms
+        for _ in range(samples)
+    ]
 
 
 def _route_call_ms(url: str, samples: int) -> list[float]:
     import httpx
 
     timings = []
-    with httpx.Client() as client:
+    with httpx.Client(headers=internal_headers()) as client:
         for i in range(samples):
             started = time.perf_counter()
             client.post(url, headers={"x-session-id": f"s{i}"}).raise_for_status()

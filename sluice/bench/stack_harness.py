@@ -39,6 +39,7 @@ from routers.registry import DEFAULT_POLICY, policy_entry
 from services.frontend.api_key_watcher import ApiKeyWatcher
 from services.frontend.background_loop import BackgroundLoop
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
+from services.internal_credential import internal_credential
 from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.replica.llm_replica import llm_application
 from services.router.route_listener import router_source
@@ -86,9 +87,11 @@ class DirectStreamSpec(BaseModel):
     def router_route_prefix(self) -> str:
         return f"/{self.router_app}"
 
-    def haproxy_settings(self) -> HAProxySettings:
+    def haproxy_settings(self, internal_credential: str | None = None) -> HAProxySettings:
+        """The HAProxy in front of the stack; `internal_credential`: the cluster's, which it sends past itself."""
         return HAProxySettings(
             workdir=self.workdir or cache_dir() / f"haproxy-{self.haproxy_port}",
+            internal_credential=internal_credential,
             port=self.haproxy_port,
             prometheus_port=self.prometheus_port,
             route_timeout_s=self.route_timeout_s,
@@ -159,7 +162,7 @@ class DirectStreamStack:
             blocking=False,
         )
         wait_for_endpoints(spec.router_app, spec.routers, timeout_s=timeout_s)
-        settings = spec.haproxy_settings()
+        settings = spec.haproxy_settings(internal_credential())
         settings.workdir.mkdir(parents=True, exist_ok=True)
         self.haproxy = HAProxyProcess(settings).start()
         self.runtime = self.haproxy.runtime

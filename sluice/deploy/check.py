@@ -24,6 +24,7 @@ from base.contracts import (
     TABLE_LEASE_S,
 )
 from base.quantiles import quantile
+from services.internal_credential import internal_headers
 from sluice.deploy import check_items
 from sluice.deploy.check_contract import api_contract
 from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers
@@ -158,7 +159,7 @@ def fault_injection(client: httpx.Client, base: str, spec: StackBase, plan: Stac
     # Each router replica's app on Serve's port (HAProxy's route calls go to the route agents).
     urls = [f"{e.url}/{first.router_app}{FAULT_PATH}" for e in asyncio.run(list_replica_endpoints(first.router_app))]
     for url in urls:
-        client.post(url, json={"seconds": FAULT_SECONDS}).raise_for_status()
+        client.post(url, json={"seconds": FAULT_SECONDS}, headers=internal_headers()).raise_for_status()
     if spec.routing.table_decisions:
         # The frontend's threads drop the faulty routers' table at their next fetch, within a lease.
         time.sleep(TABLE_LEASE_S)
@@ -166,7 +167,7 @@ def fault_injection(client: httpx.Client, base: str, spec: StackBase, plan: Stac
         response = direct_post(client, f"{base}/v1/chat/completions", chat(first.name))
     finally:
         for url in urls:
-            client.post(url, json={"seconds": 0})
+            client.post(url, json={"seconds": 0}, headers=internal_headers())
     if response is None:
         return False, "no request reached the direct path"
     reason = response.headers.get(SERVE_REASON_HEADER)
@@ -187,7 +188,8 @@ def legacy_same_texts(client: httpx.Client, base: str, model: Any) -> Result:
     for prompt in prompts:
         body = chat(model.name, prompt)
         direct = direct_post(client, f"{base}/v1/chat/completions", body)
-        old = client.post(f"{legacy[0].url}/{model.legacy_app}/v1/chat/completions", json=body, headers=headers())
+        legacy_url = f"{legacy[0].url}/{model.legacy_app}/v1/chat/completions"
+        old = client.post(legacy_url, json=body, headers={**headers(), **internal_headers()})
         if direct is None or direct.status_code != 200 or old.status_code != 200:
             return False, f"{prompt!r}: direct {direct and direct.status_code}, legacy {old.status_code}"
         texts = [r.json()["choices"][0]["message"]["content"] for r in (direct, old)]

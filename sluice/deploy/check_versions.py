@@ -7,6 +7,7 @@ import httpx
 
 from base.contracts import VERSIONS_PATH
 from base.route_wire import ComponentVersions
+from services.internal_credential import internal_headers
 from sluice.deploy.check_items import Result
 
 THIS_CLI = "this CLI"
@@ -16,7 +17,7 @@ def replica_versions(client: httpx.Client, replica_apps: dict[str, str]) -> dict
     """Each LLM replica's versions, asked on its own port (`replica_apps`: who -> its app's URL)."""
     found = {}
     for who, app in replica_apps.items():
-        answer = client.get(f"{app}{VERSIONS_PATH}")
+        answer = client.get(f"{app}{VERSIONS_PATH}", headers=internal_headers())
         answer.raise_for_status()
         found[who] = ComponentVersions.model_validate(answer.json()).model_dump()
     return found

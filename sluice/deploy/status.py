@@ -19,6 +19,7 @@ import httpx
 from base.contracts import SERVED_RANK_HEADER
 from builders.plan import PlannedModel, StackPlan, build_plan
 from infra.haproxy.canary import legacy_backend
+from services.internal_credential import internal_headers
 from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
 from sluice.deploy import registry
 from sluice.deploy.apply import frontend_status
@@ -131,7 +132,7 @@ def prefill_pairs(metrics_text: str) -> dict[tuple[str, str], float]:
 def _gang_rank(model: PlannedModel, endpoint: Any) -> int | None:
     """The DP rank a `ranks` replica answers as (None when it does not answer)."""
     try:
-        response = httpx.get(f"{endpoint.url}/{model.llm_app}/v1/models", timeout=5)
+        response = httpx.get(f"{endpoint.url}/{model.llm_app}/v1/models", timeout=5, headers=internal_headers())
     except httpx.HTTPError:
         return None
     rank = response.headers.get(SERVED_RANK_HEADER, "")

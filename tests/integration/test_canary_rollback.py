@@ -39,6 +39,7 @@ from base.contracts import (
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.ingress_control import GUARD_INTERVAL_S
+from services.internal_credential import internal_headers
 from services.serve_internals import list_replica_endpoints
 from sluice.deploy.check import (
     CHECK_EXIT_PASS,
@@ -84,12 +85,12 @@ def _router_fault(stack: TeamStack, seconds: float = 120) -> Iterator[None]:
     urls = _routers(stack)
     assert urls
     for url in urls:
-        assert httpx.post(url, json={"seconds": seconds}).status_code == 204
+        assert httpx.post(url, json={"seconds": seconds}, headers=internal_headers()).status_code == 204
     try:
         yield
     finally:
         for url in urls:
-            httpx.post(url, json={"seconds": 0})
+            httpx.post(url, json={"seconds": 0}, headers=internal_headers())
 
 
 def _completion(client: httpx.Client, url: str, session: str, request_id: str | None = None) -> httpx.Response:

@@ -18,6 +18,7 @@ import pytest
 
 from base.contracts import DATA_PARALLEL_RANK_HEADER, REPLICA_HEADER, SERVED_RANK_HEADER, SESSION_HEADER_DEFAULT
 from builders.plan import StackPlan
+from services.internal_credential import internal_headers
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.llm_cluster import LLMCluster
 from tests.support.team_stack import team_stack
@@ -101,7 +102,7 @@ def test_a_client_cannot_pick_the_engine_rank(stack: DPStack) -> None:
 
 def test_every_engine_rank_answers_like_a_single_engine(stack: DPStack, llm_cluster: LLMCluster) -> None:
     body = {"prompt": "ka lo mi tessa", "max_tokens": 16, "temperature": 0}
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=internal_headers()) as client:
         single = client.post(f"{llm_cluster.endpoints[0].url}/v1/completions", json=body).json()
         texts = set()
         for replica in stack.replicas:

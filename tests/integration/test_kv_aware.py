@@ -20,6 +20,7 @@ import ray
 from base.contracts import FAULT_PATH, REPLICA_HEADER, REQUEST_ID_HEADER
 from base.waiting import wait_until
 from routers.prompt_tokens import PromptTokens
+from services.internal_credential import internal_headers
 from services.router.service import KV_INDEX_PATH
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from sluice.deploy.status import model_line, routers_report
@@ -58,7 +59,8 @@ def _endpoints(app: str) -> list[ReplicaEndpoint]:
 def _indexes(stack: TeamStack) -> list[dict[str, Any]]:
     """Each router replica's KV index report."""
     app = stack.plan.models[0].router_app
-    return [httpx.get(f"{e.url}/{app}{KV_INDEX_PATH}", timeout=10).json() for e in _endpoints(app)]
+    internal = internal_headers()
+    return [httpx.get(f"{e.url}/{app}{KV_INDEX_PATH}", timeout=10, headers=internal).json() for e in _endpoints(app)]
 
 
 def _route(
@@ -67,7 +69,9 @@ def _route(
     """The router's ranking for the body; `client` keeps its connection open between calls."""
     post = client.post if client is not None else httpx.post
     reply = post(
-        f"{router.url}/{app}/internal/route", content=json.dumps(body), headers={REQUEST_ID_HEADER: request_id}
+        f"{router.url}/{app}/internal/route",
+        content=json.dumps(body),
+        headers={**internal_headers(), REQUEST_ID_HEADER: request_id},
     )
     reply.raise_for_status()
     return [reply.json()["replica_id"], *reply.json()["fallbacks"]]
@@ -76,6 +80,7 @@ def _route(
 def test_the_router_tokenizes_a_body_as_vllm_does(stack: TeamStack, tiny_model_dir: Path) -> None:
     tokens = PromptTokens(str(tiny_model_dir))
     replica = _endpoints(stack.plan.models[0].llm_app)[0]
+    tokenize = f"{replica.url}/{stack.plan.models[0].llm_app}/tokenize"
     rng = random.Random(3)
     bodies = [
         _chat(_text(rng, 40), _text(rng, 9)),
@@ -90,11 +95,11 @@ def test_the_router_tokenizes_a_body_as_vllm_does(stack: TeamStack, tiny_model_d
         },
     ]
     for body in bodies:
-        vllm = httpx.post(f"{replica.url}/{stack.plan.models[0].llm_app}/tokenize", json=body, timeout=30)
+        vllm = httpx.post(tokenize, json=body, timeout=30, headers=internal_headers())
         assert vllm.status_code == 200, vllm.text
         assert tokens(json.dumps(body).encode()) == vllm.json()["tokens"]
     completion = {"model": "sluice-tiny", "prompt": _text(rng, 30)}
-    vllm = httpx.post(f"{replica.url}/{stack.plan.models[0].llm_app}/tokenize", json=completion, timeout=30)
+    vllm = httpx.post(tokenize, json=completion, timeout=30, headers=internal_headers())
     assert tokens(json.dumps(completion).encode()) == vllm.json()["tokens"]
 
 
@@ -175,7 +180,8 @@ def test_two_routers_rank_a_hundred_requests_alike(stack: TeamStack) -> None:
 def test_a_replica_without_events_is_scored_by_what_the_router_sent_it(stack: TeamStack) -> None:
     model = stack.plan.models[0]
     quiet = _endpoints(model.llm_app)[0]
-    fault = httpx.post(f"{quiet.url}/{model.llm_app}{FAULT_PATH}", json={"kv_events": "off"}, timeout=10)
+    fault_url = f"{quiet.url}/{model.llm_app}{FAULT_PATH}"
+    fault = httpx.post(fault_url, json={"kv_events": "off"}, timeout=10, headers=internal_headers())
     assert fault.status_code == 204, fault.text
     try:
 
@@ -189,7 +195,8 @@ def test_a_replica_without_events_is_scored_by_what_the_router_sent_it(stack: Te
         for round_ in range(2):
             for i, system in enumerate(prefixes):
                 _route(router, model.router_app, _chat(system, "ka"), f"quiet-{round_}-{i}")
-        decisions = httpx.get(f"{router.url}/{model.router_app}{KV_INDEX_PATH}", timeout=10).json()["decisions"]
+        index = httpx.get(f"{router.url}/{model.router_app}{KV_INDEX_PATH}", timeout=10, headers=internal_headers())
+        decisions = index.json()["decisions"]
         assert decisions.get("approximate_match", 0) >= 1, decisions
         metrics = httpx.get(f"{router.url}/{model.router_app}/metrics", timeout=10).text
         assert f'sluice_router_kv_replicas{{app="{model.llm_app}",source="approximate"}} 1.0' in metrics
@@ -202,7 +209,7 @@ def test_a_replica_without_events_is_scored_by_what_the_router_sent_it(stack: Te
         line = model_line(model, routers_report(model))
         assert f"{quiet.replica_id} approximate" in line, line
     finally:
-        httpx.post(f"{quiet.url}/{model.llm_app}{FAULT_PATH}", json={"kv_events": "on"}, timeout=10)
+        httpx.post(fault_url, json={"kv_events": "on"}, timeout=10, headers=internal_headers())
 
 
 def test_a_killed_replica_leaves_the_index_within_a_second(stack: TeamStack) -> None:

@@ -24,6 +24,7 @@ from ray import serve
 from base.contracts import CHOSEN_REPLICA_HEADER, LEGACY_PATH, REPLICA_HEADER, SERVE_PATH_HEADER
 from base.waiting import WaitTimeout, wait_until
 from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
+from services.internal_credential import internal_headers
 from services.legacy.ingress import LegacyIngressSettings, legacy_ingress_application
 from services.replica.llm_config import ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
@@ -55,7 +56,7 @@ def _text(response: httpx.Response) -> str:
 
 
 def test_the_legacy_path_streams_the_replicas_own_answer(legacy_url: str, llm_cluster: LLMCluster) -> None:
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=internal_headers()) as client:
         with client.stream("POST", f"{legacy_url}/v1/chat/completions", json=GREEDY) as response:
             assert response.status_code == 200
             assert response.headers[SERVE_PATH_HEADER] == LEGACY_PATH
@@ -68,7 +69,8 @@ def test_the_legacy_path_streams_the_replicas_own_answer(legacy_url: str, llm_cl
 
 
 def test_bad_input_gets_vllms_own_error_through_the_legacy_path(legacy_url: str) -> None:
-    response = httpx.post(f"{legacy_url}/v1/chat/completions", content=b"{not json", timeout=30)
+    url = f"{legacy_url}/v1/chat/completions"
+    response = httpx.post(url, content=b"{not json", timeout=30, headers=internal_headers())
     assert response.status_code == 400 and response.json()["error"]["code"] == 400
     assert response.headers[SERVE_PATH_HEADER] == LEGACY_PATH
 
@@ -80,7 +82,8 @@ def _in_flight(llm_cluster: LLMCluster) -> float:
 
 def test_a_client_that_leaves_aborts_the_engine_request(legacy_url: str, llm_cluster: LLMCluster) -> None:
     body = {**GREEDY, "max_tokens": 1000, "ignore_eos": True}
-    with httpx.stream("POST", f"{legacy_url}/v1/chat/completions", json=body, timeout=60) as response:
+    url = f"{legacy_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=60, headers=internal_headers()) as response:
         lines = stream_lines(response)
         for _ in range(5):
             next(lines)
@@ -103,7 +106,8 @@ def test_replay_compare_finds_the_direct_and_the_legacy_path_identical(
             messages = [{"role": "user", "content": f"{words} {i}"}]
             path, body = "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0}
         body["stream"] = i % 3 != 0
-        headers = {"x-session-id": f"user-{i % 7}"}
+        # Recorded inside the cluster: the legacy app's own port asks for the internal credential.
+        headers = {"x-session-id": f"user-{i % 7}", **internal_headers()}
         lines.append(json.dumps({"at_s": i * 0.02, "path": path, "headers": headers, "body": body}))
     recording = tmp_path / "recording.jsonl"
     recording.write_text("\n".join(lines) + "\n")
@@ -173,7 +177,7 @@ def test_capacity_tokens_of_the_legacy_path_are_released_once_even_when_clients_
 
     async def run() -> None:
         limit = asyncio.Semaphore(16)
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=60, headers=internal_headers()) as client:
 
             async def bounded(i: int) -> None:
                 async with limit:

@@ -23,6 +23,7 @@ import ray
 from base.contracts import SERVED_RANK_HEADER
 from base.waiting import wait_until
 from builders.plan import StackPlan
+from services.internal_credential import internal_headers
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.team_stack import team_stack
 
@@ -49,7 +50,7 @@ def ranks(stack: GangStack) -> dict[int, ReplicaEndpoint]:
     """The running replicas by the DP rank each answers as, checked against the rank its engine reports under."""
     by_rank = {}
     for endpoint in asyncio.run(list_replica_endpoints(stack.app)):
-        response = httpx.get(f"{endpoint.url}/{stack.app}/v1/models", timeout=10)
+        response = httpx.get(f"{endpoint.url}/{stack.app}/v1/models", timeout=10, headers=internal_headers())
         assert response.status_code == 200, response.text
         rank = int(response.headers[SERVED_RANK_HEADER])
         engines = set(_ENGINE_LABELS.findall(httpx.get(f"{endpoint.url}/{stack.app}/metrics", timeout=10).text))

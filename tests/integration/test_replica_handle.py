@@ -9,6 +9,7 @@ import pytest
 from ray import serve
 
 from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
+from services.internal_credential import internal_headers
 from services.replica.asgi_call import ResponseStart
 from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import chunks, data_payloads
@@ -52,7 +53,8 @@ def test_handle_stream_gives_the_same_sse_as_http(llm_cluster: LLMCluster) -> No
     via_handle = chunks(_payloads(b"".join(chunk_bytes)))
 
     endpoint = next(e for e in llm_cluster.endpoints if e.replica_id == start.header(REPLICA_HEADER))
-    via_http = chunks(_payloads(httpx.post(f"{endpoint.url}/v1/chat/completions", json=GREEDY_CHAT).content))
+    url = f"{endpoint.url}/v1/chat/completions"
+    via_http = chunks(_payloads(httpx.post(url, json=GREEDY_CHAT, headers=internal_headers()).content))
     assert _content(via_handle) == _content(via_http) != ""
     # vLLM may merge tokens into fewer chunks when the reader lags, so compare the stream's shape, not its chunk count.
     for parsed in (via_handle, via_http):

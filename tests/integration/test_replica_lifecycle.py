@@ -12,6 +12,7 @@ import pytest
 from ray import serve
 
 from base.waiting import wait_until
+from services.internal_credential import internal_headers
 from services.replica.llm_config import MIN_DRAIN_GRACE_S, ReplicaDeploymentConfig
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from tests.support.llm_cluster import LLMCluster, deploy_llm_app
@@ -67,9 +68,11 @@ def test_stopping_a_replica_lets_its_stream_finish(lifecycle_app) -> None:
     max_tokens = 1000
     body = {"model": "sluice-tiny", "prompt": "drain", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     result: dict = {}
+    internal = internal_headers()
 
     def stream() -> None:
-        with httpx.stream("POST", f"{endpoint.url}{PREFIX}/v1/completions", json=body, timeout=60) as response:
+        url = f"{endpoint.url}{PREFIX}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=60, headers=internal) as response:
             lines = stream_lines(response)
             first = next(lines)
             result["started"] = time.monotonic()
@@ -114,7 +117,8 @@ async def _stream_until_cut(client: httpx.AsyncClient, url: str, body: dict, fir
 async def _cut_streams(url: str, app: str, streams: int, max_tokens: int) -> tuple[list[list[str]], float]:
     body = {"model": "sluice-tiny", "prompt": "cut", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     started = [asyncio.Event() for _ in range(streams)]
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=streams)) as client:
+    limits = httpx.Limits(max_connections=streams)
+    async with httpx.AsyncClient(timeout=120, limits=limits, headers=internal_headers()) as client:
         tasks = [asyncio.create_task(_stream_until_cut(client, url, body, event)) for event in started]
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
         await asyncio.to_thread(serve.delete, app, False)

@@ -14,8 +14,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from base import sse
-from base.contracts import REPLICA_HEADER, REQUEST_ID_HEADER
+from base.contracts import (
+    INTERNAL_CREDENTIAL_HEADER,
+    REASON_INTERNAL_CREDENTIAL,
+    REPLICA_HEADER,
+    REQUEST_ID_HEADER,
+    SERVE_REASON_HEADER,
+)
 from loadtests.sse_timing import StreamRow, record_stream
+from services.internal_credential import internal_headers
 from sluice.deploy.check_items import WEATHER_SCHEMA, forced_tool_call
 from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import chunks, data_lines, data_payloads, stream_lines
@@ -58,8 +65,30 @@ def test_two_replicas_are_discoverable_on_their_own_ports(llm_cluster: LLMCluste
         assert httpx.get(f"{endpoint.url}/-/healthz").status_code == 200
 
 
+def test_a_request_without_the_internal_credential_is_refused_and_probes_need_none(replica) -> None:
+    """A client that reached the replica's own port, past the frontend: 403 with its reason, whatever it asks (an
+    engine request, the models list, a wrong or a doubled credential); the health probe and the metrics scrape
+    answer without it, and the replica serves the next request that carries it."""
+    wrong = {INTERNAL_CREDENTIAL_HEADER: "guessed"}
+    doubled = [(INTERNAL_CREDENTIAL_HEADER, internal_headers()[INTERNAL_CREDENTIAL_HEADER])] * 2
+    refused = [
+        httpx.post(f"{replica.url}/v1/chat/completions", json=CHAT, timeout=30),
+        httpx.post(f"{replica.url}/v1/completions", json=COMPLETION, headers=wrong, timeout=30),
+        httpx.post(f"{replica.url}/v1/completions", json=COMPLETION, headers=doubled, timeout=30),
+        httpx.get(f"{replica.url}/v1/models", timeout=30),
+    ]
+    for response in refused:
+        assert response.status_code == 403, response.text
+        assert response.headers[SERVE_REASON_HEADER] == REASON_INTERNAL_CREDENTIAL
+        assert response.json()["error"]["code"] == 403
+    assert httpx.get(f"{replica.url}/-/healthz").status_code == 200
+    assert "vllm:num_requests_running" in httpx.get(f"{replica.url}/metrics").text
+    served = httpx.post(f"{replica.url}/v1/completions", json=COMPLETION, headers=internal_headers(), timeout=30)
+    assert served.status_code == 200, served.text
+
+
 def test_models_and_metrics(replica) -> None:
-    models = httpx.get(f"{replica.url}/v1/models")
+    models = httpx.get(f"{replica.url}/v1/models", headers=internal_headers())
     assert models.status_code == 200
     assert [m["id"] for m in models.json()["data"]] == [MODEL]
     _assert_stamped(models, replica.replica_id)
@@ -70,7 +99,7 @@ def test_models_and_metrics(replica) -> None:
 
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
 def test_non_stream(replica, path: str, body: dict) -> None:
-    response = httpx.post(f"{replica.url}{path}", json=body, timeout=30)
+    response = httpx.post(f"{replica.url}{path}", json=body, timeout=30, headers=internal_headers())
     assert response.status_code == 200, response.text
     _assert_stamped(response, replica.replica_id)
     payload = response.json()
@@ -80,7 +109,8 @@ def test_non_stream(replica, path: str, body: dict) -> None:
 
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
 def test_stream(replica, path: str, body: dict) -> None:
-    with httpx.stream("POST", f"{replica.url}{path}", json={**body, "stream": True}, timeout=30) as response:
+    stream = {**body, "stream": True}
+    with httpx.stream("POST", f"{replica.url}{path}", json=stream, timeout=30, headers=internal_headers()) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         _assert_stamped(response, replica.replica_id)
@@ -89,17 +119,22 @@ def test_stream(replica, path: str, body: dict) -> None:
 
 
 def test_request_id_is_echoed_and_generated(replica) -> None:
-    echoed = httpx.post(f"{replica.url}/v1/completions", json=COMPLETION, headers={"x-request-id": "team-a-42"})
+    internal = internal_headers()
+    echoed = httpx.post(
+        f"{replica.url}/v1/completions", json=COMPLETION, headers={**internal, "x-request-id": "team-a-42"}
+    )
     assert echoed.headers.get_list(REQUEST_ID_HEADER) == ["team-a-42"]
-    first = httpx.post(f"{replica.url}/v1/completions", json=COMPLETION)
-    second = httpx.post(f"{replica.url}/v1/completions", json=COMPLETION)
+    first = httpx.post(f"{replica.url}/v1/completions", json=COMPLETION, headers=internal)
+    second = httpx.post(f"{replica.url}/v1/completions", json=COMPLETION, headers=internal)
     assert len(first.headers.get_list(REQUEST_ID_HEADER)) == 1
     assert first.headers[REQUEST_ID_HEADER] != second.headers[REQUEST_ID_HEADER]
 
 
 def test_openai_client_streams_a_chat_completion(llm_cluster: LLMCluster) -> None:
     endpoint = llm_cluster.endpoints[0]
-    client = openai.OpenAI(base_url=f"{endpoint.url}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(
+        base_url=f"{endpoint.url}/v1", api_key="unused", max_retries=0, default_headers=internal_headers()
+    )
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "hello"}],
@@ -119,6 +154,7 @@ def test_openai_client_streams_a_chat_completion(llm_cluster: LLMCluster) -> Non
     raw = httpx.post(
         f"{endpoint.url}/v1/chat/completions",
         json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+        headers=internal_headers(),
     )
     payloads = data_payloads(raw.content)
     parsed = chunks(payloads)
@@ -126,7 +162,8 @@ def test_openai_client_streams_a_chat_completion(llm_cluster: LLMCluster) -> Non
 
 
 def test_forced_tool_call_non_stream(llm_cluster: LLMCluster) -> None:
-    response = httpx.post(f"{llm_cluster.endpoints[0].url}/v1/chat/completions", json=WEATHER_TOOL_REQUEST, timeout=60)
+    url = f"{llm_cluster.endpoints[0].url}/v1/chat/completions"
+    response = httpx.post(url, json=WEATHER_TOOL_REQUEST, timeout=60, headers=internal_headers())
     assert response.status_code == 200, response.text
     calls = response.json()["choices"][0]["message"]["tool_calls"]
     assert len(calls) == 1
@@ -136,7 +173,8 @@ def test_forced_tool_call_non_stream(llm_cluster: LLMCluster) -> None:
 
 def test_forced_tool_call_stream(llm_cluster: LLMCluster) -> None:
     url = f"{llm_cluster.endpoints[1].url}/v1/chat/completions"
-    with httpx.stream("POST", url, json={**WEATHER_TOOL_REQUEST, "stream": True}, timeout=60) as response:
+    body = {**WEATHER_TOOL_REQUEST, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60, headers=internal_headers()) as response:
         parsed = chunks(data_lines(response))
     deltas = [
         call for chunk in parsed for choice in chunk["choices"] for call in (choice["delta"].get("tool_calls") or [])
@@ -156,7 +194,9 @@ def test_a_generated_unicode_line_break_stays_inside_its_event(llm_cluster: LLMC
     byte_tokens = AutoTokenizer.from_pretrained(tiny_model_dir).encode("\x85", add_special_tokens=False)
     assert len(byte_tokens) == 2
     body = {**COMPLETION, "max_tokens": 32, "stream": True, "seed": 7, "allowed_token_ids": byte_tokens}
-    raw = httpx.post(f"{llm_cluster.endpoints[0].url}/v1/completions", json=body, timeout=30)
+    raw = httpx.post(
+        f"{llm_cluster.endpoints[0].url}/v1/completions", json=body, timeout=30, headers=internal_headers()
+    )
     text = "".join(chunk["choices"][0]["text"] for chunk in chunks(data_payloads(raw.content)) if chunk["choices"])
     assert "\x85" in text
     assert len(raw.text.splitlines()) > len(sse.lines(raw.content))
@@ -171,7 +211,8 @@ def test_a_generated_unicode_line_break_stays_inside_its_event(llm_cluster: LLMC
 def test_client_disconnect_aborts_the_engine_request(llm_cluster: LLMCluster) -> None:
     endpoint = llm_cluster.endpoints[0]
     body = {**COMPLETION, "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{endpoint.url}/v1/completions", json=body, timeout=30) as response:
+    url = f"{endpoint.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=30, headers=internal_headers()) as response:
         lines = stream_lines(response)
         for _ in range(5):
             next(lines)
@@ -197,13 +238,13 @@ def test_bad_input_gets_an_openai_error_and_the_replica_keeps_serving(llm_cluste
     endpoint = llm_cluster.endpoints[0]
     bad = BAD_REQUESTS[case]
     if isinstance(bad, bytes):
-        kwargs = {"content": bad, "headers": {"content-type": "application/json"}}
+        kwargs = {"content": bad, "headers": {**internal_headers(), "content-type": "application/json"}}
     else:
-        kwargs = {"json": bad}
+        kwargs = {"json": bad, "headers": internal_headers()}
     response = httpx.post(f"{endpoint.url}/v1/chat/completions", timeout=30, **kwargs)
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
     error = response.json()["error"]
     assert error["message"] and error["type"] and error["code"] == response.status_code
     _assert_stamped(response, endpoint.replica_id)
-    good = httpx.post(f"{endpoint.url}/v1/chat/completions", json=CHAT, timeout=30)
+    good = httpx.post(f"{endpoint.url}/v1/chat/completions", json=CHAT, timeout=30, headers=internal_headers())
     assert good.status_code == 200

@@ -24,6 +24,7 @@ from base.contracts import (
 )
 from base.route_wire import RouteReply
 from base.waiting import WaitTimeout, wait_until
+from services.internal_credential import internal_headers
 from services.serve_internals import ReplicaEndpoint
 from sluice.deploy.apply import delete_apps
 from tests.support.llm_cluster import LLMCluster
@@ -46,7 +47,7 @@ class RouterApp:
     endpoints: list[ReplicaEndpoint]
 
     def route(self, endpoint: ReplicaEndpoint, session: str | None = None) -> RouteReply:
-        headers = {REQUEST_ID_HEADER: uuid.uuid4().hex}
+        headers = {**internal_headers(), REQUEST_ID_HEADER: uuid.uuid4().hex}
         if session is not None:
             headers[SESSION_HEADER_DEFAULT] = session
         reply = httpx.post(f"{endpoint.url}{self.prefix}{ROUTE_PATH}", headers=headers, timeout=10)
@@ -120,7 +121,7 @@ def test_the_chosen_replica_serves_under_its_id(routers: dict[str, RouterApp], l
         response = httpx.post(
             f"{_replica_endpoint(llm_cluster, reply.replica_id).url}/v1/chat/completions",
             json=SHORT_CHAT,
-            headers={REQUEST_ID_HEADER: request_id, SESSION_HEADER_DEFAULT: session},
+            headers={**internal_headers(), REQUEST_ID_HEADER: request_id, SESSION_HEADER_DEFAULT: session},
             timeout=30,
         )
         assert response.status_code == 200, response.text
@@ -160,7 +161,7 @@ def test_the_capacity_token_is_released_once_by_the_replica(
     assert before["replicas"][reply.replica_id]["in_flight"] == 1
 
     url = f"{_replica_endpoint(llm_cluster, reply.replica_id).url}/v1/chat/completions"
-    headers = {CAPACITY_TOKEN_HEADER: reply.capacity_token, "accept-encoding": "identity"}
+    headers = {**internal_headers(), CAPACITY_TOKEN_HEADER: reply.capacity_token, "accept-encoding": "identity"}
     with httpx.stream("POST", url, json=LONG_CHAT, headers=headers, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers[REPLICA_HEADER] == reply.replica_id

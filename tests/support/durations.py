@@ -39,14 +39,25 @@ def table(times: list[CaseTime], count: int = SLOWEST) -> list[str]:
     return rows
 
 
+def session_seconds(path: Path) -> float:
+    """How long the file's pytest session ran, start to end (the Ray tier's two sessions run side by side, so their
+    tests' times add up to more than the tier took)."""
+    root = ElementTree.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    return float(suite.get("time", 0)) if suite is not None else 0.0
+
+
 def main(paths: list[str]) -> int:
     times: list[CaseTime] = []
+    sessions = []
     for path in map(Path, paths):
         if path.exists():
             times += case_times(path)
+            sessions.append(f"{path.name} {session_seconds(path):.0f} s")
         else:
             print(f"{path}: not written (the run stopped before it)")
     print("\n".join(table(times)))
+    print("sessions, start to end: " + ", ".join(sessions))
     return 0
 
 

@@ -367,3 +367,23 @@ def test_haproxys_environment_sets_the_allocator_and_lets_the_callers_tunables_w
     own = "glibc.malloc.arena_max=4"
     # glibc applies tunables in order: the caller's, after sluice's, override them.
     assert haproxy_environment({"GLIBC_TUNABLES": own})["GLIBC_TUNABLES"] == f"{MALLOC_TUNABLES}:{own}"
+
+
+def test_the_internal_credential_replaces_any_clients_and_stays_private(tmp_path: Path) -> None:
+    secret = "cluster-secret-token"
+    s = HAProxySettings(
+        workdir=tmp_path, apps=[AppRoute(name="llm")], port=18000, prometheus_port=18404, internal_credential=secret
+    )
+    config = render_config(s)
+    set_line = f"http-request set-header {contracts.INTERNAL_CREDENTIAL_HEADER} {secret}"
+    # Set once, after every client's internal header is gone (a client's `x-sluice-internal` among them).
+    assert config.count(set_line) == 1
+    assert config.index("http-request del-header x-sluice- -m beg") < config.index(set_line)
+    assert f'"{contracts.INTERNAL_CREDENTIAL_HEADER}: {secret}"' in render_lua(s)  # the route and table calls
+    assert secret not in repr(s) and secret not in s.model_dump_json()
+    write_files(s)
+    assert "Configuration file is valid" in check_config(s)
+    for written in (s.config_path, s.lua_path):
+        assert stat.S_IMODE(written.stat().st_mode) == 0o600, written
+    without = render_config(settings(tmp_path))
+    assert contracts.INTERNAL_CREDENTIAL_HEADER not in without

@@ -15,6 +15,7 @@ import pytest
 
 from base.contracts import FALLBACK_RANK_HEADER, REPLICA_HEADER, ROUTE_PATH, SESSION_HEADER_DEFAULT
 from base.waiting import wait_until
+from services.internal_credential import internal_headers
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.support.llm_cluster import LLMCluster, direct_stack
@@ -38,7 +39,8 @@ def stack(llm_cluster: LLMCluster):
 def _router_primary(client: httpx.Client, stack: DirectStreamStack) -> str:
     """What a router ranks first for the session now (asked directly: what every frontend can serve)."""
     router = asyncio.run(list_replica_endpoints(stack.spec.router_app))[0]
-    reply = client.post(f"{router.url}{stack.spec.router_route_prefix}{ROUTE_PATH}", headers=SESSION)
+    route_url = f"{router.url}{stack.spec.router_route_prefix}{ROUTE_PATH}"
+    reply = client.post(route_url, headers={**SESSION, **internal_headers()})
     assert reply.status_code == 200, reply.text
     return reply.json()["replica_id"]
 
@@ -121,7 +123,7 @@ def test_a_killed_replica_costs_the_session_nothing(
     llm_cluster.endpoints[:] = wait_for_endpoints(llm_cluster.app, 2, timeout_s=180)
     # The replacement is discovered where it listens now and answers there as itself.
     [new] = [e for e in llm_cluster.endpoints if e.replica_id not in (primary, survivor)]
-    answered = httpx.get(f"{new.url}/v1/models", timeout=30)
+    answered = httpx.get(f"{new.url}/v1/models", timeout=30, headers=internal_headers())
     assert answered.status_code == 200 and answered.headers[REPLICA_HEADER] == new.replica_id
     stack.wait_until_serving(replicas=2, routers=2, timeout_s=120)
     with capsys.disabled():

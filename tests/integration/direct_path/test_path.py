@@ -23,6 +23,7 @@ from base.contracts import (
 from base.waiting import wait_until
 from infra.haproxy.config import router_backend
 from infra.haproxy.spoe import agent_backend
+from services.internal_credential import internal_headers
 from services.serve_internals import list_replica_endpoints, wait_for_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.support.llm_cluster import LLMCluster, direct_stack
@@ -49,7 +50,8 @@ def stack(llm_cluster: LLMCluster):
 
 @pytest.fixture(scope="module")
 def client():
-    with httpx.Client(timeout=60) as c:
+    # The frontend strips the internal credential; a router's own port asks for it.
+    with httpx.Client(timeout=60, headers=internal_headers()) as c:
         yield c
 
 

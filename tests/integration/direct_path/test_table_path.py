@@ -15,6 +15,7 @@ import pytest
 from base.contracts import REASON_ROUTER_UNREACHABLE, REPLICA_HEADER, ROUTE_PATH, SERVE_REASON_HEADER, TABLE_RING
 from base.waiting import wait_until
 from infra.haproxy.config import router_backend
+from services.internal_credential import internal_headers
 from services.serve_internals import list_replica_endpoints
 from sluice.bench.stack_harness import DirectStreamStack
 from tests.support.frontend_metrics import table_decisions
@@ -69,7 +70,10 @@ def test_each_request_goes_where_the_router_would_send_it_without_a_route_call(s
         assert _routed_by_routers(stack) == routed  # no route call reached a router
         router = asyncio.run(list_replica_endpoints(stack.spec.router_app))[0]
         route_url = f"{router.url}{stack.spec.router_route_prefix}{ROUTE_PATH}"
-        chosen = {s: client.post(route_url, headers={"x-session-id": s}).json()["replica_id"] for s in sessions}
+        internal = internal_headers()
+        chosen = {
+            s: client.post(route_url, headers={**internal, "x-session-id": s}).json()["replica_id"] for s in sessions
+        }
     assert served == chosen
     assert len(set(served.values())) > 1
 

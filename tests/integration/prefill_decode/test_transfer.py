@@ -37,6 +37,7 @@ from base.contracts import (
 )
 from base.waiting import wait_until
 from builders.plan import StackPlan
+from services.internal_credential import internal_headers
 from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.llm_cluster import LLMCluster
@@ -138,7 +139,7 @@ def test_a_streamed_chat_is_prefilled_there_and_decoded_here_from_the_transferre
 ) -> None:
     decode_url = stack.app_url(stack.decode_app)
     before = transfer_evidence(decode_url)
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=internal_headers()) as client:
         headers, text, prompt_tokens = stream_chat(client, stack.url, chat(stack.model))
         reference = openai_topology(client, llm_cluster, "/v1/chat/completions", chat(stack.model, stream=False))
     after = transfer_evidence(decode_url)
@@ -155,7 +156,7 @@ def test_a_non_streamed_completion_names_both_replicas_and_equals_one_engines_te
     stack: PDStack, llm_cluster: LLMCluster
 ) -> None:
     body = {"model": stack.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=internal_headers()) as client:
         response = client.post(f"{stack.url}/v1/completions", json=body)
         reference = openai_topology(client, llm_cluster, "/v1/completions", body)
     assert response.status_code == 200, response.text
@@ -170,7 +171,7 @@ def test_decoding_prompt_b_from_prompt_as_blocks_continues_a(stack: PDStack) -> 
     computes the last position itself), different everywhere else."""
     a = {"model": stack.model, "prompt": [*range(100, 115), 50], "max_tokens": 12, "temperature": 0}
     b = {**a, "prompt": [*range(300, 315), 50]}
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=internal_headers()) as client:
         text_a, text_b = whole(client, stack, "/v1/completions", a), whole(client, stack, "/v1/completions", b)
         prefill = client.post(
             f"{stack.app_url(stack.prefill_app)}/v1/completions",

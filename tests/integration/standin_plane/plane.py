@@ -26,6 +26,7 @@ from tests.integration.standin_plane.standins import (
     APP,
     BODY_BUFFER_BYTES,
     LOOPBACK,
+    PLANE_CREDENTIAL,
     ROUTE_TIMEOUT_S,
     LoopThread,
     ReplicaStandIn,
@@ -96,9 +97,11 @@ def start_plane(
     protection: FrontendProtection | None = None,
     staging_server_timeout_s: float | None = None,
     tls: FrontendTLS | None = None,
+    internal_credential: str | None = None,
 ) -> Plane:
     settings = HAProxySettings(
         workdir=workdir,
+        internal_credential=internal_credential,
         apps=[app],
         port=free_port(),
         prometheus_port=free_port(),
@@ -177,7 +180,15 @@ def running_env(workdir: Path) -> Iterator[Env]:
             started.append(stand_in)
         app = AppRoute(name=APP, forward_body=True, body_buffer_bytes=BODY_BUFFER_BYTES)
         replicas, routers = [r1.endpoint, r2.endpoint], [router_a.endpoint, router_b.endpoint]
-        plane = start_plane(loop, workdir, app, replicas, routers, staging_server_timeout_s=STAGING_SERVER_TIMEOUT_S)
+        plane = start_plane(
+            loop,
+            workdir,
+            app,
+            replicas,
+            routers,
+            staging_server_timeout_s=STAGING_SERVER_TIMEOUT_S,
+            internal_credential=PLANE_CREDENTIAL,
+        )
         yield Env(loop, behavior, r1, r2, router_a, router_b, plane)
     finally:
         rearm_stall(loop, behavior)

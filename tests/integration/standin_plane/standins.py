@@ -40,6 +40,8 @@ BODY_BUFFER_BYTES = 16384
 CHAT_PATH = "/v1/chat/completions"
 # The fail-open plane's router deployment sits under a route prefix.
 OPEN_ROUTER_PREFIX = "/open"
+# The plane's internal credential (a cluster's comes from Ray's KV): what HAProxy sends past itself.
+PLANE_CREDENTIAL = "stand-in-plane-credential"
 
 
 class LoopThread:

@@ -26,6 +26,7 @@ from base.contracts import (
     BODY_TRUNCATED_HEADER,
     CAPACITY_TOKEN_HEADER,
     DATA_PARALLEL_RANK_HEADER,
+    INTERNAL_CREDENTIAL_HEADER,
     INTERNAL_HEADER_PREFIXES,
     PREFILL_REPLICA_HEADER,
     PREFILL_URL_HEADER,
@@ -53,6 +54,7 @@ from tests.integration.standin_plane.standins import (
     CHAT_PATH,
     LOOPBACK,
     OPEN_ROUTER_PREFIX,
+    PLANE_CREDENTIAL,
     ROUTE_TIMEOUT_S,
     Recorded,
     assert_fail_closed,
@@ -179,6 +181,7 @@ def test_client_cannot_pin_a_replica_or_forge_internal_headers(env: Env, client:
         SERVE_REASON_HEADER: "fake",
         "X-Serve-Fallback": "fake",
         RANKED_HEADER: "1/0|1=r2",
+        INTERNAL_CREDENTIAL_HEADER: "forged-credential",
     }
     for _ in range(4):
         response = client.post(CHAT_PATH, json={"events": 1}, headers=forged)
@@ -187,13 +190,13 @@ def test_client_cannot_pin_a_replica_or_forge_internal_headers(env: Env, client:
         assert received.header(CAPACITY_TOKEN_HEADER) == "tok-from-router"
         # The frontend's own ranked list goes along (a retry needs it), never the client's.
         assert received.header(RANKED_HEADER) == "1/0|"  # app 1 (the only one), rank 0, nothing left
-        leaked = [
-            k
-            for k, _ in received.headers
-            if k.startswith(INTERNAL_HEADER_PREFIXES) and k not in (CAPACITY_TOKEN_HEADER, RANKED_HEADER)
-        ]
+        # The plane's internal credential, once, in place of the client's.
+        assert [v for k, v in received.headers if k == INTERNAL_CREDENTIAL_HEADER] == [PLANE_CREDENTIAL]
+        kept = (CAPACITY_TOKEN_HEADER, RANKED_HEADER, INTERNAL_CREDENTIAL_HEADER)
+        leaked = [k for k, _ in received.headers if k.startswith(INTERNAL_HEADER_PREFIXES) and k not in kept]
         assert not leaked
         _, call = env.behavior.calls[-1]
+        assert call.header(INTERNAL_CREDENTIAL_HEADER) == PLANE_CREDENTIAL  # the route call carries it too
         assert call.header(APP_HEADER) == APP
         assert call.header(CAPACITY_TOKEN_HEADER) is None and call.header(REPLICA_HEADER) is None
     # Without a token from the router, the replica gets none at all (the client's is gone too).
