@@ -27,6 +27,7 @@ from base.contracts import (
     SERVE_REASON_HEADER,
 )
 from infra.haproxy.apps import AppRoute
+from services.internal_credential import internal_credential
 from services.serve_internals import list_replica_endpoints
 from tests.integration.standin_plane.plane import Plane, start_plane, stop_plane
 from tests.integration.standin_plane.standins import (
@@ -81,7 +82,10 @@ def env(llm_cluster: LLMCluster, tmp_path_factory: pytest.TempPathFactory) -> It
             AppRoute(name=llm_cluster.app),
             AppRoute(name=f"{llm_cluster.app}-open", fail_open=True, router_route_prefix=OPEN_ROUTER_PREFIX),
         ):
-            planes.append(start_plane(loop, tmp_path_factory.mktemp("haproxy"), app, replicas, endpoints))
+            # Real replicas behind it: the plane sends the cluster's internal credential like a frontend.
+            workdir = tmp_path_factory.mktemp("haproxy")
+            credential = internal_credential()
+            planes.append(start_plane(loop, workdir, app, replicas, endpoints, internal_credential=credential))
         yield FaultEnv(loop, behavior, routers, planes[0], planes[1], {e.replica_id for e in replicas})
     finally:
         rearm_stall(loop, behavior)
