@@ -102,7 +102,8 @@ class LLMReplica:
             engine_stand_in=stand_in,
         )
         self._app.add_middleware(DisconnectOnCancelMiddleware)
-        # A request that did not come through the frontend reaches nothing (the handle path is in-cluster).
+        # A request that did not come through the frontend reaches nothing.
+        self._internal = internal_headers()
         self._app.add_middleware(InternalCredentialMiddleware, credential=internal_credential())
         self._handle_app = ReplicaHeadersMiddleware(
             self._app, self.replica_id, echo_request_id=True, data_parallel_rank=rank, engine_stand_in=stand_in
@@ -144,8 +145,10 @@ class LLMReplica:
     async def stream(
         self, method: str, path: str, body: bytes, headers: dict[str, str]
     ) -> AsyncIterator[ResponseStart | bytes]:
-        """The HTTP request run through the same app in-process (for DeploymentHandle callers)."""
-        async for item in stream_asgi(self._handle_app, method, path, body, headers):
+        """The HTTP request run through the same app in-process (for DeploymentHandle callers: inside the cluster, so
+        the call carries the internal credential)."""
+        own = {name: value for name, value in headers.items() if name.lower() not in self._internal}
+        async for item in stream_asgi(self._handle_app, method, path, body, {**own, **self._internal}):
             yield item
 
     def __del__(self) -> None:

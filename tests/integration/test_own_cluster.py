@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STACK = "platform-own-cluster"
 BODY = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 8, "ignore_eos": True, "stream": True}
+REFUSED_WITHIN_S = 30
 
 
 def _user_env() -> dict[str, str]:
@@ -142,7 +143,9 @@ def test_a_serve_without_sluices_settings_is_refused_in_seconds(cluster: str, tm
     refused = _sluice("deploy", str(spec), "--address", cluster)
     took = time.monotonic() - began
     print(f"refused in {took:.1f} s")
-    assert refused.returncode == PREFLIGHT_EXIT_CODE and took < 10, refused.stderr
+    # A refusal takes a CLI's start and one question to the controller (3-4 s alone); a deploy that went ahead would
+    # wait minutes. The bound is 10x the refusal's time: this module shares the cores with the session cluster's.
+    assert refused.returncode == PREFLIGHT_EXIT_CODE and took < REFUSED_WITHIN_S, refused.stderr
     assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" in refused.stderr and "serve shutdown -y" in refused.stderr
     assert _sluice("status", "--address", cluster).returncode == PREFLIGHT_EXIT_CODE
     _serve_driver(cluster, "shutdown()")
@@ -292,11 +295,12 @@ def test_a_stack_that_cannot_start_ends_deploy_at_its_deadline(cluster: str, tmp
     weightless.mkdir()
     spec, _ = _spec(tmp_path, "stuck", source=str(weightless))
     began = time.monotonic()
-    result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", "20", timeout_s=120)
+    result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", "20", timeout_s=180)
     took = time.monotonic() - began
     removed = _sluice("down", str(spec), "--address", cluster)
     assert removed.returncode == 0 and "no sluice stack" in _sluice("status", "--address", cluster).stdout
-    assert result.returncode == 1 and took < 60, result.stderr
+    # The message says the deadline ended it; the bound only catches a deploy that hung on past it.
+    assert result.returncode == 1 and took < 120, result.stderr
     assert "deploy timed out" in result.stderr and "platform-stuck-llm/LLMReplica" in result.stderr
     # The router says in its replica log what it waits for, and deploy shows it.
     assert "platform-stuck-router/Router" in result.stderr
