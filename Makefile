@@ -72,13 +72,11 @@ serve: $(STAMP)
 PYTEST := $(PY) -m pytest -v -x --durations=0 --durations-min=1
 JUNIT := .cache/junit
 # The tiers. Fast: no Ray (marker `ray`) and no vLLM engine (marker `engine`), a pytest worker per core, each module
-# on one worker (its module fixtures start once). Ray: two pytest processes side by side, each on its own slice of
-# the test ports: the modules with a Ray or an engine of their own (their output kept in a log, shown when they end),
-# and the session cluster's. Containers: once both are done.
+# on one worker (its module fixtures start once). Ray: the modules with a Ray or an engine of their own, then the
+# session cluster's (one cluster on the cores at a time: side by side both ran twice as slow). Containers: last.
 FAST_TESTS := $(PYTEST) -n auto --dist loadfile --junitxml=$(JUNIT)-fast.xml -m "not ray and not engine" \
   tests/unit tests/load tests/integration
 OWN_PROCESSES_TESTS := $(PYTEST) --junitxml=$(JUNIT)-ray-own.xml -m "own_ray or engine" tests/integration
-OWN_PROCESSES_LOG := .cache/ray-own.log
 SESSION_CLUSTER_TESTS := $(PYTEST) --junitxml=$(JUNIT)-ray.xml -m "ray and not own_ray and not engine" tests/integration
 CONTAINER_TESTS := $(PYTEST) --junitxml=$(JUNIT)-containers.xml tests/containers
 IMAGE_BUILD_LOG := .cache/image-build.log
@@ -98,14 +96,10 @@ test: lint
 	$(CONTAINER_TESTS)
 	$(PY) -m tests.support.durations $(JUNIT)-fast.xml $(JUNIT)-ray-own.xml $(JUNIT)-ray.xml $(JUNIT)-containers.xml
 
-# The Ray tier alone; it fails when either of its processes does (each stops at its own first failure).
+# The Ray tier alone: the modules with processes of their own, then the session cluster's.
 test-ray: $(STAMP)
 	@mkdir -p .cache
-	SLUICE_TEST_PORT_SLICE=0/2 $(OWN_PROCESSES_TESTS) >$(OWN_PROCESSES_LOG) 2>&1 & own=$$!; \
-	SLUICE_TEST_PORT_SLICE=1/2 $(SESSION_CLUSTER_TESTS); cluster=$$?; \
-	wait $$own; own=$$?; \
-	echo "--- the modules with a Ray or an engine of their own ($(OWN_PROCESSES_LOG)):"; cat $(OWN_PROCESSES_LOG); \
-	exit $$((cluster || own))
+	$(OWN_PROCESSES_TESTS) && $(SESSION_CLUSTER_TESTS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -v tests/unit

@@ -1,6 +1,6 @@
 """Shared fixtures and the suite's tiers: the tiny model is built once per checkout into the cache folder; a test that
 needs Ray carries the marker `ray` (`make test-fast` runs the others); `make test-ray` runs the modules with a Ray or
-an engine of their own beside the session cluster's."""
+an engine of their own, then the session cluster's."""
 
 from __future__ import annotations
 
@@ -38,31 +38,28 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # The session's Ray cluster (tests/integration/conftest.py); the markers of a module that starts a Ray of its own and
-# of one that starts a vLLM engine in the test process; the marker of a module on the session's cluster whose
-# assertions hold while another module's processes share the cores (counts and outcomes, no latency bound).
+# of one that starts a vLLM engine in the test process: `make test-ray` runs them before the session's cluster starts.
 SESSION_CLUSTER_FIXTURE = "ray_cluster"
 OWN_PROCESSES_MARKERS = ("own_ray", "engine")
-SHARES_CORES_MARKER = "shares_cores"
 
 
 def _ray_rank(item: pytest.Item) -> int:
-    """0: no Ray, no engine; 1: a Ray or an engine of its own; on the session's cluster, which starts at its first
-    test and stays up: 2 a module that shares the cores, 3 the others."""
+    """0: no Ray, no engine; 1: a Ray or an engine of its own; 2: the session's cluster, which starts at its first
+    test and stays up."""
     if SESSION_CLUSTER_FIXTURE in getattr(item, "fixturenames", ()):
-        return 2 if item.get_closest_marker(SHARES_CORES_MARKER) else 3
+        return 2
     return 1 if any(item.get_closest_marker(marker) for marker in OWN_PROCESSES_MARKERS) else 0
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that needs Ray `ray` (before `-m` selects), then run whole modules in rank order. `make
-    test-ray` runs the modules with processes of their own (rank 1) in one pytest process and the session cluster's
-    in another, side by side: measured, an engine start takes both cores, but a module waits for HTTP, drains and
-    load about a fifth of its time, and the other process's work fills it. The modules that share the cores go first."""
+    """Mark every test that needs Ray `ray` (before `-m` selects), then run whole modules in Ray rank order. Measured:
+    the own-Ray modules run beside the session cluster's saturate both cores, each side runs about twice as slow, and
+    the routing suite's hit-rate margins failed once under it; so the two run one after the other."""
     module_rank: dict[str, int] = {}
     for item in items:
         rank = _ray_rank(item)
-        if rank >= 2 or item.get_closest_marker("own_ray"):
+        if rank == 2 or item.get_closest_marker("own_ray"):
             item.add_marker(pytest.mark.ray)
         module = item.nodeid.split("::")[0]
         module_rank[module] = max(rank, module_rank.get(module, 0))

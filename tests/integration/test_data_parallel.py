@@ -23,7 +23,7 @@ from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.llm_cluster import LLMCluster
 from tests.support.team_stack import team_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
+pytestmark = pytest.mark.integration
 
 RANKS = 2
 _SUCCESS = re.compile(r"^vllm:request_success_total\{([^}]*)\} (\S+)$", re.M)

@@ -19,7 +19,7 @@ from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
 
-pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from sluice.bench.stack_harness import DirectStreamStack
 from tests.support.llm_cluster import LLMCluster, direct_stack
 from tests.support.vllm_keys import VLLM_SAVE_RESULT_KEYS
 
-pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
+pytestmark = pytest.mark.integration
 
 # Long enough for every workload to send several requests on both replicas (a multi-turn session at least two turns).
 DURATION_S = 4.0

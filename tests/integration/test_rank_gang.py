@@ -27,7 +27,7 @@ from services.internal_credential import internal_headers
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from tests.support.team_stack import team_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
+pytestmark = pytest.mark.integration
 
 GANG_SIZE = 2
 _ENGINE_LABELS = re.compile(r'^vllm:num_requests_running\{[^}]*engine="(\d+)"', re.M)

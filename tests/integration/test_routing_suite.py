@@ -20,7 +20,7 @@ from sluice.bench.routing_suite import routing_suite
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
+pytestmark = pytest.mark.integration
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 # 6 conversations of 4 turns per user, 54 a campaign (7-12 s each here). Fewer requests weigh the first misses

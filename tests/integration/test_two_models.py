@@ -25,7 +25,7 @@ from services.serve_internals import list_replica_endpoints
 from tests.support.sse import chunks, data_lines
 from tests.support.team_stack import team_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
+pytestmark = pytest.mark.integration
 
 
 @dataclass

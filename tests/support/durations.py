@@ -40,8 +40,8 @@ def table(times: list[CaseTime], count: int = SLOWEST) -> list[str]:
 
 
 def session_seconds(path: Path) -> float:
-    """How long the file's pytest session ran, start to end (the Ray tier's two sessions run side by side, so their
-    tests' times add up to more than the tier took)."""
+    """How long the file's pytest session ran, start to end (its tests' setups, calls and teardowns, and what lies
+    between them)."""
     root = ElementTree.parse(path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     return float(suite.get("time", 0)) if suite is not None else 0.0

@@ -1,9 +1,8 @@
 """Free loopback ports for the servers a test starts.
 
 A port is picked some time before its server binds it (a fixture starts a process first, a stand-in binds on its
-loop), so no other picker may hand it out meanwhile: pytest-xdist's workers (`make test-fast` runs one per core) and
-the Ray tier's two pytest processes each pick from a slice of the range of their own, and one process never hands out
-a port twice.
+loop), so no other picker may hand it out meanwhile: pytest-xdist's workers (`make test-fast` runs one per core)
+each pick from a slice of the range of their own, and one process never hands out a port twice.
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ import socket
 # ephemeral ports from 32768: a port the tests pick here is one none of them will grab meanwhile.
 _TEST_PORTS = range(20000, 30000)
 _handed_out: set[int] = set()
-PORT_SLICE_ENV = "SLUICE_TEST_PORT_SLICE"
 # Serve hands its replicas direct-ingress ports from the bottom of its range up, knowing only its own cluster's: the
-# session's cluster takes a range of its own, so a replica port never belongs to two clusters while the own-Ray
-# modules' clusters (Serve's defaults, from 30000) run beside it. Read by Serve's controller and replicas at start.
+# session's cluster takes a range of its own, so a replica port is never one an own-Ray module's cluster (Serve's
+# defaults, from 30000) still holds while it drains. Read by Serve's controller and replicas at start.
 SESSION_CLUSTER_REPLICA_PORTS = {
     "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30500",
     "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30999",
@@ -29,16 +27,12 @@ SESSION_CLUSTER_REPLICA_PORTS = {
 
 
 def _own_ports() -> range:
-    """This process's slice of the test ports: `SLUICE_TEST_PORT_SLICE=i/n` (the Ray tier's two pytest processes) or
-    pytest-xdist's worker `gwN` of `PYTEST_XDIST_WORKER_COUNT` gets the i-th (N-th) of n shares; a lone pytest, all."""
-    if (sliced := os.environ.get(PORT_SLICE_ENV)) is not None:
-        index, count = (int(part) for part in sliced.split("/"))
-    elif (worker := os.environ.get("PYTEST_XDIST_WORKER")) is not None:
-        index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    else:
+    """This process's slice of the test ports: worker `gwN` of `PYTEST_XDIST_WORKER_COUNT` gets the N-th share."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
         return _TEST_PORTS
-    share = len(_TEST_PORTS) // count
-    start = _TEST_PORTS.start + index * share
+    share = len(_TEST_PORTS) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    start = _TEST_PORTS.start + int(worker.removeprefix("gw")) * share
     return range(start, start + share)
 
 

@@ -34,7 +34,7 @@ def test_a_file_a_stopped_run_never_wrote_is_named(tmp_path: Path, capsys: pytes
 
 
 def test_each_session_says_how_long_it_ran(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The Ray tier's two sessions run side by side: their lengths, not their tests' sum, say what the tier took."""
+    """Each tier's session length, beside the tests' sum."""
     for name in ("junit-ray-own.xml", "junit-ray.xml"):
         (tmp_path / name).write_text(JUNIT)
     assert main([str(tmp_path / "junit-ray-own.xml"), str(tmp_path / "junit-ray.xml")]) == 0

@@ -1,5 +1,5 @@
-"""Test ports: pytest-xdist's workers and the Ray tier's two processes pick from slices of their own, and one
-process never hands a port out twice, so a port picked but not bound yet is never another server's."""
+"""Test ports: pytest-xdist's workers pick from slices of their own, and one process never hands a port out twice,
+so a port picked but not bound yet is never another server's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from tests.support import ports
 
 
 def test_each_worker_picks_from_its_own_slice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ports.PORT_SLICE_ENV, raising=False)
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
     picked = {}
     for worker in ("gw0", "gw1"):
@@ -18,20 +17,9 @@ def test_each_worker_picks_from_its_own_slice(monkeypatch: pytest.MonkeyPatch) -
     assert all(20000 <= p < 25000 for p in picked["gw0"]) and all(25000 <= p < 30000 for p in picked["gw1"])
 
 
-def test_the_ray_tiers_two_processes_pick_from_their_own_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # an explicit slice wins over any worker's
-    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
-    picked = {}
-    for index in (0, 1):
-        monkeypatch.setenv(ports.PORT_SLICE_ENV, f"{index}/2")
-        picked[index] = {ports.free_port() for _ in range(50)}
-    assert all(20000 <= p < 25000 for p in picked[0]) and all(25000 <= p < 30000 for p in picked[1])
-
-
 def test_a_port_handed_out_is_not_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "_TEST_PORTS", range(20000, 20300))
     monkeypatch.setattr(ports, "_handed_out", set())
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    monkeypatch.delenv(ports.PORT_SLICE_ENV, raising=False)
     picked = [ports.free_port() for _ in range(100)]
     assert len(set(picked)) == 100
