@@ -17,16 +17,10 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from base.contracts import HEALTH_PATH, INTERNAL_CREDENTIAL_HEADER, REASON_INTERNAL_CREDENTIAL, SERVE_REASON_HEADER
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 CREDENTIAL_KEY = b"sluice-internal-credential"
 CREDENTIAL_BYTES = 32

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from services.serve_internals import wait_for_endpoints
 from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
 from tests.support.frontend_contract import checking_frontend_responses
 from tests.support.llm_cluster import LLM_APP, LLMCluster, deploy_llm_app
-from tests.support.ports import SESSION_CLUSTER_REPLICA_PORTS, free_port
+from tests.support.ports import free_port
 
 
 def _assert_no_process_left(timeout_s: float = 20.0) -> None:
@@ -38,9 +37,7 @@ def frontend_responses_follow_the_error_contract() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    """A local Ray + Serve on 127.0.0.1, its replicas on ports of their own; at the end, no process it started may
-    survive."""
-    os.environ.update(SESSION_CLUSTER_REPLICA_PORTS)  # Ray's processes take the driver's environment
+    """A local Ray + Serve on 127.0.0.1; at the end, no process it started may survive."""
     start_local_cluster(serve_proxy_port=free_port())
     try:
         yield

@@ -15,15 +15,6 @@ import socket
 # ephemeral ports from 32768: a port the tests pick here is one none of them will grab meanwhile.
 _TEST_PORTS = range(20000, 30000)
 _handed_out: set[int] = set()
-# Serve hands its replicas direct-ingress ports from the bottom of its range up, knowing only its own cluster's: the
-# session's cluster takes a range of its own, so a replica port is never one an own-Ray module's cluster (Serve's
-# defaults, from 30000) still holds while it drains. Read by Serve's controller and replicas at start.
-SESSION_CLUSTER_REPLICA_PORTS = {
-    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30500",
-    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30999",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "40500",
-    "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "40999",
-}
 
 
 def _own_ports() -> range:
