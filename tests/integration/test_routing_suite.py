@@ -27,6 +27,11 @@ TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 # more: at 16, kv_aware's hot-session share of the ideal measured 0.93-0.96 alone but 0.895 once in a full run
 # (against 0.9), and at 12 its header-less share 0.88 once.
 REQUESTS_PER_USER = 24
+# kv_aware's hit rate against each campaign's ideal (every prefix found where it was last computed). Measured shares:
+# 0.90-0.98 (0.898 in the multi-turn campaign of a CI run, 0.895 in the shared-prefix one of another), round robin's
+# 0.39-0.67: 0.8 tells a kv_aware that keeps its prefixes from one that lost them, with room for the evictions chance
+# brings when a replica's small cache briefly holds a fourth conversation.
+KV_AWARE_SHARE_OF_IDEAL = 0.8
 
 
 def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_buffers_and_fallbacks(
@@ -72,18 +77,19 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_b
     # (a kv_aware that lost its conversations falls to round robin's 0.2-0.25). Without the session header only
     # kv_aware keeps a conversation together.
     ideal = reuse["multi_turn"][KV_AWARE]["ideal_rate"]
-    assert multi_turn[KV_AWARE] >= 0.9 * ideal, reuse["multi_turn"]
+    assert multi_turn[KV_AWARE] >= KV_AWARE_SHARE_OF_IDEAL * ideal, reuse["multi_turn"]
     assert multi_turn[KV_AWARE] >= multi_turn[CONSISTENT_HASH] - 0.03, multi_turn
     assert multi_turn[CONSISTENT_HASH] >= multi_turn[ROUND_ROBIN] + 0.1, multi_turn
     headerless = {policy: found["hit_rate"] for policy, found in reuse["multi_turn_headerless"].items()}
-    assert headerless[KV_AWARE] >= 0.9 * reuse["multi_turn_headerless"][KV_AWARE]["ideal_rate"], headerless
+    headerless_ideal = reuse["multi_turn_headerless"][KV_AWARE]["ideal_rate"]
+    assert headerless[KV_AWARE] >= KV_AWARE_SHARE_OF_IDEAL * headerless_ideal, headerless
     assert headerless[KV_AWARE] >= max(headerless[CONSISTENT_HASH], headerless[ROUND_ROBIN]) + 0.1, headerless
     # Four system prompts, about three per cache, no session header: round robin and consistent hash bring every
     # prompt to every replica and evict; kv_aware keeps each on its replica (measured: hit rate 0.54 / 0.54 / 0.56
     # round robin and 0.83 / 0.84 / 0.84 kv_aware of 0.86; TTFT p90 278 / 205 / 205 ms and 115 / 136 / 113 ms). The
     # margin over the others is 0.1: a CI machine measured kv_aware 0.77 against round robin's 0.58.
     shared = reuse["shared_prefix"]
-    assert shared[KV_AWARE]["hit_rate"] >= 0.9 * shared[KV_AWARE]["ideal_rate"], shared
+    assert shared[KV_AWARE]["hit_rate"] >= KV_AWARE_SHARE_OF_IDEAL * shared[KV_AWARE]["ideal_rate"], shared
     assert (
         shared[KV_AWARE]["hit_rate"] >= max(shared[ROUND_ROBIN]["hit_rate"], shared[CONSISTENT_HASH]["hit_rate"]) + 0.1
     ), shared
@@ -92,4 +98,4 @@ def test_the_routing_suite_measures_affinity_remapping_uniformity_prefix_reuse_b
     # 1.83 / 1.31x, 0.71 / 0.86 / 0.86).
     hot = figures["hot_session"]
     assert hot[KV_AWARE]["in_flight"]["busiest_over_mean"] <= 1.5, hot
-    assert hot[KV_AWARE]["hit_rate"] >= 0.9 * hot[KV_AWARE]["ideal_rate"], hot
+    assert hot[KV_AWARE]["hit_rate"] >= KV_AWARE_SHARE_OF_IDEAL * hot[KV_AWARE]["ideal_rate"], hot
