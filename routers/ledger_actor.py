@@ -121,6 +121,10 @@ class ActorLedgerClient:
         try:
             return await asyncio.wait_for(ref, wait_s + self.call_timeout_s)
         except (TimeoutError, asyncio.CancelledError):
+            # The wait ends in the ledger too: it leaves the line at once (keeping its ticket, so the request's next
+            # ask, e.g. HAProxy's HTTP route call after the route agent's deadline, waits at its place), and
+            # a slot granted meanwhile comes back rather than sitting out the slice.
+            ray.cancel(ref)
             run_in_background(self._reclaims, self._release_late_grant(ref))
             raise
         except ActorDiedError:

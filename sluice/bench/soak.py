@@ -19,7 +19,6 @@ The stack runs `capacity_queue` (the policy with a ledger). Loopback only; every
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import json
 import threading
@@ -37,7 +36,7 @@ from base.contracts import SESSION_HEADER_DEFAULT
 from loadtests.campaign import Campaign, run
 from loadtests.sse_timing import StreamRow
 from routers.capacity_queue import NAME as CAPACITY_QUEUE
-from sluice.bench.stack_variants import deploy_variant, kill_one_replica
+from sluice.bench.stack_variants import deploy_variant, kill_one_replica, ledger_snapshot
 
 # When each disturbance lands, as a share of the duration.
 KILL_AT, SCALE_UP_AT, SCALE_DOWN_AT = 0.25, 0.45, 0.7
@@ -99,15 +98,7 @@ def _frontend(plan: Any) -> dict[str, Any]:
 
 
 def _ledger_outstanding(plan: Any) -> int:
-    import ray
-
-    from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
-    from services.serve_internals import list_replica_endpoints
-
-    model = plan.models[0]
-    deployment = asyncio.run(list_replica_endpoints(model.llm_app))[0].deployment
-    ledger = ray.get_actor(ledger_actor_name(model.llm_app, deployment), namespace=LEDGER_NAMESPACE)
-    return int(ray.get(ledger.snapshot.remote(), timeout=30)["outstanding"])
+    return int(ledger_snapshot(plan)["outstanding"])
 
 
 def _servers_match(plan: Any) -> bool:

@@ -1,5 +1,5 @@
-"""A stack redeployed with another policy or replica count, and one of its LLM replicas killed: what the routing
-suite and the soak do to a running stack."""
+"""A stack redeployed with another policy or replica count, one of its LLM replicas killed, its capacity ledger read:
+what the routing suite, the soak and the overload bench do to a running stack."""
 
 from __future__ import annotations
 
@@ -40,3 +40,16 @@ def kill_one_replica(plan: Any) -> str:
     name = f"SERVE_REPLICA::{model.llm_app}#{victim.deployment}#{victim.replica_id}"
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
     return victim.replica_id
+
+
+def ledger_snapshot(plan: Any) -> dict[str, Any]:
+    """The capacity ledger of the plan's first model (`CapacityLedger.snapshot`): tokens out, waiters, counts."""
+    import ray
+
+    from routers.ledger_actor import LEDGER_NAMESPACE, ledger_actor_name
+    from services.serve_internals import list_replica_endpoints
+
+    model = plan.models[0]
+    deployment = asyncio.run(list_replica_endpoints(model.llm_app))[0].deployment
+    ledger = ray.get_actor(ledger_actor_name(model.llm_app, deployment), namespace=LEDGER_NAMESPACE)
+    return ray.get(ledger.snapshot.remote(), timeout=30)

@@ -1,4 +1,4 @@
-"""`sluice bench replica | direct | pd | paths | routers`: the benchmarks (`make bench`), never tests."""
+"""`sluice bench replica | direct | pd | paths | routers | tls | soak | overload`: benchmarks, never tests."""
 
 from __future__ import annotations
 
@@ -86,6 +86,23 @@ def _bench_soak(args: argparse.Namespace) -> int:
     return 1 if broken else 0
 
 
+def _bench_overload(args: argparse.Namespace) -> int:
+    """capacity_queue at 4x its capacity over SPOE, then idle, on a local Ray of its own (sluice/bench/overload.py)."""
+    import json
+
+    from sluice.bench.overload import overload
+    from sluice.deploy.local_cluster import start_local_cluster, stop_local_cluster
+    from topologies import EMBEDDED_SPEC
+
+    start_local_cluster(log_to_driver=False)
+    try:
+        figures = overload(Path(args.spec or EMBEDDED_SPEC), Path(args.out), args.duration)
+    finally:
+        stop_local_cluster()
+    print(json.dumps(figures, indent=2))
+    return 0
+
+
 def _bench_routers(args: argparse.Namespace) -> int:
     from base.tiny_model import ensure_built
     from sluice.bench.kv_decisions import run_kv_aware_bench
@@ -96,6 +113,13 @@ def _bench_routers(args: argparse.Namespace) -> int:
     for label, us in run_kv_aware_bench(ensure_built(Path(args.model))):
         print(f"{label:<44}{us:>12.0f}")
     return 0
+
+
+def _stack_run_options(parser: argparse.ArgumentParser, duration_s: float, duration: str, out: str, where: str) -> None:
+    """The options of a bench that runs one stack (run with capacity_queue) under load for a while."""
+    parser.add_argument("--duration", type=float, default=duration_s, help=duration)
+    parser.add_argument("--spec", help="the stack's spec (default: the embedded one; it runs capacity_queue)")
+    parser.add_argument("--out", default=out, help=where)
 
 
 def register(commands: Any) -> None:
@@ -125,7 +149,10 @@ def register(commands: Any) -> None:
     soak = bench_commands.add_parser(
         "soak", help="the mixed campaign with leaving clients, a replica kill and a scale 2-3-2; invariants and RSS"
     )
-    soak.add_argument("--duration", type=float, default=1800.0, help="seconds of load")
-    soak.add_argument("--spec", help="the stack's spec (default: the embedded one; it runs capacity_queue)")
-    soak.add_argument("--out", default=".cache/soak", help="where soak.json and the campaign's files go")
+    _stack_run_options(soak, 1800.0, "seconds of load", ".cache/soak", "where soak.json and the campaign's files go")
     soak.set_defaults(func=_bench_soak)
+    overload = bench_commands.add_parser(
+        "overload", help="capacity_queue at 4x its capacity over SPOE, then idle: settling and arrival order"
+    )
+    _stack_run_options(overload, 60.0, "seconds of overload", ".cache/bench", "where overload.json goes")
+    overload.set_defaults(func=_bench_overload)

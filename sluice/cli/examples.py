@@ -53,6 +53,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "bench paths": ("sluice bench paths --out .cache/bench",),
     "bench routers": ("sluice bench routers --no-actor",),
     "bench soak": ("sluice bench soak --duration 1800",),
+    "bench overload": ("sluice bench overload --duration 60",),
     "bench tls": ("sluice bench tls",),
 }
 

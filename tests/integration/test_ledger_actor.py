@@ -1,6 +1,6 @@
-"""The ledger actor: grants and releases through ActorLedgerClient, restarts empty after a kill
-(the restart bound holds through the actor), calls to a dead ledger fail instead of hanging, a ledger found again
-takes the finder's token TTL, and deleting its app's stack ends it."""
+"""The ledger actor: grants and releases through ActorLedgerClient, a wait given up leaves the line at once and
+keeps its place, restarts empty after a kill (the restart bound holds through the actor), calls to a dead ledger fail
+instead of hanging, a ledger found again takes the finder's token TTL, and deleting its app's stack ends it."""
 
 from __future__ import annotations
 
@@ -101,6 +101,43 @@ def test_actor_grants_waits_and_releases(ledger_name: str) -> None:
     assert {r: s["in_flight"] for r, s in snapshot["replicas"].items()} == {
         r: c - (r == freed) for r, c in CAPACITIES.items()
     }
+
+
+async def waiting_becomes(client, count: int, limit_s: float) -> None:
+    """Returns once the ledger has `count` waiters; fails past `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while (await client.snapshot())["waiting"] != count:
+        assert time.monotonic() < deadline, f"the ledger's waiters never became {count} within {limit_s}s"
+        await asyncio.sleep(0.02)
+
+
+def test_a_wait_given_up_leaves_the_line_at_once_and_its_next_ask_keeps_its_place(ledger_name: str) -> None:
+    """A caller that stops waiting (the route agent at HAProxy's deadline) takes its wait out of the ledger at once
+    rather than after its slice; the same request asking again (HAProxy's HTTP route call) is served before one that
+    queued after its first ask (review #8 across the agent's hand-over)."""
+    from routers.ledger_actor import ActorLedgerClient
+
+    async def run() -> None:
+        client = ActorLedgerClient(handle_of(ledger_name), call_timeout_s=CALL_TIMEOUT_S)
+        await client.set_replicas({"a": 1})
+        held = await client.acquire(["a"], "holder", 0.0)
+        first_ask = asyncio.create_task(client.acquire(["a"], "first", 30.0))
+        await waiting_becomes(client, 1, SLACK_S)
+        first_ask.cancel()
+        await waiting_becomes(client, 0, SLACK_S)
+        later = asyncio.create_task(client.acquire(["a"], "later", 30.0))
+        await waiting_becomes(client, 1, SLACK_S)
+        asked_again = asyncio.create_task(client.acquire(["a"], "first", 30.0))
+        await waiting_becomes(client, 2, SLACK_S)
+        assert await client.release(held.token_id) is True
+        token = await bounded(asked_again, SLACK_S)
+        assert isinstance(token, CapacityToken) and not later.done()
+        assert await client.release(token.token_id) is True
+        assert isinstance(await bounded(later, SLACK_S), CapacityToken)
+
+    asyncio.run(run())
+    snapshot = snapshot_of(handle_of(ledger_name))
+    assert (snapshot["granted"], snapshot["released"], snapshot["outstanding"]) == (3, 2, 1)
 
 
 def test_killed_actor_restarts_empty_and_calls_to_it_do_not_hang(ledger_name: str) -> None:
