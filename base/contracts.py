@@ -17,6 +17,9 @@ CHOSEN_REPLICA_HEADER = "x-serve-chosen-replica"
 SESSION_HEADER_DEFAULT = "x-session-id"
 CAPACITY_TOKEN_HEADER = "x-sluice-capacity-token"
 BODY_TRUNCATED_HEADER = "x-body-truncated"
+# On HAProxy's HTTP route call: the milliseconds left of its route timeout, which the router answers within (a
+# capacity wait ends there with its own reason rather than HAProxy's `router_unreachable`).
+ROUTE_BUDGET_HEADER = "x-sluice-route-budget-ms"
 # `x-body-truncated: <have>/<total>`; the total of a chunked body HAProxy did not hold to its end is unknown: `*`
 # (as in HTTP's Content-Range).
 BODY_TOTAL_UNKNOWN = "*"

@@ -1,12 +1,13 @@
 """CapacityQueue: admit a request only with a token from the deployment's central capacity ledger.
 
 A token goes to the least-loaded replica with room; when all are full the request waits in the ledger's FIFO (up
-to `max_wait_s`). After `fault_limit` (3) ledger faults, with backoff, a request falls back to PowerOfTwo without a
-token. The caller releases a token exactly once; the ledger's reaper takes back lost ones. A replica that refuses a
-request gets its token back through `reject`, and the ledger holds it full until it reports room (a release of one
-of its tokens) or a short hold passed: the effect Ray gets by leaking the token until the TTL, without a refusing
-replica staying one slot short for the whole TTL (THE REJECTION RULE). Algorithm, faults, constants and THE RESTART
-BOUND: routers/README.md#capacity_queue.
+to `max_wait_s`, or the caller's own wait for the decision when shorter: HAProxy's HTTP route call then gets
+`capacity_timeout`, not its own `router_unreachable`). After `fault_limit` (3) ledger faults, with backoff, a
+request falls back to PowerOfTwo without a token. The caller releases a token exactly once; the ledger's reaper
+takes back lost ones. A replica that refuses a request gets its token back through `reject`, and the ledger holds it
+full until it reports room (a release of one of its tokens) or a short hold passed: the effect Ray gets by leaking
+the token until the TTL, without a refusing replica staying one slot short for the whole TTL (THE REJECTION RULE).
+Algorithm, faults, constants and THE RESTART BOUND: routers/README.md#capacity_queue.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class CapacityQueue(RoutingPolicy):
             self.counts.record(REASON_NO_REPLICA)
             raise NoReplicaAvailable(REASON_NO_REPLICA)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_wait_s
+        budget = request.wait_budget_s
+        deadline = loop.time() + (self.max_wait_s if budget is None else min(self.max_wait_s, budget))
         faults = 0
         backoff = self.backoff_initial_s
         waiting = False

@@ -44,7 +44,8 @@ class ReplicaView:
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """One request to place. `body_prefix` is at most the forwarding buffer; it may be cut. `model` and
-    `user` (OpenAI's end-user id) are read from it when the app forwards bodies, else None."""
+    `user` (OpenAI's end-user id) are read from it when the app forwards bodies, else None. `wait_budget_s`: how long
+    the caller still waits for the decision (None: no bound of its own); a policy that waits answers within it."""
 
     request_id: str
     session_id: str | None = None
@@ -52,6 +53,7 @@ class RouteRequest:
     user: str | None = None
     body_prefix: bytes = b""
     body_truncated: bool = False
+    wait_budget_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from base.contracts import REASON_ROUTER_ERROR
 from base.route_wire import RouteRefusal
 from services.internal_credential import internal_headers
 from services.router import spop
+from services.router.route_request import DEADLINE_MARGIN_S
 from services.router.spop import FrameError, FrameType, Status
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 
@@ -51,9 +52,6 @@ MAX_CONNECTIONS = 256
 # Asking a router replica its agent's port: a local HTTP call; the next sync pass asks again on failure.
 LOOKUP_TIMEOUT_S = 2.0
 _FAILED = (500, RouteRefusal(reason=REASON_ROUTER_ERROR))
-# How much sooner than HAProxy's processing timeout the agent gives up on an answer: the frame's transit and the
-# event loop's lag before the task ran, so that an ACK still sent is one HAProxy still waits for.
-DEADLINE_MARGIN_S = 0.1
 
 
 class _Resumed:

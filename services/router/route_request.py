@@ -1,7 +1,9 @@
 """A route call's request: HAProxy's headers and forwarded body read into the policies' `RouteRequest`.
 
 The `"model"` and `"user"` fields are read with json when the body parses, else with a regex on the prefix, else
-they are None: a truncated or invalid body never fails the route call.
+they are None: a truncated or invalid body never fails the route call. HAProxy's HTTP route call says how long it
+still waits (`ROUTE_BUDGET_HEADER`); the request's wait budget is that less `DEADLINE_MARGIN_S`, so an answer sent at
+its end is one HAProxy still reads (a missing or malformed value: no budget).
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import re
 import uuid
 from collections.abc import Mapping
 
-from base.contracts import BODY_TRUNCATED_HEADER, REQUEST_ID_HEADER
+from base.contracts import BODY_TRUNCATED_HEADER, REQUEST_ID_HEADER, ROUTE_BUDGET_HEADER
 from routers.core import RouteRequest
 
 # Body fields a policy may use. In a body that does not parse (cut at the buffer limit, or invalid), the
 # first `"<field>": "<string>"` of the prefix.
 BODY_FIELDS = ("model", "user")
+# How much sooner than HAProxy's wait for a route answer the router gives up on it: the answer's way back and the
+# event loop's lag, so that an answer still sent is one HAProxy still waits for.
+DEADLINE_MARGIN_S = 0.1
 _FIELD_PATTERNS = {name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*"((?:[^"\\]|\\.)*)"') for name in BODY_FIELDS}
 
 
@@ -62,6 +67,15 @@ def _non_empty_string(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+def wait_budget_s(value: str | None) -> float | None:
+    """HAProxy's milliseconds left, as the seconds a decision may take (never below 0); None: no bound given."""
+    try:
+        left_ms = int(value) if value is not None else None
+    except ValueError:
+        return None
+    return None if left_ms is None or left_ms < 0 else max(left_ms / 1000 - DEADLINE_MARGIN_S, 0.0)
+
+
 def route_request_from(headers: Mapping[str, str], body: bytes, session_header: str) -> RouteRequest:
     truncated = body_truncated(headers.get(BODY_TRUNCATED_HEADER))
     fields = fields_from_body(body, truncated)
@@ -72,4 +86,5 @@ def route_request_from(headers: Mapping[str, str], body: bytes, session_header: 
         user=fields["user"],
         body_prefix=body,
         body_truncated=truncated,
+        wait_budget_s=wait_budget_s(headers.get(ROUTE_BUDGET_HEADER)),
     )

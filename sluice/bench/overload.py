@@ -11,9 +11,10 @@ streams). Then the load stops, and:
 - arrival order: among requests served (2xx) that waited past a wait slice (capacity_queue.WAIT_SLICE_S, after which
   a waiter asks the ledger again), a pair is out of order when the later-sent one began more than ORDER_SLACK_S
   before the earlier one (a response starts an engine step or so after its grant; the step's length varies);
-- the requests, the non-2xx by status and reason, the waiters and the longest wait, and the grants no request
-  carried (`grants_given_back`): a wait that outlasts SPOE's processing timeout is answered over HTTP instead, and
-  the ledger's grant to the abandoned wait comes back at once (services/router/route_listener.py).
+- the requests, the non-2xx by status and reason, the served requests that waited past a slice and the longest
+  wait of one served, and the grants no served request carried (`grants_given_back`): a wait that outlasts SPOE's
+  processing timeout is answered over HTTP instead, and a grant to the abandoned wait must come back at once
+  (routers/README.md, the ledger actor).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def overload(spec_path: Path, out: Path, duration_s: float) -> dict[str, Any]:
 
         delete_plan(plan)
     inverted, looked_at = out_of_order(requests, WAIT_SLICE_S, ORDER_SLACK_S)
-    waits = [r.waited_s for r in requests if r.waited_s is not None]
+    waits = [r.waited_s for r in requests if r.served]
     non_2xx: dict[str, int] = {}
     for request in requests:
         if not 200 <= request.status < 300:
@@ -146,7 +147,7 @@ def overload(spec_path: Path, out: Path, duration_s: float) -> dict[str, Any]:
         "out_of_order": inverted,
         "waiter_pairs": looked_at,
         "settled_after_s": settled_after_s,
-        "grants_given_back": snapshot["granted"] - len(requests),
+        "grants_given_back": snapshot["granted"] - len(waits),
         "ledger": {key: snapshot[key] for key in ("outstanding", "waiting", "granted", "released", "reaped")},
     }
     out.mkdir(parents=True, exist_ok=True)

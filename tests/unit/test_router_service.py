@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -13,6 +14,7 @@ from base.contracts import (
     BODY_TRUNCATED_HEADER,
     REASON_NO_PREFILL_REPLICA,
     REQUEST_ID_HEADER,
+    ROUTE_BUDGET_HEADER,
 )
 from base.route_wire import Membership, RouteRefusal, RouteReply, endpoint_id, replica_of
 from routers.capacity_ledger import CapacityLedger
@@ -115,6 +117,36 @@ def test_capacity_queue_replies_with_a_token_then_times_out_with_503() -> None:
     assert refused.status_code == 503
     assert refused.json() == {"reason": "capacity_timeout"}
     assert sample("sluice_router_refused_total", app=app, policy="capacity_queue", reason="capacity_timeout") == 1
+
+
+def test_a_capacity_wait_ends_within_haproxys_route_budget_with_its_own_reason() -> None:
+    """HAProxy's HTTP route call says how long it still waits: a queued request gets capacity_timeout within that,
+    not HAProxy's router_unreachable at its deadline, whatever max_wait_s allows."""
+    app = unique_app()
+    settings = RouterSettings(
+        target_app=app, target_capacity=1, policy="capacity_queue", policy_kwargs={"max_wait_s": 30.0, "seed": 0}
+    )
+
+    async def run() -> tuple[httpx.Response, float]:
+        async with router(
+            settings, views(REPLICA_IDS[:1], capacity=settings.target_capacity), LocalLedgerClient(CapacityLedger())
+        ) as client:
+            assert (await route(client)).status_code == 200  # the only slot, held
+            started = time.monotonic()
+            refused = await route(client, **{ROUTE_BUDGET_HEADER: "300"})
+            return refused, time.monotonic() - started
+
+    refused, took_s = asyncio.run(run())
+    assert refused.status_code == 503 and refused.json() == {"reason": "capacity_timeout"}
+    assert took_s < 10.0, took_s  # 0.2 s expected; max_wait_s would have taken 30
+
+
+@pytest.mark.parametrize(
+    ("value", "budget_s"), [("2500", 2.4), ("50", 0.0), ("0", 0.0), (None, None), ("soon", None), ("-5", None)]
+)
+def test_the_route_budget_is_haproxys_time_left_less_the_answers_way_back(value: str | None, budget_s) -> None:
+    headers = {REQUEST_ID_HEADER: "r"} | ({} if value is None else {ROUTE_BUDGET_HEADER: value})
+    assert route_request_from(headers, b"", "x-team-session").wait_budget_s == pytest.approx(budget_s)
 
 
 BAD_BODIES = [

@@ -39,6 +39,7 @@ from base.contracts import (
     REASON_UNPARSEABLE_REPLICA_ID,
     REPLICA_HEADER,
     REQUEST_ID_HEADER,
+    ROUTE_BUDGET_HEADER,
     ROUTE_PATH,
     SERVE_FALLBACK_HEADER,
     SERVE_REASON_HEADER,
@@ -246,6 +247,16 @@ def test_an_engine_rank_the_router_chose_reaches_its_replica_as_vllms_header(env
 
 
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def test_the_route_call_says_how_long_haproxy_still_waits_for_it(env: Env, client: httpx.Client) -> None:
+    client.post(CHAT_PATH, json={"events": 1})
+    _, call = env.behavior.calls[-1]
+    assert 0 < int(call.header(ROUTE_BUDGET_HEADER)) <= ROUTE_TIMEOUT_S * 1000, call.headers
+    # A client's own value never reaches the router.
+    client.post(CHAT_PATH, json={"events": 1}, headers={ROUTE_BUDGET_HEADER: "999999"})
+    _, call = env.behavior.calls[-1]
+    assert int(call.header(ROUTE_BUDGET_HEADER)) <= ROUTE_TIMEOUT_S * 1000, call.headers
 
 
 def test_request_id_generated_forwarded_and_echoed(env: Env, client: httpx.Client) -> None:
