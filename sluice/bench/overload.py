@@ -11,10 +11,10 @@ streams). Then the load stops, and:
 - arrival order: among requests served (2xx) that waited past a wait slice (capacity_queue.WAIT_SLICE_S, after which
   a waiter asks the ledger again), a pair is out of order when the later-sent one began more than ORDER_SLACK_S
   before the earlier one (a response starts an engine step or so after its grant; the step's length varies);
-- the requests, the non-2xx by status and reason, the served requests that waited past a slice and the longest
-  wait of one served, and the grants no served request carried (`grants_given_back`): a wait that outlasts SPOE's
-  processing timeout is answered over HTTP instead, and a grant to the abandoned wait must come back at once
-  (routers/README.md, the ledger actor).
+- the requests, the non-2xx by status and reason, those with no response by the client's error, the served requests
+  that waited past a slice and the longest wait of one served, and the grants no served request carried
+  (`grants_given_back`): a wait that outlasts SPOE's processing timeout is answered over HTTP instead, and a grant to
+  the abandoned wait must come back at once (routers/README.md, the ledger actor).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ import yaml
 from base.contracts import SERVE_REASON_HEADER
 from routers.capacity_queue import NAME as CAPACITY_QUEUE
 from routers.capacity_queue import WAIT_SLICE_S
-from sluice.bench.stack_variants import deploy_variant, ledger_snapshot
+from sluice.bench.stack_variants import deploy_variant, ledger_snapshot, non_2xx, wait_until
 
 CAPACITY = 4  # per replica: small, so a 2-core machine holds OVERLOAD x it in flight and in line
 REPLICAS = 2
@@ -104,13 +105,13 @@ async def _load(url: str, model: str, clients: int, duration_s: float) -> list[R
 
 def _settled_after(plan: Any) -> float | None:
     """Seconds until the ledger holds no token and no waiter (no stream is in flight any more), or None."""
-    started = time.monotonic()
-    while time.monotonic() - started < SETTLE_LIMIT_S:
+
+    def settled() -> bool:
         snapshot = ledger_snapshot(plan)
-        if snapshot["outstanding"] == 0 and snapshot["waiting"] == 0:
-            return time.monotonic() - started
-        time.sleep(SETTLE_POLL_S)
-    return None
+        return snapshot["outstanding"] == 0 and snapshot["waiting"] == 0
+
+    done, waited_s = wait_until(settled, SETTLE_LIMIT_S, SETTLE_POLL_S)
+    return waited_s if done else None
 
 
 def overload(spec_path: Path, out: Path, duration_s: float) -> dict[str, Any]:
@@ -131,17 +132,13 @@ def overload(spec_path: Path, out: Path, duration_s: float) -> dict[str, Any]:
         delete_plan(plan)
     inverted, looked_at = out_of_order(requests, WAIT_SLICE_S, ORDER_SLACK_S)
     waits = [r.waited_s for r in requests if r.served]
-    non_2xx: dict[str, int] = {}
-    for request in requests:
-        if not 200 <= request.status < 300:
-            key = f"{request.status} {request.reason or '-'}"
-            non_2xx[key] = non_2xx.get(key, 0) + 1
     figures = {
         "duration_s": duration_s,
         "clients": clients,
         "capacity": CAPACITY * REPLICAS,
         "requests": len(requests),
-        "non_2xx": non_2xx,
+        "non_2xx": non_2xx((r.status, r.reason) for r in requests),
+        "no_response": dict(Counter(r.reason for r in requests if r.status == 0)),
         "waited_past_a_slice": sum(w > WAIT_SLICE_S for w in waits),
         "longest_wait_s": max(waits, default=0.0),
         "out_of_order": inverted,

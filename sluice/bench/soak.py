@@ -36,13 +36,14 @@ from base.contracts import SESSION_HEADER_DEFAULT
 from loadtests.campaign import Campaign, run
 from loadtests.sse_timing import StreamRow
 from routers.capacity_queue import NAME as CAPACITY_QUEUE
-from sluice.bench.stack_variants import deploy_variant, kill_one_replica, ledger_snapshot
+from sluice.bench.stack_variants import deploy_variant, kill_one_replica, ledger_snapshot, non_2xx, wait_until
 
 # When each disturbance lands, as a share of the duration.
 KILL_AT, SCALE_UP_AT, SCALE_DOWN_AT = 0.25, 0.45, 0.7
 USERS = 4  # the campaign's closed-loop users (2 cores serve 2-3 tiny replicas)
 LEAVE_EVERY_S = 0.5  # a client that leaves after its first event, this often
 SETTLE_S = 60.0  # how long the invariants may take to hold once the load is over
+SETTLE_POLL_S = 0.5
 # A request with no response sent this close to the kill was in flight at the killed replica (its engine's longest
 # wait for a first token here is well under it); one outside it is a fault of the stack.
 KILL_LOSS_WINDOW_S = 5.0
@@ -109,16 +110,6 @@ def _servers_match(plan: Any) -> bool:
     return server_map(frontend_status(plan), plan)[0]
 
 
-def _settled(check: Any, timeout_s: float) -> Any:
-    """`check()` once it is truthy, or its last value after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.5)
-
-
 def soak(
     spec_path: Path, out: Path, tokenizer: Path, duration_s: float, wait_for_delete: bool = True
 ) -> dict[str, Any]:
@@ -174,14 +165,14 @@ def soak(
     hours = (time.monotonic() - started) / 3600
     after = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
     rows = [StreamRow.from_csv(row) for row in _csv_rows(campaign.out / "rows.csv")]
-    drained = _settled(lambda: _ledger_outstanding(plan) == 0, SETTLE_S)
+    drained, _ = wait_until(lambda: _ledger_outstanding(plan) == 0, SETTLE_S, SETTLE_POLL_S)
     figures = {
         "duration_s": duration_s,
         "events": events,
         **request_figures(rows, kill_window),
         "clients_left": len(left),
         "ledger_outstanding": 0 if drained else _ledger_outstanding(plan),
-        "servers_match": bool(_settled(lambda: _servers_match(plan), SETTLE_S)),
+        "servers_match": bool(wait_until(lambda: _servers_match(plan), SETTLE_S, SETTLE_POLL_S)[0]),
         "rss_mb": {
             name: {
                 "start": mb,
@@ -211,9 +202,7 @@ def request_figures(rows: list[StreamRow], kill_window: tuple[float, float]) -> 
             (lost if _lost_with_the_killed_replica(row, kill_window) else unexplained).append(row)
     return {
         "requests": len(rows),
-        "non_2xx": dict(
-            Counter(f"{r.status} {r.reason or '-'}" for r in rows if r.status and not 200 <= r.status < 300)
-        ),
+        "non_2xx": non_2xx((r.status, r.reason) for r in rows),
         "cut_streams": sum(1 for r in rows if r.status == 200 and r.error),
         "lost_at_kill": len(lost),
         "no_response": dict(Counter(r.error or "-" for r in unexplained)),

@@ -137,6 +137,11 @@ def test_a_log_line_in_the_rendered_format_parses_into_a_record() -> None:
         "sluice a direct x 1 1 -- r r - - id",
         "sluice a direct 200 1 1 -- r r x - id",
         "sluice a direct 200 1 1 -- r r - id",
+        # numbers the log's int columns cannot hold
+        "sluice a direct 2147483648 1 1 -- r r 700 - id",
+        "sluice a direct 200 99999999999 1 -- r r 700 - id",
+        "sluice a direct 200 1 1 -- r r 99999999999 - id",
+        "sluice a direct -7 1 1 -- r r 700 - id",
     ],
 )
 def test_lines_that_are_no_path_record_are_ignored(line: str) -> None:
@@ -157,9 +162,9 @@ def test_reads_from_another_thread_while_records_arrive_all_answer() -> None:
     """The frontend reads its full log from Serve's thread while its background loop appends (review finding #1: a
     deque iterated during an append raised in 20 of 20 reads at 100 records/s)."""
     log = PathLog()
-    log.records.extend(
-        RequestRecord(0.0, "a", "direct", 200, 0.01, "--", "r", "r", f"id{i}") for i in range(MAX_RECORDS)
-    )
+    for i in range(MAX_RECORDS):
+        log.add(RequestRecord(0.0, "a", "direct", 200, 0.01, "--", "r", "r", f"id{i}"))
+    assert len(log) == MAX_RECORDS
     stop = threading.Event()
 
     def arrive() -> None:
