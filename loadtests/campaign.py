@@ -47,6 +47,10 @@ class RemoteMaster(BaseModel):
     wait_s: float = Field(60.0, gt=0, le=3600)
 
 
+# The longest campaign: a day, so a soak of hours runs and a mistyped duration cannot load a stack for ever.
+MAX_DURATION_S = 86_400.0
+
+
 class Campaign(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -54,7 +58,7 @@ class Campaign(BaseModel):
     target: str
     out: Path
     tokenizer: Path
-    duration_s: float = Field(60.0, gt=0, le=3600)
+    duration_s: float = Field(60.0, gt=0, le=MAX_DURATION_S)
     users: int = Field(8, ge=1)
     rate: float = Field(4.0, gt=0)
     burstiness: float = Field(1.0, gt=0)

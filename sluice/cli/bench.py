@@ -115,9 +115,22 @@ def _bench_routers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_duration(text: str) -> float:
+    """A load's length in seconds, refused before any stack starts when a campaign could not run it."""
+    from loadtests.campaign import MAX_DURATION_S
+
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < seconds <= MAX_DURATION_S:
+        raise argparse.ArgumentTypeError(f"{text}: a load runs more than 0 and at most {MAX_DURATION_S:.0f} seconds")
+    return seconds
+
+
 def _stack_run_options(parser: argparse.ArgumentParser, duration_s: float, duration: str, out: str, where: str) -> None:
     """The options of a bench that runs one stack (run with capacity_queue) under load for a while."""
-    parser.add_argument("--duration", type=float, default=duration_s, help=duration)
+    parser.add_argument("--duration", type=_load_duration, default=duration_s, help=duration)
     parser.add_argument("--spec", help="the stack's spec (default: the embedded one; it runs capacity_queue)")
     parser.add_argument("--out", default=out, help=where)
 

@@ -29,7 +29,7 @@ def _closed_port() -> int:
         (["--gate", "ttft_p99_ms"], "--gate 'ttft_p99_ms': give NAME=LIMIT"),
         (["--gate", "ttft_p99_ms=fast"], "give NAME=LIMIT"),
         (["--gate", "ttft_p999_ms=500"], "unknown gate 'ttft_p999_ms'"),
-        (["--duration", "7200"], "duration_s: Input should be less than or equal to 3600"),
+        (["--duration", "90000"], "duration_s: Input should be less than or equal to 86400"),
         (["--users", "0"], "users: Input should be greater than or equal to 1"),
         (["--spec", "/nonexistent/stack.yaml"], "--spec /nonexistent/stack.yaml"),
         (["--master", "--workers", "2"], "local workers (--workers) and a master for remote ones (--master) exclude"),
@@ -40,7 +40,7 @@ def _closed_port() -> int:
         "gate-without-value",
         "gate-not-a-number",
         "unknown-gate",
-        "duration-past-an-hour",
+        "duration-past-a-day",
         "no-users",
         "no-spec",
         "master-and-local-workers",
@@ -134,3 +134,16 @@ def test_vllm_bench_serve_flag_names_give_the_same_campaign() -> None:
 def test_a_bad_goodput_is_a_usage_error(goodput: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["load", "mixed", "--target", f"http://127.0.0.1:{_closed_port()}", *goodput]) == EXIT_USAGE
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("duration", ["90000", "0", "two-hours"])
+@pytest.mark.parametrize("bench", ["soak", "overload"])
+def test_a_stack_bench_refuses_a_duration_no_campaign_runs_before_starting_anything(
+    bench: str, duration: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The soak once deployed its stack and then failed with a traceback on a 2-hour duration (campaigns ran an
+    hour at most)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", bench, "--duration", duration])
+    err = capsys.readouterr().err
+    assert exited.value.code == EXIT_USAGE and "argument --duration" in err and "Traceback" not in err, err
