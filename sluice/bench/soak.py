@@ -7,9 +7,10 @@ leave mid-stream all along, one LLM replica killed at a quarter of the run, a sc
   no response at all was in flight when the replica was killed (`no_response` empty);
 - figures: requests, non-2xx by status and reason, the requests lost with the killed replica (streams cut after their
   headers; before them, `lost_at_kill`: HAProxy closes a kept-alive client connection without a status, a new one
-  gets 502 `replica_failed`), clients that left, and the RSS of HAProxy, each router and each LLM replica at start
-  and end, as growth per hour;
-- memory, in a run of `MEMORY_JUDGED_FROM_S` or longer: after the warm-up (`WARMUP_SHARE` of the run) the RSS of
+  gets 502 `replica_failed`), clients that left, and the RSS of HAProxy, each router and each LLM replica at start,
+  after the warm-up and at the end, with its growth per hour, and their private memory after the warm-up and at the end;
+- memory, in a run of `MEMORY_JUDGED_FROM_S` or longer: after the warm-up (`WARMUP_SHARE` of the run) the private
+  memory (RSS less file-backed pages: code and libraries paged in as new paths first run, which no leak makes) of
   HAProxy, the frontend replica and each router may grow by `MAX_RSS_GROWTH` at most to the end (an LLM replica's is
   reported: the engine's caches fill with the traffic). A shorter run (CI's 90 s) reports it without judging: its
   warm-up is too short to tell a leak from a filling cache.
@@ -85,11 +86,17 @@ def _processes(plan: Any, frontend: dict[str, Any]) -> dict[str, psutil.Process]
     return found
 
 
-def _rss_mb(process: psutil.Process) -> float | None:
-    try:
-        return sum(p.memory_info().rss for p in (process, *process.children(recursive=True))) / 2**20
-    except psutil.Error:
-        return None
+def _memory_mb(plan: Any) -> dict[str, tuple[float, float]]:
+    """Each process's (resident, private) MB with its children's; private is resident less file-backed pages: code and
+    libraries paged in as new paths first run (a kill, a scale), which no leak makes."""
+    memory = {}
+    for name, process in _processes(plan, _frontend(plan)).items():
+        try:
+            infos = [p.memory_info() for p in (process, *process.children(recursive=True))]
+        except psutil.Error:
+            continue
+        memory[name] = (sum(i.rss for i in infos) / 2**20, sum(i.rss - i.shared for i in infos) / 2**20)
+    return memory
 
 
 def _frontend(plan: Any) -> dict[str, Any]:
@@ -120,7 +127,7 @@ def soak(
     plan = deploy_variant(data, CAPACITY_QUEUE, 2)
     model = plan.models[0].name
     started = time.monotonic()
-    before = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
+    before = _memory_mb(plan)
     campaign = Campaign(
         workload="mixed",
         target=plan.url,
@@ -139,7 +146,7 @@ def soak(
     leaving.start()
     events = []
     kill_window = (0.0, 0.0)
-    warm: dict[str, float | None] = {}
+    warm: dict[str, tuple[float, float]] = {}
     try:
         for at, action in (
             (WARMUP_SHARE, "warmed up"),
@@ -149,7 +156,7 @@ def soak(
         ):
             time.sleep(max(0.0, started + at * duration_s - time.monotonic()))
             if action == "warmed up":
-                warm = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
+                warm = _memory_mb(plan)
             elif action == "kill":
                 # The campaign's rows are stamped with time.perf_counter (a monotonic clock across this machine).
                 kill_started = time.perf_counter()
@@ -163,7 +170,7 @@ def soak(
         stop.set()
         leaving.join(timeout=60)
     hours = (time.monotonic() - started) / 3600
-    after = {name: _rss_mb(process) for name, process in _processes(plan, _frontend(plan)).items()}
+    after = _memory_mb(plan)
     rows = [StreamRow.from_csv(row) for row in _csv_rows(campaign.out / "rows.csv")]
     drained, _ = wait_until(lambda: _ledger_outstanding(plan) == 0, SETTLE_S, SETTLE_POLL_S)
     figures = {
@@ -175,13 +182,15 @@ def soak(
         "servers_match": bool(wait_until(lambda: _servers_match(plan), SETTLE_S, SETTLE_POLL_S)[0]),
         "rss_mb": {
             name: {
-                "start": mb,
-                "warm": warm.get(name),
-                "end": after[name],
-                "growth_per_hour": (after[name] - mb) / hours,
+                "start": resident,
+                "warm": warm.get(name, (None,))[0],
+                "end": after[name][0],
+                "growth_per_hour": (after[name][0] - resident) / hours,
+                "private_warm": warm.get(name, (None, None))[1],
+                "private_end": after[name][1],
             }
-            for name, mb in before.items()
-            if mb is not None and after.get(name) is not None
+            for name, (resident, _) in before.items()
+            if name in after
         },
     }
     (out / "soak.json").write_text(json.dumps(figures, indent=2))
@@ -222,10 +231,12 @@ def broken_invariants(figures: dict[str, Any]) -> list[str]:
         broken.append(f"requests with no response away from the kill: {figures['no_response']}")
     if figures.get("duration_s", 0) >= MEMORY_JUDGED_FROM_S:
         for name, rss in figures.get("rss_mb", {}).items():
-            warm = rss.get("warm")
-            if name.startswith(JUDGED_PROCESSES) and warm and rss["end"] > warm * (1 + MAX_RSS_GROWTH):
-                grown = 100 * (rss["end"] / warm - 1)
-                broken.append(f"{name}'s RSS grew {grown:.1f} % after the warm-up ({warm:.0f} -> {rss['end']:.0f} MB)")
+            warm, end = rss.get("private_warm"), rss["private_end"]
+            if name.startswith(JUDGED_PROCESSES) and warm and end > warm * (1 + MAX_RSS_GROWTH):
+                grown = 100 * (end / warm - 1)
+                broken.append(
+                    f"{name}'s private memory grew {grown:.1f} % after the warm-up ({warm:.1f} -> {end:.1f} MB)"
+                )
     return broken
 
 
