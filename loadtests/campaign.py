@@ -14,9 +14,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from base.runtime import LOOPBACK, free_port
 from loadtests.metrics import SLO, Summary, summarize
@@ -49,6 +50,15 @@ class RemoteMaster(BaseModel):
 
 # The longest campaign: a day, so a soak of hours runs and a mistyped duration cannot load a stack for ever.
 MAX_DURATION_S = 86_400.0
+LoadSeconds = Annotated[float, Field(gt=0, le=MAX_DURATION_S)]
+
+
+def load_seconds(text: str) -> float:
+    """A campaign's length from the command line, checked as `Campaign.duration_s` is; ValueError says why not."""
+    try:
+        return TypeAdapter(LoadSeconds).validate_python(text)
+    except ValidationError as error:
+        raise ValueError(f"{text!r}: {error.errors()[0]['msg']}") from None
 
 
 class Campaign(BaseModel):
@@ -58,7 +68,7 @@ class Campaign(BaseModel):
     target: str
     out: Path
     tokenizer: Path
-    duration_s: float = Field(60.0, gt=0, le=MAX_DURATION_S)
+    duration_s: LoadSeconds = 60.0
     users: int = Field(8, ge=1)
     rate: float = Field(4.0, gt=0)
     burstiness: float = Field(1.0, gt=0)

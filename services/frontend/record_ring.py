@@ -115,16 +115,16 @@ class RecordRing:
         return len(self._strings)
 
     def append(self, record: RequestRecord) -> None:
-        slot = self._next
+        slot, overwrites = self._next, self._size == self.capacity
         for name, column in self._labels.items():
-            if self._size == self.capacity:
+            if overwrites:
                 self._strings.release(column[slot])
             column[slot] = self._strings.hold(getattr(record, name))
         self._at[slot] = record.at
         self._ints["status"][slot] = record.status
         self._ints["headers_ms"][slot] = _NONE if record.ttft_s is None else round(record.ttft_s * 1000)
         self._ints["route_us"][slot] = _NONE if record.route_s is None else round(record.route_s * 1e6)
-        self._ids[slot * _ID_SLOT_BYTES : (slot + 1) * _ID_SLOT_BYTES] = _id_slot(record.request_id)
+        self._ids[self._id_span(slot)] = _id_slot(record.request_id)
         self._next = (slot + 1) % self.capacity
         self._size = min(self._size + 1, self.capacity)
 
@@ -139,8 +139,9 @@ class RecordRing:
         """The held records of these ids, oldest first, each under the id it was asked for."""
         asked = {_id_slot(request_id): request_id for request_id in request_ids}
         found = []
-        for slot in reversed(list(self._slots_newest_first())):
-            request_id = asked.get(bytes(self._ids[slot * _ID_SLOT_BYTES : (slot + 1) * _ID_SLOT_BYTES]))
+        for back in range(self._size, 0, -1):
+            slot = (self._next - back) % self.capacity
+            request_id = asked.get(bytes(self._ids[self._id_span(slot)]))
             if request_id is not None:
                 found.append(dataclasses.replace(self._record(slot), request_id=request_id))
         return found
@@ -148,6 +149,10 @@ class RecordRing:
     def _slots_newest_first(self) -> Iterator[int]:
         for back in range(1, self._size + 1):
             yield (self._next - back) % self.capacity
+
+    @staticmethod
+    def _id_span(slot: int) -> slice:
+        return slice(slot * _ID_SLOT_BYTES, (slot + 1) * _ID_SLOT_BYTES)
 
     def _record(self, slot: int) -> RequestRecord:
         labels = {name: self._strings.value(column[slot]) for name, column in self._labels.items()}
@@ -157,6 +162,6 @@ class RecordRing:
             status=self._ints["status"][slot],
             ttft_s=None if headers_ms == _NONE else headers_ms / 1000,
             route_s=None if route_us == _NONE else route_us / 1e6,
-            request_id=_id_from_slot(bytes(self._ids[slot * _ID_SLOT_BYTES : (slot + 1) * _ID_SLOT_BYTES])),
+            request_id=_id_from_slot(bytes(self._ids[self._id_span(slot)])),
             **labels,  # type: ignore[arg-type]
         )

@@ -31,9 +31,10 @@ import httpx
 import yaml
 
 from base.contracts import SERVE_REASON_HEADER
+from base.waiting import WaitTimeout, wait_until
 from routers.capacity_queue import NAME as CAPACITY_QUEUE
 from routers.capacity_queue import WAIT_SLICE_S
-from sluice.bench.stack_variants import deploy_variant, ledger_snapshot, non_2xx, wait_until
+from sluice.bench.stack_variants import deploy_variant, ledger_snapshot, non_2xx
 
 CAPACITY = 4  # per replica: small, so a 2-core machine holds OVERLOAD x it in flight and in line
 REPLICAS = 2
@@ -110,8 +111,12 @@ def _settled_after(plan: Any) -> float | None:
         snapshot = ledger_snapshot(plan)
         return snapshot["outstanding"] == 0 and snapshot["waiting"] == 0
 
-    done, waited_s = wait_until(settled, SETTLE_LIMIT_S, SETTLE_POLL_S)
-    return waited_s if done else None
+    started = time.monotonic()
+    try:
+        wait_until(SETTLE_LIMIT_S, settled, "the ledger to settle", SETTLE_POLL_S)
+    except WaitTimeout:
+        return None
+    return time.monotonic() - started
 
 
 def overload(spec_path: Path, out: Path, duration_s: float) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import json
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,11 @@ import yaml
 
 from base import sse
 from base.contracts import SESSION_HEADER_DEFAULT
+from base.waiting import WaitTimeout, wait_until
 from loadtests.campaign import Campaign, run
 from loadtests.sse_timing import StreamRow
 from routers.capacity_queue import NAME as CAPACITY_QUEUE
-from sluice.bench.stack_variants import deploy_variant, kill_one_replica, ledger_snapshot, non_2xx, wait_until
+from sluice.bench.stack_variants import deploy_variant, kill_one_replica, ledger_snapshot, non_2xx
 
 # When each disturbance lands, as a share of the duration.
 KILL_AT, SCALE_UP_AT, SCALE_DOWN_AT = 0.25, 0.45, 0.7
@@ -117,6 +119,28 @@ def _servers_match(plan: Any) -> bool:
     return server_map(frontend_status(plan), plan)[0]
 
 
+def _holds_within(check: Callable[[], bool], what: str) -> bool:
+    """Whether `check()` holds within `SETTLE_S` of the load's end."""
+    try:
+        return wait_until(SETTLE_S, check, what, SETTLE_POLL_S)
+    except WaitTimeout:
+        return False
+
+
+def _memory_figures(
+    start: tuple[float, float], warm: tuple[float | None, float | None], end: tuple[float, float], hours: float
+) -> dict[str, float | None]:
+    """One process's (resident, private) MB at start, after the warm-up and at the end, as `soak.json` reports them."""
+    return {
+        "start": start[0],
+        "warm": warm[0],
+        "end": end[0],
+        "growth_per_hour": (end[0] - start[0]) / hours,
+        "private_warm": warm[1],
+        "private_end": end[1],
+    }
+
+
 def soak(
     spec_path: Path, out: Path, tokenizer: Path, duration_s: float, wait_for_delete: bool = True
 ) -> dict[str, Any]:
@@ -172,25 +196,17 @@ def soak(
     hours = (time.monotonic() - started) / 3600
     after = _memory_mb(plan)
     rows = [StreamRow.from_csv(row) for row in _csv_rows(campaign.out / "rows.csv")]
-    drained, _ = wait_until(lambda: _ledger_outstanding(plan) == 0, SETTLE_S, SETTLE_POLL_S)
+    drained = _holds_within(lambda: _ledger_outstanding(plan) == 0, "the ledger to drain")
     figures = {
         "duration_s": duration_s,
         "events": events,
         **request_figures(rows, kill_window),
         "clients_left": len(left),
         "ledger_outstanding": 0 if drained else _ledger_outstanding(plan),
-        "servers_match": bool(wait_until(lambda: _servers_match(plan), SETTLE_S, SETTLE_POLL_S)[0]),
+        "servers_match": _holds_within(lambda: _servers_match(plan), "HAProxy's servers to match the replicas"),
         "rss_mb": {
-            name: {
-                "start": resident,
-                "warm": warm.get(name, (None,))[0],
-                "end": after[name][0],
-                "growth_per_hour": (after[name][0] - resident) / hours,
-                "private_warm": warm.get(name, (None, None))[1],
-                "private_end": after[name][1],
-            }
-            for name, (resident, _) in before.items()
-            if name in after
+            name: _memory_figures(before[name], warm.get(name, (None, None)), after[name], hours)
+            for name in before.keys() & after.keys()
         },
     }
     (out / "soak.json").write_text(json.dumps(figures, indent=2))

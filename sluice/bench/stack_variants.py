@@ -1,17 +1,13 @@
 """A stack redeployed with another policy or replica count, one of its LLM replicas killed, its capacity ledger read,
-a condition waited for, its non-2xx answers counted: what the routing suite, the soak and the overload bench do to a
-running stack."""
+its non-2xx answers counted: what the routing suite, the soak and the overload bench do to a running stack."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
-
-_Value = TypeVar("_Value")
+from collections.abc import Iterable
+from typing import Any
 
 
 def deploy_variant(data: dict[str, Any], policy: str, replicas: int, **routing: Any) -> Any:
@@ -59,17 +55,6 @@ def ledger_snapshot(plan: Any) -> dict[str, Any]:
     deployment = asyncio.run(list_replica_endpoints(model.llm_app))[0].deployment
     ledger = ray.get_actor(ledger_actor_name(model.llm_app, deployment), namespace=LEDGER_NAMESPACE)
     return ray.get(ledger.snapshot.remote(), timeout=30)
-
-
-def wait_until(check: Callable[[], _Value], timeout_s: float, poll_s: float) -> tuple[_Value, float]:
-    """`check()` once it is truthy (or its last value after `timeout_s`), and the seconds that took."""
-    started = time.monotonic()
-    while True:
-        value = check()
-        waited_s = time.monotonic() - started
-        if value or waited_s > timeout_s:
-            return value, waited_s
-        time.sleep(poll_s)
 
 
 def non_2xx(answers: Iterable[tuple[int, str | None]]) -> dict[str, int]:

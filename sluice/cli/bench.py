@@ -117,15 +117,12 @@ def _bench_routers(args: argparse.Namespace) -> int:
 
 def _load_duration(text: str) -> float:
     """A load's length in seconds, refused before any stack starts when a campaign could not run it."""
-    from loadtests.campaign import MAX_DURATION_S
+    from loadtests.campaign import load_seconds
 
     try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < seconds <= MAX_DURATION_S:
-        raise argparse.ArgumentTypeError(f"{text}: a load runs more than 0 and at most {MAX_DURATION_S:.0f} seconds")
-    return seconds
+        return load_seconds(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _stack_run_options(parser: argparse.ArgumentParser, duration_s: float, duration: str, out: str, where: str) -> None:
