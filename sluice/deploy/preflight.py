@@ -1,8 +1,9 @@
 """Preflight: whether the Ray cluster at hand can run a sluice stack, answered in seconds, before anything is deployed.
 
 `connect` (every cluster command), `connect_to_serve` (also Serve's controller), `preflight` (`deploy`: reachable,
-Serve's controller settings, resources, sluice importable on the workers). Each problem is a `PreflightError` naming
-the exact fix; the CLI exits with `PREFLIGHT_EXIT_CODE`. The checks one by one: `sluice/deploy/README.md`.
+Serve's controller settings, resources, sluice importable on the workers; a cluster beyond loopback without Ray's token
+authentication warned about). Each problem is a `PreflightError` naming the exact fix; the CLI exits with
+`PREFLIGHT_EXIT_CODE`. The checks one by one: `sluice/deploy/README.md`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +35,15 @@ PREFLIGHT_EXIT_CODE = EXIT_UNREACHABLE
 GCS_PROBE_TIMEOUT_S = 3.0
 CONTROLLER_PROBE_TIMEOUT_S = 3.0
 WORKER_PROBE_TIMEOUT_S = 3.0
+# Ray Serve binds each replica's inter-deployment gRPC server on every interface (Ray 2.60: `[::]:0`), outside
+# sluice's bind settings; only Ray's token authentication stands between it and the network.
+UNGUARDED_CLUSTER = (
+    "warning: this cluster runs without Ray's token authentication (RAY_AUTH_MODE=disabled) on an address beyond "
+    "loopback: Ray Serve's own gRPC port on each replica listens on every interface and takes calls there past the "
+    "frontend's keys, limits and internal credential, from anyone who reaches the node (as Ray's own ports do).\n"
+    "  fix: restart Ray with token authentication (`ray stop`, then `ray start` without RAY_AUTH_MODE=disabled; "
+    "`ray get-auth-token --generate` makes a token), or keep the nodes behind a firewall (docs/deploy.md)"
+)
 # Replica fits are compared with this much slack (Ray's fractional resources are fixed-point).
 _RESOURCE_SLACK = 1e-4
 
@@ -113,20 +124,25 @@ def cluster_spans_nodes() -> bool:
     return WORKER_NODE_RESOURCE in ray.cluster_resources()
 
 
-def _sluice_module_file() -> str:
+def _worker_facts() -> tuple[str, bool]:
+    """On a worker: where sluice's replica module is imported from, and whether the cluster authenticates with Ray's
+    token (a worker has the cluster's mode; a driver only its own)."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
     import services.replica.llm_replica
 
-    return str(services.replica.llm_replica.__file__)
+    return str(services.replica.llm_replica.__file__), is_token_auth_enabled()
 
 
-def check_workers_import_sluice() -> None:
+def check_workers(on_loopback: bool) -> None:
     """A worker of the cluster imports sluice's replica module; a cluster too busy to start a worker within the
-    probe's time is let through (its replicas would say the same, later)."""
+    probe's time is let through (its replicas would say the same, later). A cluster beyond loopback without Ray's
+    token authentication is warned about (`UNGUARDED_CLUSTER`), not refused: the exposure is Ray's own."""
     import ray
 
-    probe = ray.remote(num_cpus=0)(_sluice_module_file)
+    probe = ray.remote(num_cpus=0)(_worker_facts)
     try:
-        ray.get(probe.remote(), timeout=WORKER_PROBE_TIMEOUT_S)
+        _, token_auth = ray.get(probe.remote(), timeout=WORKER_PROBE_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         return
     except (ray.exceptions.RayTaskError, ray.exceptions.RaySystemError, ModuleNotFoundError) as error:
@@ -134,6 +150,8 @@ def check_workers_import_sluice() -> None:
             f"the cluster's workers cannot import sluice ({type(error).__name__})",
             f"start Ray from sluice's environment (`.venv/bin/ray`, after `make venv`): `{COMPATIBLE_RAY_START}`",
         ) from None
+    if not token_auth and not on_loopback:
+        print(UNGUARDED_CLUSTER, file=sys.stderr, flush=True)
 
 
 def check_serve_controller(must_reach_nodes: bool) -> bool:
@@ -237,7 +255,8 @@ def serve_start_options(spans_nodes: bool) -> dict[str, Any]:
 
 def preflight(plan: StackPlan, spans_nodes: bool) -> dict[str, Any] | None:
     """The full check before a deploy: None when Serve runs already (compatible), else how to start it."""
-    running = check_serve_controller(must_reach_nodes=spans_nodes or not nodes_on_loopback())
+    on_loopback = nodes_on_loopback()
+    running = check_serve_controller(must_reach_nodes=spans_nodes or not on_loopback)
     check_resources(plan)
-    check_workers_import_sluice()
+    check_workers(on_loopback)
     return None if running else serve_start_options(spans_nodes)

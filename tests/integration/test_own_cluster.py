@@ -2,7 +2,8 @@
 and temp folder), then the CLI the way a user runs it: a cluster whose Serve lacks sluice's settings is refused in
 seconds with the fix; `deploy` returns and the stack serves after the CLI exited; `status` lists the stacks and shows
 the running one's replicas, routers and server map; `check` on the embedded default is incomplete, naming what runs
-each skipped item, and passes once the user allows the skips; a SIGKILLed HAProxy is replaced without touching an LLM
+each skipped item, and passes once the user allows the skips; Ray Serve's own gRPC ports on every interface refuse a
+call without Ray's token; a SIGKILLed HAProxy is replaced without touching an LLM
 replica, and HAProxy dies with its frontend replica and comes back with the next; `down STACK` removes every app and
 HAProxy; a stack that cannot start ends `deploy` with exit 1 at its deadline, naming the stuck deployment, and one
 Serve gave up on ends it with the replica's error, each removed by `down SPEC`. The cluster is stopped at the end, by
@@ -11,6 +12,7 @@ its PIDs."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import jsonschema
 import psutil
@@ -255,6 +258,50 @@ def test_check_on_the_embedded_default_is_incomplete_naming_what_runs_the_skippe
     verdict = json.loads(result.stdout)
     assert result.returncode == CHECK_EXIT_PASS and verdict["verdict"] == "pass", verdict
     assert len(verdict["skipped"]) == 3 and all(s["allowed"] for s in verdict["skipped"])
+
+
+def _serve_wildcard_ports() -> dict[int, tuple[int, str]]:
+    """Each TCP port a Serve replica of this stack or a Serve proxy listens on at a wildcard address: {port: (pid,
+    process title)}. Ray Serve binds these itself (a replica's inter-deployment gRPC server: `[::]:0`)."""
+    found = {}
+    for process in psutil.process_iter(["cmdline"]):
+        title = " ".join(process.info["cmdline"] or []).strip()
+        if not title.startswith((f"ray::ServeReplica:{STACK}-", "ray::ProxyActor")):
+            continue
+        with contextlib.suppress(psutil.Error):
+            for listening in process.net_connections("tcp"):
+                if listening.status == psutil.CONN_LISTEN and ipaddress.ip_address(listening.laddr.ip).is_unspecified:
+                    found[listening.laddr.port] = (process.pid, title)
+    return found
+
+
+def _grpc_answer(port: int, metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
+    """The status of Serve's inter-deployment call (`ASGIService/HandleRequest`, an empty request) at `port`."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            channel.unary_unary("/ray.serve.ASGIService/HandleRequest")(b"", timeout=10, metadata=metadata)
+        except grpc.RpcError as error:
+            return error.code()
+    return grpc.StatusCode.OK
+
+
+def test_serves_own_grpc_ports_on_every_interface_reach_no_app_without_rays_token(
+    cluster: str, deployed: Deployed
+) -> None:
+    """Nothing reachable past the frontend (review #10) where sluice cannot choose the address: each Serve replica's
+    inter-deployment gRPC port listens on every interface, and Ray's token refuses a call without it there. With the
+    token the same call reaches the replica's servicer (which cannot read an empty request): the token is the guard."""
+    token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").read_text().strip()
+    ports = _serve_wildcard_ports()
+    without = {port: _grpc_answer(port, ()) for port in ports}
+    print({port: (ports[port][1], answer.name) for port, answer in without.items()})
+    assert set(without.values()) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED}, without
+    guarded = [port for port, answer in without.items() if answer == grpc.StatusCode.UNAUTHENTICATED]
+    replicas = _replica_ids(_status(cluster))
+    # One guarded port for each Serve replica of the stack: 2 LLM replicas, its router and its frontend.
+    assert len({ports[port][0] for port in guarded}) == len(replicas) + 2, ports
+    with_token = {port: _grpc_answer(port, (("authorization", f"Bearer {token}"),)) for port in guarded}
+    assert grpc.StatusCode.UNAUTHENTICATED not in with_token.values(), with_token
 
 
 def test_a_killed_haproxy_is_replaced_without_touching_a_replica(cluster: str, deployed: Deployed) -> None:

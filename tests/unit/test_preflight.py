@@ -127,3 +127,34 @@ def test_a_gpu_spec_needs_a_node_with_its_gpus(monkeypatch: pytest.MonkeyPatch) 
     _nodes(monkeypatch, {"CPU": 64.0})
     with pytest.raises(PreflightError, match="GPU"):
         preflight.check_resources(plan)
+
+
+def _workers_answer(monkeypatch: pytest.MonkeyPatch, token_auth: bool) -> None:
+    """The worker probe's task answers at once: sluice imported, the cluster's token authentication `token_auth`."""
+    import ray
+
+    class Probe:
+        def __init__(self, task: object) -> None:
+            self.task = task
+
+        def remote(self) -> tuple[str, bool]:
+            return "services/replica/llm_replica.py", token_auth
+
+    monkeypatch.setattr(ray, "remote", lambda **options: Probe)
+    monkeypatch.setattr(ray, "get", lambda answer, timeout: answer)
+
+
+def test_a_cluster_beyond_loopback_without_rays_token_is_warned_about(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Serve's inter-deployment gRPC ports bind every interface whatever sluice says; Ray's token is their one guard
+    (measured in tests/integration/test_own_cluster.py)."""
+    _workers_answer(monkeypatch, token_auth=False)
+    preflight.check_workers(on_loopback=False)
+    warned = capsys.readouterr().err
+    assert warned == preflight.UNGUARDED_CLUSTER + "\n"
+    assert "RAY_AUTH_MODE=disabled" in warned and "fix:" in warned
+    preflight.check_workers(on_loopback=True)
+    _workers_answer(monkeypatch, token_auth=True)
+    preflight.check_workers(on_loopback=False)
+    assert capsys.readouterr().err == ""
