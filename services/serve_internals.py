@@ -173,3 +173,10 @@ def send_ray_token_if_present() -> None:
     from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def token_auth_enabled() -> bool:
+    """Whether this process's Ray authenticates with its token; on a worker, the cluster's own mode."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return is_token_auth_enabled()

@@ -127,11 +127,10 @@ def cluster_spans_nodes() -> bool:
 def _worker_facts() -> tuple[str, bool]:
     """On a worker: where sluice's replica module is imported from, and whether the cluster authenticates with Ray's
     token (a worker has the cluster's mode; a driver only its own)."""
-    from ray._private.authentication.authentication_utils import is_token_auth_enabled
-
     import services.replica.llm_replica
+    from services.serve_internals import token_auth_enabled
 
-    return str(services.replica.llm_replica.__file__), is_token_auth_enabled()
+    return str(services.replica.llm_replica.__file__), token_auth_enabled()
 
 
 def check_workers(on_loopback: bool) -> None:
