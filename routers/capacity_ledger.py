@@ -19,6 +19,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from routers.capacity_candidates import CandidateSet
 from routers.core import CapacityToken
@@ -41,6 +42,21 @@ MAX_CANDIDATE_SETS = 16
 
 _RELEASED = "released"
 _REAPED = "reaped"
+
+
+class LedgerClient(Protocol):
+    """How the capacity_queue policy talks to the ledger: in-process (`capacity_queue.LocalLedgerClient`) or through
+    the actor (`ledger_actor.ActorLedgerClient`)."""
+
+    async def acquire(self, replica_ids: Sequence[str], request_id: str, wait_s: float) -> CapacityToken | None: ...
+
+    async def release(self, token_id: str) -> bool: ...
+
+    async def reject(self, token_id: str) -> bool: ...
+
+    async def set_replicas(self, capacities: dict[str, int]) -> None: ...
+
+    async def snapshot(self) -> dict: ...
 
 
 class UnknownReplicas(LookupError):

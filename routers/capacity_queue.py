@@ -16,12 +16,11 @@ import asyncio
 import heapq
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
 
 from pydantic import Field
 
 from base.contracts import REASON_NO_REPLICA
-from routers.capacity_ledger import DEFAULT_TOKEN_TTL_S, CapacityLedger, UnknownReplicas
+from routers.capacity_ledger import DEFAULT_TOKEN_TTL_S, CapacityLedger, LedgerClient, UnknownReplicas
 from routers.core import (
     DEFAULT_NUM_FALLBACK_REPLICAS,
     CapacityToken,
@@ -32,6 +31,7 @@ from routers.core import (
     RoutingPolicy,
 )
 from routers.entry import PolicyContext, PolicyEntry, PolicySettings
+from routers.power_of_two import PowerOfTwo
 
 NAME = "capacity_queue"
 
@@ -48,20 +48,6 @@ class CapacityQueueSettings(PolicySettings):
     max_wait_s: float = Field(DEFAULT_MAX_WAIT_S, gt=0)
     token_ttl_s: float = Field(DEFAULT_TOKEN_TTL_S, gt=0)
     seed: int | None = None
-
-
-class LedgerClient(Protocol):
-    """How the policy talks to the ledger: in-process (`LocalLedgerClient`) or through the actor."""
-
-    async def acquire(self, replica_ids: Sequence[str], request_id: str, wait_s: float) -> CapacityToken | None: ...
-
-    async def release(self, token_id: str) -> bool: ...
-
-    async def reject(self, token_id: str) -> bool: ...
-
-    async def set_replicas(self, capacities: dict[str, int]) -> None: ...
-
-    async def snapshot(self) -> dict: ...
 
 
 class LocalLedgerClient:
@@ -222,8 +208,6 @@ class CapacityQueue(RoutingPolicy):
 
     def _power_of_two(self) -> RoutingPolicy:
         if self._fallback is None:
-            from routers.power_of_two import PowerOfTwo
-
             self._fallback = PowerOfTwo(seed=self._seed)
             # Share this policy's live counts, so the fallback sees the requests placed here.
             self._fallback.tracker = self.tracker
@@ -232,10 +216,13 @@ class CapacityQueue(RoutingPolicy):
 
 def _build(settings: CapacityQueueSettings, context: PolicyContext) -> CapacityQueue:
     """Over `context.ledger`, else over the ledger actor of the context's deployment (created on first use)."""
-    # The ledger actor needs Ray; only a policy built without a ledger imports it.
-    from routers.ledger_actor import capacity_queue_policy
+    ledger = context.ledger
+    if ledger is None:
+        # The ledger actor needs Ray; only a policy built without a ledger imports it.
+        from routers.ledger_actor import actor_ledger_client
 
-    return capacity_queue_policy(context.app, context.deployment, settings, context.ledger)
+        ledger = actor_ledger_client(context.app, context.deployment, settings.token_ttl_s)
+    return CapacityQueue(ledger, max_wait_s=settings.max_wait_s, seed=settings.seed)
 
 
 ENTRY = PolicyEntry(NAME, CapacityQueueSettings, _build, needs_ledger=True, prefill_side=False)

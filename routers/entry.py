@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from routers.core import RoutingPolicy
 
 if TYPE_CHECKING:
-    from routers.capacity_queue import LedgerClient
+    from routers.capacity_ledger import LedgerClient
     from routers.prompt_tokens import Tokenize
 
 # A policy's name is a metric label, a spec value and (camel-cased) its Serve adapter's class name.

@@ -24,7 +24,6 @@ from ray.exceptions import ActorDiedError
 
 from routers.background import run_in_background
 from routers.capacity_ledger import DEFAULT_REAP_INTERVAL_S, DEFAULT_TOKEN_TTL_S, CapacityLedger
-from routers.capacity_queue import CapacityQueue, CapacityQueueSettings, LedgerClient
 from routers.core import CapacityToken
 
 LEDGER_NAMESPACE = "sluice"
@@ -86,15 +85,11 @@ def end_ledgers(apps: Iterable[str]) -> list[str]:
     return ended
 
 
-def capacity_queue_policy(
-    app: str, deployment: str, settings: CapacityQueueSettings, ledger: LedgerClient | None = None
-) -> CapacityQueue:
-    """The capacity_queue policy for `deployment` of `app`, over that deployment's ledger actor (created
-    with the settings' `token_ttl_s` on first use), or over `ledger` when one is given."""
-    if ledger is None:
-        find = functools.partial(get_or_create_ledger, ledger_actor_name(app, deployment), settings.token_ttl_s)
-        ledger = ActorLedgerClient(find(), find_again=find)
-    return CapacityQueue(ledger, max_wait_s=settings.max_wait_s, seed=settings.seed)
+def actor_ledger_client(app: str, deployment: str, token_ttl_s: float = DEFAULT_TOKEN_TTL_S) -> ActorLedgerClient:
+    """A client of `deployment`'s ledger actor in `app` (created with `token_ttl_s` on first use) that finds the
+    ledger again by name once the one it holds is dead for good."""
+    find = functools.partial(get_or_create_ledger, ledger_actor_name(app, deployment), token_ttl_s)
+    return ActorLedgerClient(find(), find_again=find)
 
 
 class ActorLedgerClient:

@@ -2,7 +2,8 @@
 
 Packages, lowest first: `LAYERS`. Inside `services/` and `sluice/` the sub-folders are layers too (`SUB_LAYERS`):
 a process folder imports the package's own top-level modules (`services/serve_internals.py`), its own folder and
-lower folders only. `python -m sluice.layers [ROOT]` lists every upward import, lazy ones included, and exits 1 if
+lower folders only. No two modules, nor two folders, import each other round a circle (`sluice.import_circles`).
+`python -m sluice.layers [ROOT]` lists every upward import and every circle, lazy imports included, and exits 1 if
 there is one; `make lint` and `make test` run it.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
+
+from sluice.import_circles import circle_problems
 
 LAYERS = ("base", "routers", "infra", "services", "topologies", "builders", "loadtests", "sluice")
 # The replica serves alone; the router ranks replicas (their config); the legacy ingress calls replicas; the frontend
@@ -78,11 +81,14 @@ def upward_imports(root: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     root = Path(args[0]) if args else Path(__file__).resolve().parents[1]
-    problems = upward_imports(root)
+    problems = upward_imports(root) + circle_problems(root, LAYERS)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:
-        print(f"layers: no upward import ({' < '.join(LAYERS)}; inside services and sluice: {SUB_LAYERS})")
+        print(
+            f"layers: no upward import ({' < '.join(LAYERS)}; inside services and sluice: {SUB_LAYERS}), "
+            "no import circle"
+        )
     return 1 if problems else 0
 
 

@@ -108,8 +108,7 @@ from infra.observability.targets import (
     ROLE_REPLICA,
     ROLE_ROUTER,
     TARGETS_ROLE_PARAM,
-    replica_metrics_path,
-    router_metrics_path,
+    metrics_path,
     router_targets_backend,
 )
 from routers.consistent_hash import HASH_SEED, VIRTUAL_NODES
@@ -164,8 +163,8 @@ def _lua_apps(settings: HAProxySettings) -> str:
             "legacy_backend": _lua_str(legacy_backend(index)),
             "router_targets_backend": _lua_str(router_targets_backend(index)),
             "agent_backend": _lua_str(agent_backend(index)),
-            "router_metrics_path": _lua_str(router_metrics_path(app)),
-            "replica_metrics_path": _lua_str(replica_metrics_path(app)),
+            "router_metrics_path": _lua_str(metrics_path(app.router_route_prefix)),
+            "replica_metrics_path": _lua_str(metrics_path(app.replica_route_prefix)),
         }
         if app.legacy_route_prefix is not None:
             fields["legacy_prefix"] = _lua_str(app.legacy_route_prefix)

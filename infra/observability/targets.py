@@ -7,8 +7,6 @@ kept in `router_targets_backend(i)` for it. Details: infra/README.md (observabil
 
 from __future__ import annotations
 
-from infra.haproxy.apps import AppRoute
-
 # GET on the frontend's metrics port: Prometheus HTTP service discovery (JSON list of target groups).
 TARGETS_PATH = "/sluice/targets"
 TARGETS_ROLE_PARAM = "role"
@@ -30,9 +28,6 @@ def router_targets_backend(index: int) -> str:
     return ROUTER_TARGETS_BACKEND if index == 0 else f"{ROUTER_TARGETS_BACKEND}_{index}"
 
 
-def router_metrics_path(app: AppRoute) -> str:
-    return app.router_route_prefix + METRICS_PATH
-
-
-def replica_metrics_path(app: AppRoute) -> str:
-    return app.replica_route_prefix + METRICS_PATH
+def metrics_path(route_prefix: str) -> str:
+    """Where a router or LLM replica served under `route_prefix` answers Prometheus."""
+    return route_prefix + METRICS_PATH

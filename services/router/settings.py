@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from base.contracts import DEFAULT_MAX_ONGOING_REQUESTS, SESSION_HEADER_DEFAULT, NodeRole
-from routers.capacity_queue import LedgerClient
+from routers.capacity_ledger import LedgerClient
 from routers.core import InFlightTracker, RoutingPolicy
 from routers.entry import PolicyContext
 from routers.registry import (

@@ -251,12 +251,11 @@ def test_a_router_finds_the_ledger_created_anew_after_its_ledger_was_killed_for_
     the name holds a new ledger, then takes its tokens from that one again, never for good from a dead one."""
     import ray
 
-    from routers.capacity_queue import CapacityQueueSettings
-    from routers.ledger_actor import capacity_queue_policy, ledger_actor_name
+    from routers.ledger_actor import actor_ledger_client, ledger_actor_name
 
     app = f"test-app-{uuid.uuid4().hex[:8]}"
     name = ledger_actor_name(app, "router")
-    policy = capacity_queue_policy(app, "router", CapacityQueueSettings(token_ttl_s=600.0, max_wait_s=1.0, seed=0))
+    policy = CapacityQueue(actor_ledger_client(app, "router", token_ttl_s=600.0), max_wait_s=1.0, seed=0)
     views = [ReplicaView(replica_id=r, capacity=c) for r, c in CAPACITIES.items()]
 
     async def run() -> list[str]:
