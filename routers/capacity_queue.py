@@ -31,6 +31,7 @@ from routers.core import (
     RoutingPolicy,
 )
 from routers.entry import PolicyContext, PolicyEntry, PolicySettings
+from routers.metrics import LEDGER_METRICS
 from routers.power_of_two import PowerOfTwo
 
 NAME = "capacity_queue"
@@ -225,4 +226,10 @@ def _build(settings: CapacityQueueSettings, context: PolicyContext) -> CapacityQ
     return CapacityQueue(ledger, max_wait_s=settings.max_wait_s, seed=settings.seed)
 
 
-ENTRY = PolicyEntry(NAME, CapacityQueueSettings, _build, needs_ledger=True, prefill_side=False)
+async def _refresh_metrics(policy: CapacityQueue, app: str) -> None:
+    LEDGER_METRICS.update(app, await policy.ledger_snapshot())
+
+
+ENTRY = PolicyEntry(
+    NAME, CapacityQueueSettings, _build, needs_ledger=True, prefill_side=False, refresh_metrics=_refresh_metrics
+)

@@ -7,7 +7,7 @@ lists the entries. No Ray import: the Serve adapter is named by its import path 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from routers.core import RoutingPolicy
 
 if TYPE_CHECKING:
     from routers.capacity_ledger import LedgerClient
+    from routers.kv_events import KVEventTarget
     from routers.prompt_tokens import Tokenize
 
 # A policy's name is a metric label, a spec value and (camel-cased) its Serve adapter's class name.
@@ -50,6 +51,16 @@ def _no_table(settings: Any) -> tuple[str, int] | None:
     return None
 
 
+@dataclass(frozen=True)
+class PolicyReport:
+    """A running policy's own state for operators: the router's `describe` gives it under `key` (what `sluice status`
+    shows), and the router serves it at `path` (the internal credential required)."""
+
+    key: str
+    path: str
+    build: Callable[[Any], dict[str, Any]]
+
+
 def adapter_class_name(policy: str) -> str:
     """`consistent_hash` -> `ConsistentHashRequestRouter`."""
     return "".join(part.title() for part in policy.split("_")) + "RequestRouter"
@@ -76,11 +87,22 @@ class PolicyEntry:
     # Reads the prompt's tokens: the router loads the served model's tokenizer and chat template (`PolicyContext`).
     # The handle path (the legacy ingress's calls) has no prompt to give it: it routes by `HANDLE_POLICY` instead.
     needs_prompt: bool = False
-    # Scores replicas by their engines' KV events: the replicas publish them (vLLM's `--kv-events-config`).
-    kv_events: bool = False
+    # What the router service does for a running policy, so that nothing outside routers/ names a policy class:
+    # the target its KV event subscriber feeds, for a policy scored by its engines' KV events (the replicas then
+    # publish them: vLLM's `--kv-events-config`);
+    kv_event_target: Callable[[Any], KVEventTarget] | None = None
+    # its own state for operators;
+    report: PolicyReport | None = None
+    # what it refreshes (its gauges, labelled by the target app) before the router's /metrics is read.
+    refresh_metrics: Callable[[Any, str], Awaitable[None]] | None = None
     # (table kind, fallbacks per decision) when these settings make each decision a function of the replica set and
     # the request's headers alone: the frontend can then decide from the router's table (`base.route_wire.RouteTable`).
     table: Callable[[Any], tuple[str, int] | None] = _no_table
+
+    @property
+    def kv_events(self) -> bool:
+        """Scores replicas by their engines' KV events: the replicas must publish them."""
+        return self.kv_event_target is not None
 
     @property
     def prefill_refusal(self) -> str:

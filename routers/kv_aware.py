@@ -20,18 +20,23 @@ until its stream is back. Reasons: `match`, `approximate_match`, `saturated`, `m
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
-from enum import StrEnum
+from typing import Any
 
 import mmh3
 from pydantic import Field
 
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
-from routers.entry import PolicyContext, PolicyEntry, PolicySettings
+from routers.entry import PolicyContext, PolicyEntry, PolicyReport, PolicySettings
+from routers.kv_events import ReplicaEvents
 from routers.kv_index import KVBlockIndex, PromptChain, RoutedPrefixes
+from routers.metrics import KV_REPLICAS
 from routers.prompt_tokens import Tokenize
 
 NAME = "kv_aware"
+# Where a kv_aware router serves `kv_index_report` (the internal credential required), for operators and tests.
+KV_INDEX_PATH = "/internal/kv-index"
 # Equal to the acceptance bound on hot sessions (no replica over 1.5x the mean in flight): below it a prefix stays on
 # the replica that caches it; past it a second replica warms up, at the price of one miss.
 DEFAULT_SATURATION_FACTOR = 1.5
@@ -50,14 +55,6 @@ class KVAwareSettings(PolicySettings):
     saturation_floor: int = Field(DEFAULT_SATURATION_FLOOR, ge=1)
     approximate_ttl_s: float = Field(DEFAULT_APPROXIMATE_TTL_S, gt=0)
     num_fallback_replicas: int = Field(DEFAULT_NUM_FALLBACK_REPLICAS, ge=0)
-
-
-class ReplicaEvents(StrEnum):
-    """Where a replica's score comes from."""
-
-    EVENTS = "events"  # its engine's KV events
-    APPROXIMATE = "approximate"  # it publishes none: what this router sent it
-    LOST = "lost"  # its stream went away; ranked last until it is back
 
 
 def _tie_key(replica_id: str) -> int:
@@ -190,6 +187,38 @@ def _body_use(settings: KVAwareSettings) -> tuple[str, str] | None:
     return ("policy", "kv_aware reads the prompt (messages or prompt) to score each replica's cached prefix")
 
 
+def kv_index_report(policy: KVAware) -> dict[str, Any]:
+    """Where each replica's scores come from (`events`, `approximate`, `lost`), its indexed blocks, and the decisions
+    by reason."""
+    return {
+        "block_size": policy.block_size,
+        "replicas": {
+            view_id: {"source": str(source), "blocks": policy.index.blocks(view_id)}
+            for view_id, source in sorted(policy.sources.items())
+        },
+        "decisions": dict(policy.counts.decisions),
+    }
+
+
+def _event_target(policy: KVAware) -> KVAware:
+    """The policy keeps its own index: the router's subscriber feeds it directly."""
+    return policy
+
+
+async def _refresh_metrics(policy: KVAware, app: str) -> None:
+    counted = Counter(policy.sources.values())
+    for source in ReplicaEvents:
+        KV_REPLICAS.labels(app, str(source)).set(counted[source])
+
+
 ENTRY = PolicyEntry(
-    NAME, KVAwareSettings, _build, body_use=_body_use, needs_prompt=True, kv_events=True, prefill_side=False
+    NAME,
+    KVAwareSettings,
+    _build,
+    body_use=_body_use,
+    needs_prompt=True,
+    kv_event_target=_event_target,
+    prefill_side=False,
+    report=PolicyReport("kv_events", KV_INDEX_PATH, kv_index_report),
+    refresh_metrics=_refresh_metrics,
 )

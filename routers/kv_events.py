@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -27,6 +27,26 @@ from routers.kv_index import KVBlockIndex
 END_OF_REPLAY = -1
 # vLLM's name for the engine's own KV cache tier (`vllm.distributed.kv_events.MEDIUM_GPU`, on CPU engines too).
 PRIMARY_MEDIUM = "GPU"
+
+
+class ReplicaEvents(StrEnum):
+    """Where a replica's score comes from."""
+
+    EVENTS = "events"  # its engine's KV events
+    APPROXIMATE = "approximate"  # it publishes none: what the router sent it
+    LOST = "lost"  # its stream went away; ranked last until it is back
+
+
+class KVEventTarget(Protocol):
+    """What the router service's KV event subscriber feeds: a policy scored by its replicas' KV events (its entry's
+    `kv_event_target`). `sources` says where each replica's score comes from; `block_size` is the engines' as
+    announced (None until one did)."""
+
+    index: KVBlockIndex
+    sources: dict[str, ReplicaEvents]
+    block_size: int | None
+
+    def replica_left(self, replica_id: str) -> None: ...
 
 
 def sequence_number(frame: bytes) -> int:

@@ -1,5 +1,6 @@
 """Why each routing decision went the way it did, counted per policy and exported to Prometheus; and the capacity
-ledger's tokens (`LEDGER_METRICS`, the last snapshot a capacity-metered router read at its scrape, per app).
+ledger's tokens (`LEDGER_METRICS`, the last snapshot a capacity-metered router read at its scrape, per app), and a
+kv_aware router's replicas by where their scores come from (`KV_REPLICAS`).
 
 Reasons are a small fixed vocabulary per policy, so the label set stays low-cardinality. Every router of an app
 exports the same ledger: aggregate across routers with `max`, never `sum`. More: routers/README.md#metrics.
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, Counter
+from prometheus_client import REGISTRY, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 DECISIONS_TOTAL = Counter(
@@ -22,6 +23,12 @@ EVENTS_TOTAL = Counter(
     "sluice_router_events",
     "Noteworthy routing events (double releases, reaped tokens, ledger faults) by policy.",
     ["policy", "event"],
+)
+
+KV_REPLICAS = Gauge(
+    "sluice_router_kv_replicas",
+    "A kv_aware router's target replicas by where their scores come from (events, approximate, lost).",
+    ["app", "source"],
 )
 
 

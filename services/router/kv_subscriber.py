@@ -1,4 +1,5 @@
-"""Every target replica's KV events into a `kv_aware` policy's index: one ZMQ subscription per engine rank.
+"""Every target replica's KV events into the index of a policy scored by them (`routers.kv_events.KVEventTarget`):
+one ZMQ subscription per engine rank.
 
 On each refresh of the replica set, a new replica is asked where it publishes (`KV_EVENTS_PATH` under its app's
 prefix, a `KVEventSources`); the router subscribes to each publisher, then asks its replay socket for every batch it
@@ -28,8 +29,16 @@ from zmq.utils.monitor import parse_monitor_message
 from base.contracts import KV_EVENTS_PATH
 from base.route_wire import KVEventSource, KVEventSources, endpoint_id, replica_of
 from routers.core import ReplicaView
-from routers.kv_aware import KVAware, ReplicaEvents
-from routers.kv_events import END_OF_REPLAY, Step, StreamPosition, apply_batch, sequence_frame, sequence_number
+from routers.kv_events import (
+    END_OF_REPLAY,
+    KVEventTarget,
+    ReplicaEvents,
+    Step,
+    StreamPosition,
+    apply_batch,
+    sequence_frame,
+    sequence_number,
+)
 from services.serve_internals import REPLICA_LOGGER
 
 logger = logging.getLogger(REPLICA_LOGGER)
@@ -48,7 +57,7 @@ class KVEventSubscriber:
 
     def __init__(
         self,
-        policy: KVAware,
+        policy: KVEventTarget,
         route_prefix: str,
         ranks: int = 1,
         client: httpx.AsyncClient | None = None,

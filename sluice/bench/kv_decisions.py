@@ -18,9 +18,12 @@ from pathlib import Path
 
 from loadtests.workloads import PromptMaker
 from routers.core import ReplicaView, RouteRequest
-from routers.kv_aware import KVAware, ReplicaEvents
+from routers.entry import PolicyContext
+from routers.kv_aware import NAME as KV_AWARE
+from routers.kv_events import ReplicaEvents
 from routers.kv_index import chain_keys
 from routers.prompt_tokens import PromptTokens
+from routers.registry import build_policy, policy_entry
 
 PROMPT_SIZES = (1024, 8192)
 QUESTION_TOKENS = 16
@@ -53,11 +56,13 @@ def kv_aware_decision_us(model_dir: Path, tokens: int, shape: str, count: int = 
     tokenize = PromptTokens(str(model_dir))
     # The engines' side: their own tokenizer (this router's would cache every piece before the timed run).
     engines_tokenize = PromptTokens(str(model_dir))
-    policy = KVAware(tokenize)
-    policy.block_size = BLOCK_SIZE
+    policy = build_policy(KV_AWARE, {}, PolicyContext(tokenize=tokenize))
+    # The index the router's KV event subscriber would feed.
+    events = policy_entry(KV_AWARE).kv_event_target(policy)
+    events.block_size = BLOCK_SIZE
     views = tuple(ReplicaView(replica_id=f"replica-{i:02d}", capacity=1_000_000) for i in range(REPLICAS))
     for view in views:
-        policy.sources[view.replica_id] = ReplicaEvents.EVENTS
+        events.sources[view.replica_id] = ReplicaEvents.EVENTS
     decisions = _decisions(count, tokens)
     system = prompts.prompt(tokens)
     shared = shape == "shared system prompt"
@@ -74,7 +79,7 @@ def kv_aware_decision_us(model_dir: Path, tokens: int, shape: str, count: int = 
             for holder in range(SHAPES[shape]):
                 engine_hashes = [f"{run}-{i}-{holder}-{k}" for k in range(keys)]
                 replica_id = views[(i + holder) % REPLICAS].replica_id
-                policy.index.stored(replica_id, engine_hashes, None, prompt, BLOCK_SIZE)
+                events.index.stored(replica_id, engine_hashes, None, prompt, BLOCK_SIZE)
         tokenize(bodies[0])  # a shared system prompt's pieces are cached after the first request, as in a router
         requests = [RouteRequest(request_id=f"{run}-{i}", body_prefix=body) for i, body in enumerate(bodies)]
         start = time.process_time()

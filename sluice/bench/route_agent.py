@@ -41,8 +41,8 @@ def _serve_agent(policy: str) -> None:
     import uvloop
 
     from routers.core import ReplicaView
+    from services.router.http_app import build_router_app
     from services.router.route_listener import RouteListener
-    from services.router.service import build_router_app
     from services.router.settings import RouterSettings, build_policy
 
     endpoint = f"http://{LOOPBACK}:1"  # never called: the agent only names replicas

@@ -16,14 +16,13 @@ from collections.abc import Callable
 
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import NAME as CAPACITY_QUEUE
-from routers.capacity_queue import CapacityQueue, LocalLedgerClient
+from routers.capacity_queue import LocalLedgerClient
 from routers.consistent_hash import NAME as CONSISTENT_HASH
-from routers.consistent_hash import ConsistentHash
 from routers.core import ReplicaView, RouteRequest, RoutingPolicy
+from routers.entry import PolicyContext
 from routers.power_of_two import NAME as POWER_OF_TWO
-from routers.power_of_two import PowerOfTwo
+from routers.registry import build_policy
 from routers.round_robin import NAME as ROUND_ROBIN
-from routers.round_robin import RoundRobin
 from sluice.bench.route_agent import agent_cpu_per_decision, agent_table
 
 SIZES = (8, 128, 1024)
@@ -60,7 +59,7 @@ def decision_us(policy: RoutingPolicy, n: int, sessions: bool) -> float:
 
 
 def ring_lookup_us(n: int) -> float:
-    policy = ConsistentHash()
+    policy = build_policy(CONSISTENT_HASH, {})
     policy.rank(_views(n), RouteRequest(request_id="warm"))
     keys = [f"session-{i}" for i in range(DECISIONS)]
     return _per_call_us(lambda i: policy.lookup(keys[i]), DECISIONS)
@@ -69,7 +68,7 @@ def ring_lookup_us(n: int) -> float:
 def ring_rebuild_ms(n: int) -> tuple[float, float]:
     """(cold build, rebuild after one replica joins) in ms."""
     ids = [f"replica-{i:05d}" for i in range(n + 1)]
-    cold = ConsistentHash()
+    cold = build_policy(CONSISTENT_HASH, {})
     start = time.perf_counter()
     cold.on_replicas_changed(ids[:n])
     cold_ms = (time.perf_counter() - start) * 1e3
@@ -90,7 +89,7 @@ async def ledger_round_trip_us(client_factory: Callable[[], object], calls: int)
 
 
 def capacity_decision_us(n: int) -> float:
-    policy = CapacityQueue(LocalLedgerClient(CapacityLedger()))
+    policy = build_policy(CAPACITY_QUEUE, {}, PolicyContext(ledger=LocalLedgerClient(CapacityLedger())))
     views = _views(n)
     requests = [RouteRequest(request_id=f"r{i}") for i in range(CAPACITY_DECISIONS)]
 
@@ -112,13 +111,16 @@ def capacity_decision_us(n: int) -> float:
 def run_router_bench(with_actor: bool = True) -> None:
     print(f"{'policy':<34}" + "".join(f"{f'{n} replicas':>14}" for n in SIZES) + "   (µs per decision)")
     rows: list[tuple[str, Callable[[int], float]]] = [
-        (ROUND_ROBIN, lambda n: decision_us(RoundRobin(), n, sessions=False)),
-        (POWER_OF_TWO, lambda n: decision_us(PowerOfTwo(seed=0), n, sessions=False)),
-        (f"{CONSISTENT_HASH} (session)", lambda n: decision_us(ConsistentHash(), n, sessions=True)),
-        (f"{CONSISTENT_HASH} (no session)", lambda n: decision_us(ConsistentHash(), n, sessions=False)),
+        (ROUND_ROBIN, lambda n: decision_us(build_policy(ROUND_ROBIN, {}), n, sessions=False)),
+        (POWER_OF_TWO, lambda n: decision_us(build_policy(POWER_OF_TWO, {"seed": 0}), n, sessions=False)),
+        (f"{CONSISTENT_HASH} (session)", lambda n: decision_us(build_policy(CONSISTENT_HASH, {}), n, sessions=True)),
+        (
+            f"{CONSISTENT_HASH} (no session)",
+            lambda n: decision_us(build_policy(CONSISTENT_HASH, {}), n, sessions=False),
+        ),
         (
             f"{CONSISTENT_HASH} bounded c=1.25",
-            lambda n: decision_us(ConsistentHash(load_factor=1.25), n, sessions=True),
+            lambda n: decision_us(build_policy(CONSISTENT_HASH, {"load_factor": 1.25}), n, sessions=True),
         ),
         ("ring lookup alone", ring_lookup_us),
         (f"{CAPACITY_QUEUE} (in-process ledger)", capacity_decision_us),

@@ -19,9 +19,9 @@ import ray
 
 from base.contracts import FAULT_PATH, REPLICA_HEADER, REQUEST_ID_HEADER
 from base.waiting import wait_until
+from routers.kv_aware import KV_INDEX_PATH
 from routers.prompt_tokens import PromptTokens
 from services.internal_credential import internal_headers
-from services.router.service import KV_INDEX_PATH
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from sluice.deploy.status import model_line, routers_report
 from tests.support.team_stack import TeamStack, team_stack

@@ -31,7 +31,7 @@ from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import ROUTER_BACKEND
 from routers.consistent_hash import ConsistentHash
 from routers.core import ReplicaView
-from services.router.service import build_router_app
+from services.router.http_app import build_router_app
 from services.router.settings import RouterSettings, build_policy
 from tests.integration.standin_plane.plane import Plane, start_plane, stop_plane
 from tests.integration.standin_plane.standins import (

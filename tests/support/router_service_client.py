@@ -18,7 +18,7 @@ from base.contracts import (
 )
 from base.route_wire import RouteReply
 from routers.core import ReplicaView
-from services.router.service import build_router_app
+from services.router.http_app import build_router_app
 from services.router.settings import RouterSettings, build_policy
 
 REPLICA_IDS = ["r1a2b3c4", "r5d6e7f8", "r9g0h1i2", "rj3k4l5m"]

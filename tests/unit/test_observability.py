@@ -29,7 +29,7 @@ from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.spoe import AGENT_BACKEND
 from infra.observability import DASHBOARD_PATH
 from infra.observability.dashboard import Dashboard, GridPos, load_dashboard, metric_names
-from infra.observability.targets import ROUTER_TARGETS_BACKEND, TARGETS_PATH, router_targets_backend
+from infra.observability.targets import METRICS_PATH, ROUTER_TARGETS_BACKEND, TARGETS_PATH, router_targets_backend
 from infra.prometheus_config import (
     JOB_FRONTEND,
     JOB_HAPROXY,
@@ -42,7 +42,6 @@ from infra.prometheus_config import (
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import CapacityQueue, LocalLedgerClient
 from routers.metrics import LEDGER_METRICS, LedgerMetrics
-from services.router.service import METRICS_PATH
 from services.router.settings import RouterSettings
 from services.serve_internals import ReplicaEndpoint
 from tests.support.router_service_client import REPLICA_IDS, route, router, unique_app, views

@@ -5,6 +5,7 @@ adapters; the registry refuses a second policy of the same name, and an unknown 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import json
 from collections.abc import Iterator
@@ -15,8 +16,9 @@ from pydantic import Field, ValidationError
 
 from base.route_wire import RouteReply
 from builders.plan import build_plan
+from infra.observability.targets import METRICS_PATH
 from routers.core import ReplicaView, RouteRequest, RoutingPolicy
-from routers.entry import PolicyContext, PolicyEntry, PolicySettings
+from routers.entry import PolicyContext, PolicyEntry, PolicyReport, PolicySettings
 from routers.registry import (
     BUILT_IN,
     PolicyConfigError,
@@ -113,6 +115,31 @@ def test_a_registered_policy_is_built_and_used_by_the_router_service(toy: Policy
     assert sample("sluice_router_routed_total", app=app, policy=NAME) == 1
     # A stateless toy may choose the prefill replica too.
     assert PrefillTarget(app="p", policy=NAME).policy == NAME
+
+
+def test_the_router_service_asks_a_policys_entry_for_its_report_and_gauges() -> None:
+    """What the service does for a policy comes from its entry (routers/README.md, the hooks): the toy's report is
+    served at the path its entry names, and its refresh runs before /metrics is read."""
+    refreshed: list[tuple[str, str]] = []
+
+    async def refresh(policy: ToyLast, app: str) -> None:
+        refreshed.append((policy.name, app))
+
+    report = PolicyReport("toy", "/internal/toy-report", lambda policy: {"offset": policy.offset})
+    register_policy(dataclasses.replace(ENTRY, report=report, refresh_metrics=refresh))
+    app = unique_app()
+
+    async def scenario() -> tuple[int, dict, int]:
+        async with router(RouterSettings(target_app=app, policy=NAME, policy_kwargs={"offset": 1}), views()) as client:
+            served = await client.get(report.path)
+            return served.status_code, served.json(), (await client.get(METRICS_PATH)).status_code
+
+    try:
+        status, body, metrics = asyncio.run(scenario())
+    finally:
+        unregister_policy(NAME)
+    assert (status, body, metrics) == (200, {"offset": 1}, 200)
+    assert refreshed == [(NAME, app)]
 
 
 def test_a_registered_policy_gets_a_serve_adapter_importable_by_its_path(toy: PolicyEntry) -> None:

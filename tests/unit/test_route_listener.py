@@ -19,8 +19,8 @@ from infra.haproxy.spoe import AGENT_BACKEND
 from routers.capacity_ledger import CapacityLedger
 from routers.core import RouteRequest
 from services.router import route_listener, spop
+from services.router.http_app import route_reply
 from services.router.route_listener import DEADLINE_MARGIN_S, RouteListener
-from services.router.service import route_reply
 from services.router.spop import FrameType, Status
 from tests.support.capacity import queue, views
 from tests.support.syncer_fakes import FakeRuntime, endpoint, make_syncer

@@ -26,7 +26,7 @@ from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import render_lua
 from infra.haproxy.tables import TABLE_DECISION_TABLE, VAR_TABLE_KIND
 from routers.core import ReplicaView
-from services.router.service import build_router_app
+from services.router.http_app import build_router_app
 from services.router.settings import PrefillTarget, RouterSettings, build_policy
 from tests.support.router_service_client import REPLICA_IDS, publish, router, unique_app, views
 from topologies.spec import SpecError, parse_spec, read_spec_data

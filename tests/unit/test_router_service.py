@@ -17,14 +17,16 @@ from base.contracts import (
     ROUTE_BUDGET_HEADER,
 )
 from base.route_wire import Membership, RouteRefusal, RouteReply, endpoint_id, replica_of
+from infra.observability.targets import METRICS_PATH
 from routers.capacity_ledger import CapacityLedger
 from routers.capacity_queue import LocalLedgerClient
 from routers.core import ReplicaView, RouteRequest
 from routers.registry import build_stateless_policy
+from services.router.http_app import build_router_app
 from services.router.live_replicas import LiveReplicas
 from services.router.membership import FrontendMembership
+from services.router.prefill_side import PrefillChooser
 from services.router.route_request import fields_from_body, route_request_from
-from services.router.service import METRICS_PATH, PrefillChooser, build_router_app
 from services.router.settings import PrefillTarget, RouterSettings, build_policy
 from services.serve_internals import ReplicaEndpoint
 from tests.support.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
