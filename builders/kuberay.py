@@ -22,12 +22,13 @@ import yaml
 
 from base.contracts import HEAD_NODE_RESOURCE, NODE_BIND_ALL, NODE_ROLE_CAPACITY, WORKER_NODE_RESOURCE
 from base.runtime import CLUSTER_NODE_ENV, DEFAULT_SERVE_PROXY_PORT, HF_OFFLINE_ENV, is_local_model, process_env
+from builders.kinds.registry import kind_of
 from builders.network_policy import network_policy
 from builders.plan import StackPlan, build_plan, model_path, serve_config
 from infra.haproxy.config import PROMETHEUS_PATH
 from infra.kuberay import ObjectMeta, RayService, ray_start_resources
 from topologies.sections import Scaling
-from topologies.spec import DataParallelModel, PrefillDecodeModel, StackBase
+from topologies.spec import StackBase
 
 DEFAULT_IMAGE = "sluice:cpu"
 POD_CACHE_DIR = "/var/cache/sluice"
@@ -117,15 +118,10 @@ def pod_plan(spec: StackBase) -> StackPlan:
 
 
 def _llm_deployments(spec: StackBase) -> Iterator[tuple[Scaling, int]]:
-    """(scaling, pods per replica) of each LLM deployment: a model, or each role of a prefill/decode model."""
+    """(scaling, pods per replica) of each LLM deployment, as the spec's kind says."""
+    kind = kind_of(spec)
     for model in spec.models:  # type: ignore[attr-defined]
-        if isinstance(model, PrefillDecodeModel):
-            yield model.prefill, 1
-            yield model.decode, 1
-        elif isinstance(model, DataParallelModel) and model.data_parallel.mode == "ranks":
-            yield model, model.data_parallel.size
-        else:
-            yield model, 1
+        yield from kind.llm_deployments(model)
 
 
 def worker_pods(spec: StackBase) -> dict[PodShape, PodCount]:

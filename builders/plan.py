@@ -2,8 +2,8 @@
 
 The same plan is deployed by `sluice deploy` (one `serve.run` per app) and rendered as a Serve config file
 (`sluice render`, the schema of `serve deploy` and KubeRay's `serveConfigV2`). Per model its kind's apps
-(`builders.model_apps`), then one frontend app for all of them; a plan across nodes (`spans_nodes`) puts the LLM
-replicas on workers and the rest on the head. Details: docs/design.md §2.2.
+(`builders/kinds/`, asked through the kind registry), then one frontend app for all of them; a plan across nodes
+(`spans_nodes`) puts the LLM replicas on workers and the rest on the head. Details: docs/design.md §2.2.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import Any
 
 from base.contracts import STAGING_SERVER_TIMEOUT_S
 from base.runtime import LOOPBACK
-from builders.model_apps import openai_model_apps, prefill_decode_model_apps
+from builders.kinds.registry import kind_of
 from builders.plan_types import PlannedModel, ServeApp, StackPlan, import_path, model_path
 from infra.haproxy.apps import AppRoute
 from services.frontend.app import FRONTEND_DEPLOYMENT_NAME, FrontendArgs, ServedApp, build_frontend_application
 from services.legacy.ingress import build_legacy_ingress_application
 from services.router.service import build_router_application
 from topologies.problems import SpecError, SpecProblem
-from topologies.spec import PrefillDecodeModel, StackBase
+from topologies.spec import StackBase
 
 __all__ = ["PlannedModel", "ServeApp", "StackPlan", "build_plan", "model_path", "serve_config"]
 
@@ -33,7 +33,7 @@ def app_stem(stack: str, model: str, several: bool) -> str:
 
 
 def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
-    """The plan of any kind: each model's apps (`builders.model_apps`), then the one frontend app; `spans_nodes`:
+    """The plan of any kind: each model's apps (its kind's `model_apps`), then the one frontend app; `spans_nodes`:
     each app placed on its role's nodes."""
     stack = spec.stack
     several = len(spec.models) > 1
@@ -47,14 +47,12 @@ def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
         stems.setdefault(stem, i)
     if problems:
         raise SpecError(spec.name, problems)
+    kind = kind_of(spec)
     apps: list[ServeApp] = []
     routes: list[AppRoute] = []
     models: list[PlannedModel] = []
     for index, (model, stem) in enumerate(zip(spec.models, stems, strict=True)):
-        if isinstance(model, PrefillDecodeModel):
-            model_apps, route, planned = prefill_decode_model_apps(spec, index, model, stem)
-        else:
-            model_apps, route, planned = openai_model_apps(spec, index, model, stem)
+        model_apps, route, planned = kind.model_apps(spec, index, model, stem)
         apps += model_apps
         routes.append(route)
         models.append(planned)

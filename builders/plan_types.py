@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from base.runtime import default_model_dir, default_moe_model_dir
 from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE
@@ -47,6 +47,8 @@ class PlannedModel(BaseModel):
     # The model's legacy ingress app (None: no legacy path), and whether the plan deploys it.
     legacy_app: str | None = None
     legacy_deployed: bool = False
+    # What each of the model's LLM apps is, as its kind describes it for `sluice status`.
+    app_roles: dict[str, str] = Field(default_factory=dict)
 
 
 class StackPlan(BaseModel):

@@ -109,7 +109,7 @@ class Campaign(BaseModel):
 
 def gates_from_spec(path: Path) -> dict[str, float]:
     """The abort criteria of a stack's spec as gates."""
-    from topologies.spec import load_spec
+    from builders.specs import load_spec
 
     abort = load_spec(path).ingress.abort
     return {"ratio_503": abort.max_503_ratio, "ttft_p99_ms": abort.max_ttft_p99_s * 1000}

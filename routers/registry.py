@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
 
+from base.named_registry import NamedRegistry
 from routers import capacity_queue, consistent_hash, kv_aware, power_of_two, round_robin
 from routers.core import RoutingPolicy
 from routers.entry import PolicyContext, PolicyEntry, PolicySettings
@@ -29,46 +30,23 @@ DEFAULT_PREFILL_POLICY = power_of_two.NAME
 # Where a policy that reads the prompt cannot run (DeploymentHandle calls carry no body to tokenize): by load.
 HANDLE_POLICY_WITHOUT_PROMPT = power_of_two.NAME
 
-_ENTRIES: dict[str, PolicyEntry] = {}
-
 
 class PolicyConfigError(ValueError):
     """Unknown policy or invalid kwargs, with every problem spelled out."""
 
 
-def register_policy(entry: PolicyEntry) -> PolicyEntry:
-    """Make `entry` known by its name; a name already taken is refused."""
-    if entry.name in _ENTRIES:
-        raise PolicyConfigError(f"routing policy {entry.name!r} is already registered")
-    _ENTRIES[entry.name] = entry
-    return entry
-
-
-def unregister_policy(name: str) -> None:
-    """Forget a policy (tests that registered one); unknown names are refused."""
-    policy_entry(name)
-    del _ENTRIES[name]
-
-
-for _entry in BUILT_IN:
-    register_policy(_entry)
-
-
-def policy_names() -> list[str]:
-    """Every registered policy, in registration order."""
-    return list(_ENTRIES)
-
-
-def policy_entry(name: str) -> PolicyEntry:
-    entry = _ENTRIES.get(name)
-    if entry is None:
-        raise PolicyConfigError(f"unknown routing policy {name!r}; choose one of {sorted(_ENTRIES)}")
-    return entry
+_POLICIES: NamedRegistry[PolicyEntry] = NamedRegistry("routing policy", PolicyConfigError, BUILT_IN)
+# Make an entry known by its name (a name already taken is refused); forget one (tests that registered one).
+register_policy = _POLICIES.register
+unregister_policy = _POLICIES.unregister
+policy_entry = _POLICIES.named
+# Every registered policy, in registration order.
+policy_names = _POLICIES.names
 
 
 def prefill_policy_choices() -> str:
     """The policies that may choose a prefill replica, for a message: `power_of_two, round_robin or ...`."""
-    others = [name for name, entry in _ENTRIES.items() if entry.prefill_side and name != DEFAULT_PREFILL_POLICY]
+    others = [entry.name for entry in _POLICIES.items() if entry.prefill_side and entry.name != DEFAULT_PREFILL_POLICY]
     return _one_of([DEFAULT_PREFILL_POLICY, *others])
 
 
@@ -101,7 +79,7 @@ def table_of(policy: str, kwargs: dict[str, Any]) -> tuple[str, int] | None:
 
 def table_policy_choices() -> str:
     """The policies the frontend can decide from a table with their default kwargs, for a message: `a or b`."""
-    return _one_of([name for name, entry in _ENTRIES.items() if entry.table(entry.settings()) is not None])
+    return _one_of([entry.name for entry in _POLICIES.items() if entry.table(entry.settings()) is not None])
 
 
 def handle_policy(policy: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -136,9 +114,9 @@ class _KnownPolicy:
 
 
 def _known(name: str) -> str:
-    if name not in _ENTRIES:
+    if name not in policy_names():
         # The error of a Literal of the names, as the spec's field was before the registry.
-        expected = _one_of([repr(n) for n in _ENTRIES])
+        expected = _one_of([repr(n) for n in policy_names()])
         raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
     return name
 

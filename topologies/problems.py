@@ -4,18 +4,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-KINDS = ("openai", "data_parallel", "prefill_decode")
-
-# What to do about each kind of pydantic error, where pydantic's own message does not say.
+# What to do about each kind of pydantic error, where pydantic's own message does not say ({kinds}: the kinds there
+# are).
 _FIXES = {
     "extra_forbidden": "unknown key: remove it or fix its spelling (`sluice schema` lists every key)",
     "missing": "required: add it",
-    "union_tag_not_found": f"required: the stack's kind, one of {', '.join(KINDS)}",
-    "union_tag_invalid": f"unknown kind: use one of {', '.join(KINDS)}",
+    "union_tag_not_found": "required: the stack's kind, one of {kinds}",
+    "union_tag_invalid": "unknown kind: use one of {kinds}",
 }
 
 
@@ -45,16 +45,18 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
-def pydantic_problems(error: ValidationError) -> list[SpecProblem]:
+def pydantic_problems(error: ValidationError, kinds: Sequence[str]) -> list[SpecProblem]:
+    """Each of a spec's validation errors as a problem; `kinds`: the stack kinds there are (the union's tags)."""
     problems = []
     for item in error.errors():
         loc = tuple(item["loc"])
-        if loc and loc[0] in KINDS:  # a discriminated union puts the tag first
+        if loc and loc[0] in kinds:  # a discriminated union puts the tag first
             loc = loc[1:]
         kind = item["type"]
         if kind in ("union_tag_not_found", "union_tag_invalid"):
             loc = ("kind",)
-        message = _FIXES.get(kind) or item["msg"].removeprefix("Value error, ")
+        fix = _FIXES.get(kind)
+        message = fix.format(kinds=", ".join(kinds)) if fix else item["msg"].removeprefix("Value error, ")
         if kind == "too_short" and loc == ("models",):
             message = "no model: list at least one under `models`"
         problems.append(SpecProblem(field_path(loc), message))

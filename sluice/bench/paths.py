@@ -176,9 +176,9 @@ def _deploy_stack(
     """The embedded default with its legacy ingress retained, on free ports; each path's base URLs, and the spec."""
     from base.runtime import DEFAULT_SERVE_PROXY_PORT, LOOPBACK, free_port
     from builders.plan import build_plan
+    from builders.specs import parse_spec
     from services.serve_internals import list_replica_endpoints
     from sluice.deploy.apply import apply_plan, ensure_models
-    from topologies.spec import parse_spec
 
     data = yaml.safe_load(TEAM_FILE.read_text())
     data["name"] = name

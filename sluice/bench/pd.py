@@ -28,7 +28,7 @@ def _stack(team_file: str, name: str, **model_overrides: Any) -> tuple[Any, Any]
     import yaml
 
     from builders.plan import build_plan
-    from topologies.spec import parse_spec
+    from builders.specs import parse_spec
 
     data = yaml.safe_load((TEAMS / team_file).read_text())
     data["name"] = name

@@ -14,8 +14,8 @@ def deploy_variant(data: dict[str, Any], policy: str, replicas: int, **routing: 
     """The spec's stack with `policy` (its kwargs from the spec when the spec names it) and `routing` overrides; every
     other routing field (body forwarding, KV events) as the spec has it, so a policy switch leaves the LLM replicas."""
     from builders.plan import build_plan
+    from builders.specs import parse_spec
     from sluice.deploy.apply import apply_plan
-    from topologies.spec import parse_spec
 
     variant = json.loads(json.dumps(data))
     spec_routing = variant.get("routing", {})

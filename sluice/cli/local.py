@@ -31,7 +31,8 @@ def _model_build(args: argparse.Namespace) -> int:
 
 def serve_spec(args: argparse.Namespace) -> Any:
     """The spec `sluice serve` runs: the file (the embedded default unless given) with the flags applied over it."""
-    from topologies.spec import parse_spec, read_spec_data
+    from builders.specs import parse_spec
+    from topologies.spec import read_spec_data
 
     data = read_spec_data(args.file)
     if not isinstance(data, dict):
@@ -115,8 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from builders.specs import engine_problems, load_spec
     from topologies.problems import SpecError
-    from topologies.spec import engine_problems, load_spec
 
     try:
         spec = load_spec(args.file)
@@ -137,7 +138,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _schema(args: argparse.Namespace) -> int:
     import json
 
-    from topologies.spec import topology_json_schema
+    from builders.specs import topology_json_schema
 
     print(json.dumps(topology_json_schema(), indent=2))
     return 0

@@ -26,8 +26,8 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _prometheus(path: str, frontend_host: str) -> str:
+    from builders.specs import load_spec
     from infra.prometheus_config import render_prometheus_config
-    from topologies.spec import load_spec
 
     spec = load_spec(path)
     return render_prometheus_config([f"{frontend_host}:{spec.frontend.metrics_port}"])

@@ -22,11 +22,12 @@ import yaml
 from base.contracts import DIRECT_WEIGHT_MAX
 from base.waiting import WaitTimeout, wait_until
 from builders.plan import StackPlan, build_plan, model_path, serve_config
+from builders.specs import load_spec
 from services.frontend.ingress_control import forget_ingress
 from sluice.deploy import registry
 from sluice.deploy.preflight import cluster_spans_nodes, connect, preflight, replica_demands
 from sluice.deploy.progress import DeployProgress
-from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, StackBase, load_spec
+from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, StackBase
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from base.waiting import wait_until
+from builders.specs import load_spec
 from infra.container_images import image_tag
 from sluice.deploy.node import RAY_GCS_PORT
-from topologies.spec import load_spec
 
 if TYPE_CHECKING:
     from docker import DockerClient

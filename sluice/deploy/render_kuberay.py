@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from builders.kuberay import HF_TOKEN_KEY, TLS_FILES, from_hub, kuberay_manifests, pod_plan
-from topologies.spec import load_spec
+from builders.specs import load_spec
 
 
 class _Dumper(yaml.SafeDumper):

@@ -18,6 +18,7 @@ import httpx
 
 from base.contracts import SERVED_RANK_HEADER
 from builders.plan import PlannedModel, StackPlan, build_plan
+from builders.specs import load_spec, parse_spec
 from infra.haproxy.canary import legacy_backend
 from services.internal_credential import internal_headers
 from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
@@ -25,7 +26,7 @@ from sluice.deploy import registry
 from sluice.deploy.apply import frontend_status
 from sluice.deploy.json_reports import StackList, StackState, StatusReport, canary_state
 from sluice.deploy.preflight import cluster_spans_nodes
-from topologies.spec import StackBase, load_spec, parse_spec
+from topologies.spec import StackBase
 
 # A decode replica's count of the requests it served by prefill replica and outcome
 # (services.replica.middleware.remote_prefill).
@@ -89,15 +90,7 @@ def app_roles(plan: StackPlan) -> dict[str, str]:
         roles[model.router_app] = f"routers of {model.name}"
         if model.legacy_deployed and model.legacy_app is not None:
             roles[model.legacy_app] = f"legacy ingress of {model.name} (the retained Python path)"
-        if model.prefill_app is not None:
-            roles[model.prefill_app] = f"prefill replicas of {model.name} (KV producers)"
-            roles[model.llm_app] = f"decode replicas of {model.name} (KV consumers, pinned by HAProxy)"
-        elif model.data_parallel == "in_engine":
-            roles[model.llm_app] = f"replicas of {model.name}, {model.data_parallel_size} engine ranks each"
-        elif model.data_parallel == "ranks":
-            roles[model.llm_app] = f"rank replicas of {model.name}, gangs of {model.data_parallel_size}"
-        else:
-            roles[model.llm_app] = f"replicas of {model.name}"
+        roles |= model.app_roles  # as the model's kind describes its LLM apps
     return roles
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import yaml
 
 from builders.plan import StackPlan, build_plan
+from builders.specs import load_spec
 from sluice.deploy.apply import apply_plan, delete_plan, ensure_models
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
-from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 # A shift that waits covers a drain (the team files' drain deadlines are 60 s at most) and the move itself.

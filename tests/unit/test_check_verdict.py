@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from builders.specs import load_spec
 from sluice.deploy import check as check_module
 from sluice.deploy.check import (
     CHECK_EXIT_FAIL,
@@ -32,7 +33,6 @@ from sluice.deploy.check import (
     run_checks,
     verdict,
 )
-from topologies.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIPPED = Item(FAULT_INJECTION, None, "not a staging stack", ENABLED_BY[FAULT_INJECTION])

@@ -11,8 +11,8 @@ import yaml
 from ray.experimental import internal_kv
 
 from builders.plan import build_plan
+from builders.specs import load_spec
 from sluice.deploy import registry
-from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 

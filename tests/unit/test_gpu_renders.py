@@ -16,9 +16,10 @@ import yaml
 from base.runtime import CPU_ENGINE_ENV, HF_OFFLINE_ENV, carried_env, engine_env
 from builders.kuberay import GPU_RESOURCE, kuberay_manifests, pod_plan
 from builders.plan import build_plan, import_path
+from builders.specs import engine_problems, load_spec
 from services.replica.llm_config import CPU_ONLY_DEFAULTS, EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.replica.llm_replica import build_llm_application, llm_deployment
-from topologies.spec import ModelBase, StackBase, engine_problems, load_spec
+from topologies.spec import ModelBase, StackBase
 
 TEAMS = sorted((Path(__file__).resolve().parents[2] / "topologies" / "teams").glob("*.yaml"))
 LLM_APP = import_path(build_llm_application)

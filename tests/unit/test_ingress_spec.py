@@ -11,6 +11,7 @@ import yaml
 
 from base.contracts import REASON_DUPLICATE_REQUEST
 from builders.plan import build_plan, serve_config
+from builders.specs import load_spec, parse_spec
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import LEGACY_BACKEND, RUNNING_TABLE, weights_map
 from infra.haproxy.config import HAProxySettings
@@ -19,7 +20,6 @@ from infra.haproxy.lua import render_lua
 from infra.haproxy.process import check_config, write_files
 from services.frontend.app import build_frontend_application
 from topologies.problems import SpecError
-from topologies.spec import load_spec, parse_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 

@@ -38,11 +38,11 @@ from builders.kuberay import (
 )
 from builders.network_policy import KUBERAY_OPERATOR_LABELS, OPERATOR_PORTS
 from builders.plan import serve_config
+from builders.specs import load_spec, parse_spec
 from infra.kuberay import RayService, parse_ray_start_resources, ray_start_resources
 from infra.tls_certs import throwaway_certificate
 from sluice.deploy.apply import render
 from sluice.deploy.render_kuberay import render_kuberay
-from topologies.spec import load_spec, parse_spec
 
 TEAMS = sorted((Path(__file__).resolve().parents[2] / "topologies" / "teams").glob("*.yaml"))
 GPU_TEAMS = [path for path in TEAMS if path.name.startswith("gpu-")]

@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from builders.plan import build_plan
+from builders.specs import parse_spec
 from routers.core import ReplicaView, RouteRequest
 from routers.entry import PolicyContext
 from routers.kv_aware import KVAware, ReplicaEvents
@@ -23,7 +24,7 @@ from routers.prompt_tokens import ReadOn
 from routers.registry import HANDLE_POLICY_WITHOUT_PROMPT, build_policy, handle_policy
 from services.replica.llm_config import LLMAppConfig
 from services.router.settings import PrefillTarget, RouterAppArgs, RouterSettings
-from topologies.spec import SpecError, parse_spec
+from topologies.spec import SpecError
 
 BLOCK = 4
 VIEWS = tuple(ReplicaView(replica_id=r, capacity=64) for r in ("a", "b", "c"))

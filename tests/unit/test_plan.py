@@ -14,6 +14,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from base.contracts import HEAD_NODE_RESOURCE, NODE_ROLE_PER_ACTOR, WORKER_NODE_RESOURCE
 from builders.plan import ServeApp, build_plan, serve_config
+from builders.specs import load_spec
 from infra.haproxy.config import HAProxySettings
 from infra.haproxy.lua import render_lua
 from services.frontend.app import FrontendArgs
@@ -25,7 +26,6 @@ from sluice.deploy.apply import render
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
 from sluice.deploy.status import app_roles, degraded_reasons, model_line, prefill_pairs
 from topologies.problems import SpecError
-from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 

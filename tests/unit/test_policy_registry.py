@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError
 
 from base.route_wire import RouteReply
 from builders.plan import build_plan
+from builders.specs import parse_spec, topology_json_schema
 from infra.observability.targets import METRICS_PATH
 from routers.core import ReplicaView, RouteRequest, RoutingPolicy
 from routers.entry import PolicyContext, PolicyEntry, PolicyReport, PolicySettings
@@ -34,7 +35,6 @@ from services.replica.llm_config import LLMAppConfig
 from services.router.settings import PrefillTarget, RouterAppArgs, RouterSettings
 from tests.support.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
 from topologies.problems import SpecError
-from topologies.spec import parse_spec, topology_json_schema
 
 # ---- the toy policy: what a new policy module holds ----
 NAME = "toy_last"

@@ -17,11 +17,11 @@ from base.runtime import (
     process_env,
 )
 from builders.plan import build_plan
+from builders.specs import load_spec
 from services.serve_internals import ControllerSettings
 from sluice.cli.main import main
 from sluice.deploy import preflight
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE, PreflightError
-from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 

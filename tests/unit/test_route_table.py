@@ -21,6 +21,7 @@ from base.contracts import (
 )
 from base.route_wire import RouteRefusal, RouteTable
 from builders.plan import build_plan
+from builders.specs import parse_spec
 from infra.haproxy.config import HAProxySettings
 from infra.haproxy.config_file import render_config
 from infra.haproxy.lua import render_lua
@@ -29,7 +30,7 @@ from routers.core import ReplicaView
 from services.router.http_app import build_router_app
 from services.router.settings import PrefillTarget, RouterSettings, build_policy
 from tests.support.router_service_client import REPLICA_IDS, publish, router, unique_app, views
-from topologies.spec import SpecError, parse_spec, read_spec_data
+from topologies.spec import SpecError, read_spec_data
 
 
 async def _table(client: httpx.AsyncClient, frontend: str | None = None) -> httpx.Response:

@@ -11,8 +11,8 @@ import pytest
 from ray import serve
 
 from builders.plan import build_plan
+from builders.specs import load_spec
 from sluice.deploy import apply
-from topologies.spec import load_spec
 
 DIRECT = Path(__file__).resolve().parents[2] / "topologies" / "teams" / "local-cpu.yaml"
 

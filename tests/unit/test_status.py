@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from builders.plan import build_plan
+from builders.specs import load_spec
 from sluice.deploy.status import canary_line, differences
-from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from base.contracts import REASON_TLS_REQUIRED
+from builders.specs import load_spec
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import FRONTEND, HAProxySettings
 from infra.haproxy.config_file import render_config
@@ -20,7 +21,6 @@ from infra.haproxy.process import check_config, write_files
 from infra.haproxy.tls import ALPN, FrontendTLS, TLSError
 from infra.tls_certs import throwaway_certificate
 from topologies.problems import SpecError
-from topologies.spec import load_spec
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 

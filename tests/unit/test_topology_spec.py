@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 import yaml
 
+from builders.specs import engine_problems, load_spec, parse_spec, topology_json_schema
 from sluice.cli.main import main
 from topologies.problems import SpecError
-from topologies.spec import engine_problems, load_spec, parse_spec, topology_json_schema
 
 TEAMS = sorted((Path(__file__).resolve().parents[2] / "topologies" / "teams").glob("*.yaml"))
 

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from base.agent_wire import BODY_ARG, MESSAGE, Answer
 from base.contracts import REQUEST_ID_HEADER
 from base.route_wire import RouteReply
+from builders.specs import parse_spec
 from loadtests.sse_timing import StreamRow, record_stream
 from services.router import spop
 from services.router.route_listener import RouteListener, _AgentConnection
 from services.router.route_request import fields_from_body, route_request_from
 from services.router.spop import FrameType
 from topologies.problems import SpecError
-from topologies.spec import parse_spec
 
 SESSION_HEADER = "x-session-id"
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
