@@ -1,7 +1,7 @@
 """HAProxySettings, everything the rendered HAProxy config and Lua action depend on, and the names inside them.
 
 Nothing of the wire contract is here (that is `base.contracts`): these are HAProxy-internal names (frontends,
-backends, tables, transaction variables, Lua patterns) shared by the renderers (`infra.haproxy.config_file`,
+backends, tables, transaction variables, Lua patterns) shared by the renderers (`infra.haproxy.haproxy_cfg`,
 `infra.haproxy.lua`) and by what drives HAProxy at run time. Shape of the config and why: infra/haproxy/README.md.
 """
 

@@ -21,7 +21,7 @@ from base.waiting import WaitTimeout, wait_until
 from infra.api_keys import render_acl
 from infra.haproxy.canary import weights_map
 from infra.haproxy.config import HAProxySettings
-from infra.haproxy.config_file import render_config
+from infra.haproxy.haproxy_cfg import render_config
 from infra.haproxy.lua import render_lua
 from infra.haproxy.runtime_api import RuntimeAPI, RuntimeAPIError
 from infra.haproxy.spoe import render_spoe

@@ -114,7 +114,7 @@ def _ledger_outstanding(plan: Any) -> int:
 def _servers_match(plan: Any) -> bool:
     """Every live replica UP in HAProxy's map and nothing else (what `sluice check` asks)."""
     from sluice.deploy.apply import frontend_status
-    from sluice.deploy.check import server_map
+    from sluice.deploy.check.checklist import server_map
 
     return server_map(frontend_status(plan), plan)[0]
 

@@ -18,7 +18,7 @@ def _on_cluster(args: argparse.Namespace) -> int:
     from sluice.cli import ingress as ingress_cli
     from sluice.deploy import apply as deploy
     from sluice.deploy import status
-    from sluice.deploy.check import check
+    from sluice.deploy.check.checklist import check
     from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE, PreflightError, connect_to_serve
     from topologies.problems import SpecError
 
@@ -52,7 +52,7 @@ def _expected(args: argparse.Namespace) -> dict[str, str]:
 
 def _check(args: argparse.Namespace) -> int:
     """`sluice check --target URL` needs no cluster; with a spec file it is a command on the cluster."""
-    from sluice.deploy.check import allowed_skips, check
+    from sluice.deploy.check.checklist import allowed_skips, check
 
     try:
         allowed_skips(args.allow_skip)  # before anything connects
@@ -64,7 +64,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def register(commands: Any) -> None:
-    from sluice.deploy.check import ITEMS as CHECK_ITEMS
+    from sluice.deploy.check.checklist import ITEMS as CHECK_ITEMS
 
     deploy = commands.add_parser(
         "deploy",

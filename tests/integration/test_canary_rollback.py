@@ -41,7 +41,7 @@ from infra.haproxy.runtime_api import RuntimeAPI
 from services.frontend.ingress_control import GUARD_INTERVAL_S
 from services.internal_credential import internal_headers
 from services.serve_internals import list_replica_endpoints
-from sluice.deploy.check import (
+from sluice.deploy.check.checklist import (
     CHECK_EXIT_PASS,
     FAULT_INJECTION,
     LEGACY_SAME_TEXTS,

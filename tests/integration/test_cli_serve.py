@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from base.waiting import WaitTimeout, wait_until
-from sluice.deploy.check import API_CONTRACT, DIRECT_STREAMING
+from sluice.deploy.check.checklist import API_CONTRACT, DIRECT_STREAMING
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines

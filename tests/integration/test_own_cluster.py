@@ -37,7 +37,7 @@ from base.route_wire import ComponentVersions
 from base.runtime import COMPATIBLE_RAY_START
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import pid_alive
-from sluice.deploy.check import (
+from sluice.deploy.check.checklist import (
     CHECK_EXIT_INCOMPLETE,
     CHECK_EXIT_PASS,
     ENABLED_BY,

@@ -23,7 +23,7 @@ from base.contracts import (
 )
 from loadtests.sse_timing import StreamRow, record_stream
 from services.internal_credential import internal_headers
-from sluice.deploy.check_items import WEATHER_SCHEMA, forced_tool_call
+from sluice.deploy.check.items import WEATHER_SCHEMA, forced_tool_call
 from tests.support.llm_cluster import LLMCluster
 from tests.support.sse import chunks, data_lines, data_payloads, stream_lines
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from sluice.deploy.check_contract import ContractBroken, stream_outcome, streamed_tool_arguments
+from sluice.deploy.check.contract import ContractBroken, stream_outcome, streamed_tool_arguments
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 

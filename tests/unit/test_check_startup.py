@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from builders.plan_types import PlannedModel
-from sluice.deploy.check_startup import startup_path
+from sluice.deploy.check.startup import startup_path
 
 MODEL = PlannedModel(
     name="tiny",
@@ -56,8 +56,8 @@ def test_each_way_off_the_planned_path_is_named() -> None:
 
 
 def test_a_frontend_that_does_not_answer_fails_the_startup_path_and_the_server_map_by_name() -> None:
-    from sluice.deploy.check import server_map
-    from sluice.deploy.check_startup import NO_FRONTEND_STATUS
+    from sluice.deploy.check.checklist import server_map
+    from sluice.deploy.check.startup import NO_FRONTEND_STATUS
 
     assert startup_path(None, Plan(), _routers()) == (False, NO_FRONTEND_STATUS)  # type: ignore[arg-type]
     assert server_map(None, Plan()) == (False, NO_FRONTEND_STATUS)  # type: ignore[arg-type]

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from builders.specs import load_spec
-from sluice.deploy import check as check_module
-from sluice.deploy.check import (
+from sluice.deploy.check import checklist as check_module
+from sluice.deploy.check.checklist import (
     CHECK_EXIT_FAIL,
     CHECK_EXIT_INCOMPLETE,
     CHECK_EXIT_PASS,

@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from base.route_wire import ComponentVersions
-from sluice.deploy import check_versions
-from sluice.deploy.check_versions import versions
+from sluice.deploy.check import versions as check_versions
+from sluice.deploy.check.versions import versions
 
 CLI = ComponentVersions.installed()
 BASE = "http://127.0.0.1:9"

@@ -12,15 +12,15 @@ from pydantic import ValidationError
 
 from base import agent_wire, contracts
 from infra.api_keys import ApiKeySource, key_digest, key_hash_line
-from infra.haproxy import config_file as haproxy_config
+from infra.haproxy import haproxy_cfg as haproxy_config
 from infra.haproxy import protection as frontend_protection
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import (
     RETRY_SERVERS,
     HAProxySettings,
 )
-from infra.haproxy.config_file import render_config
 from infra.haproxy.formatting import haproxy_time
+from infra.haproxy.haproxy_cfg import render_config
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.process import (
     MALLOC_TUNABLES,

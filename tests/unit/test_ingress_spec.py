@@ -15,7 +15,7 @@ from builders.specs import load_spec, parse_spec
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import LEGACY_BACKEND, RUNNING_TABLE, weights_map
 from infra.haproxy.config import HAProxySettings
-from infra.haproxy.config_file import render_config
+from infra.haproxy.haproxy_cfg import render_config
 from infra.haproxy.lua import render_lua
 from infra.haproxy.process import check_config, write_files
 from services.frontend.app import build_frontend_application

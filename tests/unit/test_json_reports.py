@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from sluice.deploy.check import Item, report, verdict
+from sluice.deploy.check.checklist import Item, report, verdict
 from sluice.deploy.json_reports import CanaryState, StackState, canary_state, check_schema, status_schema
 
 STATUS: dict[str, Any] = {

@@ -24,7 +24,7 @@ from infra.haproxy.config import (
     UNROUTED_TABLE,
     HAProxySettings,
 )
-from infra.haproxy.config_file import render_config
+from infra.haproxy.haproxy_cfg import render_config
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.spoe import AGENT_BACKEND
 from infra.observability import DASHBOARD_PATH

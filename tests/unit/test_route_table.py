@@ -23,7 +23,7 @@ from base.route_wire import RouteRefusal, RouteTable
 from builders.plan import build_plan
 from builders.specs import parse_spec
 from infra.haproxy.config import HAProxySettings
-from infra.haproxy.config_file import render_config
+from infra.haproxy.haproxy_cfg import render_config
 from infra.haproxy.lua import render_lua
 from infra.haproxy.tables import TABLE_DECISION_TABLE, VAR_TABLE_KIND
 from routers.core import ReplicaView

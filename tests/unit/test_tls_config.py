@@ -16,7 +16,7 @@ from base.contracts import REASON_TLS_REQUIRED
 from builders.specs import load_spec
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import FRONTEND, HAProxySettings
-from infra.haproxy.config_file import render_config
+from infra.haproxy.haproxy_cfg import render_config
 from infra.haproxy.process import check_config, write_files
 from infra.haproxy.tls import ALPN, FrontendTLS, TLSError
 from infra.tls_certs import throwaway_certificate

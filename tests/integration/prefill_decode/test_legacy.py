@@ -25,7 +25,7 @@ from base.contracts import (
 )
 from base.waiting import WaitTimeout, wait_until
 from services.serve_internals import list_replica_endpoints
-from sluice.deploy.check import CHECK_EXIT_PASS, LEGACY_SAME_TEXTS, report, run_checks, verdict
+from sluice.deploy.check.checklist import CHECK_EXIT_PASS, LEGACY_SAME_TEXTS, report, run_checks, verdict
 from tests.support.sse import DONE, data_payloads
 from tests.support.streaming_users import Stream, streaming_users
 from tests.support.team_stack import TeamStack

@@ -151,7 +151,7 @@ def render_config(settings: HAProxySettings) -> str:
     served = f"{{ var({VAR_SERVER}) -m found }}"
     retry_addr = f"unix@{settings.retry_socket_path}"
     lines = [
-        "# Rendered by infra/haproxy/config_file.py from base/contracts.py: do not edit by hand.",
+        "# Rendered by infra/haproxy/haproxy_cfg.py from base/contracts.py: do not edit by hand.",
         "global",
         "    master-worker",
         f"    stats socket {settings.socket_path} mode 600 level admin",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sluice.deploy.check_items import Result
+from sluice.deploy.check.items import Result
 
 if TYPE_CHECKING:
     from builders.plan_types import PlannedModel, StackPlan

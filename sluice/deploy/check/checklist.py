@@ -25,11 +25,11 @@ from base.contracts import (
 )
 from base.quantiles import quantile
 from services.internal_credential import internal_headers
-from sluice.deploy import check_items
-from sluice.deploy.check_contract import api_contract
-from sluice.deploy.check_items import Result, chat, check_client, direct_post, headers
-from sluice.deploy.check_startup import NO_FRONTEND_STATUS, startup_path
-from sluice.deploy.check_versions import versions
+from sluice.deploy.check import items as check_items
+from sluice.deploy.check.contract import api_contract
+from sluice.deploy.check.items import Result, chat, check_client, direct_post, headers
+from sluice.deploy.check.startup import NO_FRONTEND_STATUS, startup_path
+from sluice.deploy.check.versions import versions
 from sluice.deploy.errors import require_url, served_models
 from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from sluice.deploy.json_reports import CheckReport, Verdict

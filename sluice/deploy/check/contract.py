@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 
 from base import sse
-from sluice.deploy.check_items import WEATHER_SCHEMA, Result, chat, forced_tool_call, headers
+from sluice.deploy.check.items import WEATHER_SCHEMA, Result, chat, forced_tool_call, headers
 
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
 

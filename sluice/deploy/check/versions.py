@@ -8,7 +8,7 @@ import httpx
 from base.contracts import VERSIONS_PATH
 from base.route_wire import ComponentVersions
 from services.internal_credential import internal_headers
-from sluice.deploy.check_items import Result
+from sluice.deploy.check.items import Result
 
 THIS_CLI = "this CLI"
 
