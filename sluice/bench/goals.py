@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from routers.consistent_hash import NAME as CONSISTENT_HASH
+from routers.round_robin import NAME as ROUND_ROBIN
 from sluice.bench.overhead import DEFAULT_VARIANT, variant_label
 from sluice.bench.summary import FIGURES, LIMIT_PATH, PROXY_LIMIT_PATH
 
@@ -18,7 +20,7 @@ PROXY_TTFT_RATIO_GOAL = 1.1
 PROXY_TOKENS_RATIO_GOAL = 0.97
 PROXY_CASES = {"tiny": ("16", "64"), "zero": ("64x256",)}
 ROUTER_CPU_US_GOAL = 50.0
-CPU_POLICIES = ("round_robin", "consistent_hash")
+CPU_POLICIES = (ROUND_ROBIN, CONSISTENT_HASH)
 # Figures where more is better; every other figure is a latency.
 HIGHER_IS_BETTER = {"tokens_per_s"}
 

@@ -21,6 +21,7 @@ from base.quantiles import quantile
 from base.runtime import LOOPBACK, free_port
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import find_haproxy_binary
+from routers.round_robin import NAME as ROUND_ROBIN
 
 RATES = (100, 1000, 5000)
 RATE_STEP_S = 4.0
@@ -37,7 +38,7 @@ def variant_label(policy: str, routers: int, tables: bool = False) -> str:
 
 # The stack's own router (the embedded default's policy, one router replica, table decisions): the routing goals are
 # judged here.
-DEFAULT_VARIANT = variant_label("round_robin", 1, tables=True)
+DEFAULT_VARIANT = variant_label(ROUND_ROBIN, 1, tables=True)
 
 
 def passthrough_config(port: int, replica_urls: list[str]) -> str:

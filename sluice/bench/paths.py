@@ -23,6 +23,8 @@ from base.contracts import ZERO_COMPUTE_STAND_IN
 from base.quantiles import quantile
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.stream_probe import StreamResult, one_stream
+from routers.consistent_hash import NAME as CONSISTENT_HASH
+from routers.round_robin import NAME as ROUND_ROBIN
 from services.internal_credential import internal_headers
 from sluice.bench.goals import PROXY_CASES, breakdown, judge, verdict_lines
 from sluice.bench.overhead import DEFAULT_VARIANT, passthrough_haproxy, rates_table, route_call_rates, variant_label
@@ -68,10 +70,10 @@ CASES = {
 TEAM_FILE = EMBEDDED_SPEC
 # Router variants the route decision is measured on after the stack's own: (policy, router replicas, table decisions).
 VARIANTS = (
-    ("consistent_hash", 1, True),
-    ("round_robin", 1, False),
-    ("consistent_hash", 1, False),
-    ("consistent_hash", 2, False),
+    (CONSISTENT_HASH, 1, True),
+    (ROUND_ROBIN, 1, False),
+    (CONSISTENT_HASH, 1, False),
+    (CONSISTENT_HASH, 2, False),
 )
 
 
