@@ -96,6 +96,7 @@ def model_route(
 def planned_model(
     spec: StackBase, index: int, model: ModelBase, llm_app: str, router_app: str, **roles: object
 ) -> PlannedModel:
+    """What the plan says of a model; its LLM app is `replicas of <model>` unless the kind's `app_roles` say more."""
     return PlannedModel(
         name=model.name,
         llm_app=llm_app,
@@ -103,7 +104,7 @@ def planned_model(
         replica_backend=replica_backend(index),
         router_backend=router_backend(index),
         routers=spec.frontend.routers,
-        **roles,
+        **{"app_roles": {llm_app: f"replicas of {model.name}"}, **roles},
     )
 
 

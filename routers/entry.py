@@ -53,12 +53,13 @@ def _no_table(settings: Any) -> tuple[str, int] | None:
 
 @dataclass(frozen=True)
 class PolicyReport:
-    """A running policy's own state for operators: the router's `describe` gives it under `key` (what `sluice status`
-    shows), and the router serves it at `path` (the internal credential required)."""
+    """A running policy's own state for operators: the router's `describe` gives it under `key`, `sluice status`
+    prints it as `lines` say, and the router serves it at `path` (the internal credential required)."""
 
     key: str
     path: str
     build: Callable[[Any], dict[str, Any]]
+    lines: Callable[[dict[str, Any]], list[str]]
 
 
 def adapter_class_name(policy: str) -> str:

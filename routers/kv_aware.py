@@ -200,6 +200,12 @@ def kv_index_report(policy: KVAware) -> dict[str, Any]:
     }
 
 
+def kv_index_lines(report: dict[str, Any]) -> list[str]:
+    """`kv_index_report` as `sluice status` prints it."""
+    scored = ", ".join(f"{rid} {r['source']} ({r['blocks']} blocks)" for rid, r in report["replicas"].items())
+    return [f"KV events (block size {report['block_size']}): {scored or 'no replica yet'}"]
+
+
 def _event_target(policy: KVAware) -> KVAware:
     """The policy keeps its own index: the router's subscriber feeds it directly."""
     return policy
@@ -219,6 +225,6 @@ ENTRY = PolicyEntry(
     needs_prompt=True,
     kv_event_target=_event_target,
     prefill_side=False,
-    report=PolicyReport("kv_events", KV_INDEX_PATH, kv_index_report),
+    report=PolicyReport("kv_events", KV_INDEX_PATH, kv_index_report, kv_index_lines),
     refresh_metrics=_refresh_metrics,
 )

@@ -85,7 +85,7 @@ def end_ledgers(apps: Iterable[str]) -> list[str]:
     return ended
 
 
-def actor_ledger_client(app: str, deployment: str, token_ttl_s: float = DEFAULT_TOKEN_TTL_S) -> ActorLedgerClient:
+def actor_ledger_client(app: str, deployment: str, token_ttl_s: float) -> ActorLedgerClient:
     """A client of `deployment`'s ledger actor in `app` (created with `token_ttl_s` on first use) that finds the
     ledger again by name once the one it holds is dead for good."""
     find = functools.partial(get_or_create_ledger, ledger_actor_name(app, deployment), token_ttl_s)

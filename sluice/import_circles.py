@@ -22,17 +22,30 @@ def _module_name(root: Path, path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _targets(node: ast.AST, known: set[str]) -> Iterable[str]:
-    """The known modules an import statement names."""
-    if isinstance(node, ast.Import):
-        yield from (alias.name for alias in node.names if alias.name in known)
-    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        for alias in node.names:
-            child = f"{node.module}.{alias.name}"
-            if child in known:
-                yield child
-            elif node.module in known:
-                yield node.module
+def imports_of(tree: ast.AST) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, module, names) of every absolute import in a module, lazy ones included: `import a.b` gives
+    (line, "a.b", ()), `from a import x, y` gives (line, "a", ("x", "y"))."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def _targets(module: str, names: tuple[str, ...], known: set[str]) -> Iterable[str]:
+    """The known modules one import names: each `from` name that is a module, else the module it is taken from."""
+    if not names:
+        if module in known:
+            yield module
+        return
+    for name in names:
+        child = f"{module}.{name}"
+        if child in known:
+            yield child
+        elif module in known:
+            yield module
 
 
 def module_graph(root: Path, packages: Iterable[str]) -> dict[str, set[str]]:
@@ -42,7 +55,9 @@ def module_graph(root: Path, packages: Iterable[str]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in paths.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        graph[module] = {target for node in ast.walk(tree) for target in _targets(node, known) if target != module}
+        graph[module] = {
+            target for _, imported, names in imports_of(tree) for target in _targets(imported, names, known)
+        } - {module}
     return graph
 
 

@@ -13,7 +13,7 @@ import ast
 import sys
 from pathlib import Path
 
-from sluice.import_circles import circle_problems
+from sluice.import_circles import circle_problems, imports_of
 
 LAYERS = ("base", "routers", "infra", "services", "topologies", "builders", "loadtests", "sluice")
 # The replica serves alone; the router ranks replicas (their config); the legacy ingress calls replicas; the frontend
@@ -23,17 +23,6 @@ SUB_LAYERS = {
     "sluice": {"deploy": 0, "bench": 1, "cli": 2},
 }
 _RANK = {package: rank for rank, package in enumerate(LAYERS)}
-
-
-def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, dotted module) of every absolute import in a module."""
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module))
-    return found
 
 
 def _sub_layer(package: str, parts: list[str]) -> str | None:
@@ -70,7 +59,7 @@ def upward_imports(root: Path) -> list[str]:
         for path in sorted((root / package).rglob("*.py")):
             own_sub = _sub_layer(package, list(path.relative_to(root / package).parts[:-1]))
             tree = ast.parse(path.read_text(), filename=str(path))
-            for line, imported in _imported_modules(tree):
+            for line, imported, _ in imports_of(tree):
                 if (problem := _problem(package, own_sub, imported)) is not None:
                     problems.append(
                         f"{path.relative_to(root)}:{line}: {problem}: a layer may only import its own and lower ones"

@@ -1,4 +1,5 @@
-"""Team topology specs: the spec model (`spec.py`) and the teams' files (`teams/`)."""
+"""Team topology specs: what every spec has, whatever its kind (`spec.py`; each kind's own sections are in
+`builders/kinds/`), and the teams' files (`teams/`)."""
 
 from pathlib import Path
 

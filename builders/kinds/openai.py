@@ -73,7 +73,6 @@ def replica_model_apps(
         data_parallel_size=data_parallel.size if data_parallel else 1,
         legacy_app=legacy_app,
         legacy_deployed=spec.ingress.retains_legacy,
-        app_roles={llm_app: f"replicas of {model.name}"},
     )
     apps = [
         llm_serve_app(llm_app, llm),

@@ -11,7 +11,7 @@ from __future__ import annotations
 TARGETS_PATH = "/sluice/targets"
 TARGETS_ROLE_PARAM = "role"
 LUA_TARGETS_SERVICE = "sluice_targets"
-# Where routers (`services.router.service`) and vLLM replicas serve Prometheus text, under their app's route prefix.
+# Where routers (`services.router.http_app`) and vLLM replicas serve Prometheus text, under their app's route prefix.
 METRICS_PATH = "/metrics"
 ROLE_ROUTER = "router"
 ROLE_REPLICA = "replica"

@@ -1,5 +1,5 @@
 """The router's HTTP app: the route call, the route table, membership, the route agent's port, the fault switch,
-/metrics, and the running policy's own report, each path described in services/router/README.md.
+/metrics, and the running policy's own report; each path is described in services/router/README.md.
 
 A route call is answered by one function (`app.state.answer_route`) that the route agent calls too: the asking
 frontend's membership narrows the replicas, the prefill side (if any) picks the prefill replica, the policy decides.
@@ -119,7 +119,7 @@ def build_router_app(
             return Response('{"detail": "no route listener"}', status_code=404, media_type=_JSON)
         return Response(json.dumps({"port": port}), media_type=_JSON)
 
-    entry = policy_entry(policy.name)
+    entry = policy_entry(settings.policy)
     if entry.report is not None:
         report = entry.report
 

@@ -53,11 +53,11 @@ HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 500, 1500
 
 
 class KVEventSubscriber:
-    """Keeps `policy`'s index and per-replica sources current for the replica views it is given."""
+    """Keeps `target`'s index and per-replica sources current for the replica views it is given."""
 
     def __init__(
         self,
-        policy: KVEventTarget,
+        target: KVEventTarget,
         route_prefix: str,
         ranks: int = 1,
         client: httpx.AsyncClient | None = None,
@@ -65,7 +65,7 @@ class KVEventSubscriber:
     ) -> None:
         """`client`: what asks the replicas where they publish (default: a client with `headers`, the internal
         credential, 5 s timeout)."""
-        self.policy = policy
+        self.target = target
         self._route_prefix = route_prefix
         self._ranks = ranks
         self._context = zmq.asyncio.Context()
@@ -109,11 +109,11 @@ class KVEventSubscriber:
             return  # unchanged, and every stream flows (one that ended is started again below)
         self._stop(replica)
         if announced is not None:
-            self.policy.block_size = announced.block_size
+            self.target.block_size = announced.block_size
         if announced is None or not announced.sources:
             logger.info("replica %s publishes no KV events: scored by what this router sent it", replica)
             for view_id in self._view_ids(replica):
-                self.policy.sources[view_id] = ReplicaEvents.APPROXIMATE
+                self.target.sources[view_id] = ReplicaEvents.APPROXIMATE
             self._streams[replica] = (announced, [])
             return
         tasks = []
@@ -121,9 +121,9 @@ class KVEventSubscriber:
             view_id = self._view_id(replica, rank)
             source = announced.sources.get(rank if self._ranks > 1 else min(announced.sources, default=0))
             if source is None:
-                self.policy.sources[view_id] = ReplicaEvents.APPROXIMATE
+                self.target.sources[view_id] = ReplicaEvents.APPROXIMATE
                 continue
-            self.policy.sources[view_id] = ReplicaEvents.EVENTS
+            self.target.sources[view_id] = ReplicaEvents.EVENTS
             tasks.append(asyncio.get_running_loop().create_task(self._stream(view_id, source)))
         self._streams[replica] = (announced, tasks)
         logger.info("replica %s: KV events from %s", replica, [s.endpoint for s in announced.sources.values()])
@@ -134,7 +134,7 @@ class KVEventSubscriber:
         for task in tasks:
             task.cancel()
         for view_id in self._view_ids(replica):
-            self.policy.replica_left(view_id)
+            self.target.replica_left(view_id)
 
     def _drop(self, replica: str) -> None:
         self._stop(replica)
@@ -158,11 +158,11 @@ class KVEventSubscriber:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     if event == zmq.EVENT_DISCONNECTED:
                         logger.warning("KV events of %s: publisher lost; its blocks are dropped", view_id)
-                        self.policy.index.cleared(view_id)
-                        self.policy.sources[view_id] = ReplicaEvents.LOST
+                        self.target.index.cleared(view_id)
+                        self.target.sources[view_id] = ReplicaEvents.LOST
                         position = StreamPosition()
                     elif event == zmq.EVENT_CONNECTED:
-                        self.policy.sources[view_id] = ReplicaEvents.EVENTS
+                        self.target.sources[view_id] = ReplicaEvents.EVENTS
                         await self._replay(view_id, source, position, 0)
                 if subscriber in ready:
                     _, number_frame, payload = await subscriber.recv_multipart()
@@ -179,8 +179,8 @@ class KVEventSubscriber:
             raise
         except Exception:
             logger.exception("KV events of %s stopped; its blocks are dropped", view_id)
-            self.policy.index.cleared(view_id)
-            self.policy.sources[view_id] = ReplicaEvents.LOST
+            self.target.index.cleared(view_id)
+            self.target.sources[view_id] = ReplicaEvents.LOST
         finally:
             subscriber.disable_monitor()
             monitor.close(linger=0)
@@ -189,15 +189,15 @@ class KVEventSubscriber:
     def _unrepaired(self, view_id: str, number: int) -> None:
         """Batches before `number` are lost for good: the blocks they removed would stay in the index forever."""
         logger.warning("KV events of %s: batches before %d are lost; its blocks are dropped", view_id, number)
-        self.policy.index.cleared(view_id)
+        self.target.index.cleared(view_id)
         self.unrepaired_gaps += 1
 
     def _apply(self, view_id: str, payload: bytes, position: StreamPosition, number: int) -> None:
         try:
-            apply_batch(self.policy.index, view_id, payload)
+            apply_batch(self.target.index, view_id, payload)
         except Exception:  # does not decode, or an event field is not what this version knows: resynchronize
             logger.warning("KV events of %s: batch %d does not apply; its blocks are dropped", view_id, number)
-            self.policy.index.cleared(view_id)
+            self.target.index.cleared(view_id)
         position.applied(number)
         self.batches += 1
 

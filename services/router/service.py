@@ -50,7 +50,7 @@ class RouterReplica:
         )
         await self._replicas.start()
         self._kv_events: KVEventSubscriber | None = None
-        event_target = policy_entry(policy.name).kv_event_target
+        event_target = policy_entry(self._settings.policy).kv_event_target
         if event_target is not None:
             self._kv_events = KVEventSubscriber(
                 event_target(policy),
@@ -94,15 +94,15 @@ class RouterReplica:
         return self._app
 
     async def describe(self) -> dict[str, Any]:
-        """The policy this router runs (`sluice status` reports it, not the spec file's), and for a policy fed by KV
-        events where each replica's scores come from (`events`, `approximate`, `lost`) and its indexed blocks."""
+        """The policy this router runs (`sluice status` reports it, not the spec file's), and the policy's own report
+        under its key when its registry entry has one (kv_aware: where each replica's scores come from)."""
         prefill = self._settings.prefill
         described: dict[str, Any] = {
             "policy": self._settings.policy,
             "policy_kwargs": self._settings.policy_kwargs,
             "prefill_policy": prefill.policy if prefill is not None else None,
         }
-        report = policy_entry(self._policy.name).report
+        report = policy_entry(self._settings.policy).report
         if report is not None:
             described[report.key] = report.build(self._policy)
         return described

@@ -57,8 +57,8 @@ def kv_aware_decision_us(model_dir: Path, tokens: int, shape: str, count: int = 
     # The engines' side: their own tokenizer (this router's would cache every piece before the timed run).
     engines_tokenize = PromptTokens(str(model_dir))
     policy = build_policy(KV_AWARE, {}, PolicyContext(tokenize=tokenize))
-    # The index the router's KV event subscriber would feed.
-    events = policy_entry(KV_AWARE).kv_event_target(policy)
+    # The index the router's KV event subscriber would feed (kv_aware's entry has the hook).
+    events = policy_entry(KV_AWARE).kv_event_target(policy)  # type: ignore[misc]
     events.block_size = BLOCK_SIZE
     views = tuple(ReplicaView(replica_id=f"replica-{i:02d}", capacity=1_000_000) for i in range(REPLICAS))
     for view in views:

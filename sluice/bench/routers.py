@@ -59,6 +59,7 @@ def decision_us(policy: RoutingPolicy, n: int, sessions: bool) -> float:
 
 
 def ring_lookup_us(n: int) -> float:
+    # The ring's own lookup and rebuild (consistent_hash's methods, not RoutingPolicy's): this bench measures them.
     policy = build_policy(CONSISTENT_HASH, {})
     policy.rank(_views(n), RouteRequest(request_id="warm"))
     keys = [f"session-{i}" for i in range(DECISIONS)]

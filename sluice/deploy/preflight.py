@@ -135,8 +135,9 @@ def _worker_facts() -> tuple[str, bool]:
 
 def check_workers(on_loopback: bool) -> None:
     """A worker of the cluster imports sluice's replica module; a cluster too busy to start a worker within the
-    probe's time is let through (its replicas would say the same, later). A cluster beyond loopback without Ray's
-    token authentication is warned about (`UNGUARDED_CLUSTER`), not refused: the exposure is Ray's own."""
+    probe's time is let through (its replicas would say the same, later), unasked about its authentication. A
+    cluster beyond loopback without Ray's token authentication is warned about (`UNGUARDED_CLUSTER`), not refused:
+    the exposure is Ray's own."""
     import ray
 
     probe = ray.remote(num_cpus=0)(_worker_facts)

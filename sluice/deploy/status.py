@@ -20,6 +20,7 @@ from base.contracts import SERVED_RANK_HEADER
 from builders.plan import PlannedModel, StackPlan, build_plan
 from builders.specs import load_spec, parse_spec
 from infra.haproxy.canary import legacy_backend
+from routers.registry import policy_entry, policy_names
 from services.internal_credential import internal_headers
 from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
 from sluice.deploy import registry
@@ -105,10 +106,10 @@ def model_line(model: PlannedModel, routers: dict[str, Any] | None = None) -> st
     if routers is None:
         policy += " (planned: no router answers)"
     line = f"  model {model.name}: {policy}, HAProxy backends {model.replica_backend} + {model.router_backend}"
-    kv_events = (routers or {}).get("kv_events")
-    if kv_events:
-        scored = ", ".join(f"{rid} {r['source']} ({r['blocks']} blocks)" for rid, r in kv_events["replicas"].items())
-        line += f"\n    KV events (block size {kv_events['block_size']}): {scored or 'no replica yet'}"
+    # The running policy's own report, printed as its registry entry says (a policy this CLI does not know: none).
+    report = policy_entry(running["policy"]).report if routers and running["policy"] in policy_names() else None
+    if report is not None and routers and routers.get(report.key):
+        line += "".join(f"\n    {text}" for text in report.lines(routers[report.key]))
     return line
 
 

@@ -18,7 +18,8 @@ from builders.plan import build_plan
 from builders.specs import parse_spec
 from routers.core import ReplicaView, RouteRequest
 from routers.entry import PolicyContext
-from routers.kv_aware import KVAware, ReplicaEvents
+from routers.kv_aware import KVAware
+from routers.kv_events import ReplicaEvents
 from routers.kv_index import chain_keys
 from routers.prompt_tokens import ReadOn
 from routers.registry import HANDLE_POLICY_WITHOUT_PROMPT, build_policy, handle_policy

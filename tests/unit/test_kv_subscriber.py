@@ -18,8 +18,8 @@ from base.contracts import KV_EVENTS_PATH
 from base.route_wire import KVEventSource, KVEventSources
 from base.runtime import free_port
 from routers.core import ReplicaView
-from routers.kv_aware import KVAware, ReplicaEvents
-from routers.kv_events import sequence_frame
+from routers.kv_aware import KVAware
+from routers.kv_events import ReplicaEvents, sequence_frame
 from services.router import kv_subscriber
 from services.router.kv_subscriber import KVEventSubscriber
 
@@ -75,7 +75,7 @@ def test_a_stream_that_ended_is_started_again_and_its_replica_indexed_again(monk
         subscriber, publisher, context = await _subscribed()
         number = iter(range(10_000))
         try:
-            policy = subscriber.policy
+            policy = subscriber.target
 
             async def publish() -> None:
                 await publisher.send_multipart([b"", sequence_frame(next(number)), _batch(1)])
@@ -99,7 +99,7 @@ def test_a_gap_no_replay_closes_clears_the_replica_before_the_next_batch() -> No
     async def run() -> None:
         subscriber, publisher, context = await _subscribed()
         try:
-            index = subscriber.policy.index
+            index = subscriber.target.index
 
             async def first() -> None:
                 await publisher.send_multipart([b"", sequence_frame(0), _batch(1)])

@@ -33,6 +33,7 @@ from routers.round_robin import NAME as ROUND_ROBIN
 from routers.serve_adapters import request_router_config
 from services.replica.llm_config import LLMAppConfig
 from services.router.settings import PrefillTarget, RouterAppArgs, RouterSettings
+from sluice.deploy.status import model_line
 from tests.support.router_service_client import REPLICA_IDS, route, router, sample, unique_app, views
 from topologies.problems import SpecError
 
@@ -119,13 +120,19 @@ def test_a_registered_policy_is_built_and_used_by_the_router_service(toy: Policy
 
 def test_the_router_service_asks_a_policys_entry_for_its_report_and_gauges() -> None:
     """What the service does for a policy comes from its entry (routers/README.md, the hooks): the toy's report is
-    served at the path its entry names, and its refresh runs before /metrics is read."""
+    served at the path its entry names and printed by status as it says, and its refresh runs before /metrics is
+    read."""
     refreshed: list[tuple[str, str]] = []
 
     async def refresh(policy: ToyLast, app: str) -> None:
         refreshed.append((policy.name, app))
 
-    report = PolicyReport("toy", "/internal/toy-report", lambda policy: {"offset": policy.offset})
+    report = PolicyReport(
+        "toy",
+        "/internal/toy-report",
+        lambda policy: {"offset": policy.offset},
+        lambda body: [f"toy at {body['offset']}"],
+    )
     register_policy(dataclasses.replace(ENTRY, report=report, refresh_metrics=refresh))
     app = unique_app()
 
@@ -140,6 +147,14 @@ def test_the_router_service_asks_a_policys_entry_for_its_report_and_gauges() -> 
         unregister_policy(NAME)
     assert (status, body, metrics) == (200, {"offset": 1}, 200)
     assert refreshed == [(NAME, app)]
+    # `sluice status` prints the report a running router describes, as the entry says.
+    register_policy(dataclasses.replace(ENTRY, report=report))
+    try:
+        planned = build_plan(parse_spec(json.loads(json.dumps(SPEC)))).models[0]
+        described = {"policy": NAME, "policy_kwargs": {"offset": 1}, "prefill_policy": None, "toy": body}
+        assert model_line(planned, described).endswith("\n    toy at 1")
+    finally:
+        unregister_policy(NAME)
 
 
 def test_a_registered_policy_gets_a_serve_adapter_importable_by_its_path(toy: PolicyEntry) -> None:

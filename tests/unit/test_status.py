@@ -6,7 +6,7 @@ from pathlib import Path
 
 from builders.plan import build_plan
 from builders.specs import load_spec
-from sluice.deploy.status import canary_line, differences
+from sluice.deploy.status import canary_line, differences, model_line
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 
@@ -35,3 +35,18 @@ def test_a_canary_that_rolled_back_by_itself_says_when_why_and_by_how_much() -> 
         "canary running: 30% of sessions on the direct path"
     )
     assert canary_line({"direct_weight": 100, "declared_weight": 100, "abort": None}) is None
+
+
+def test_a_kv_aware_routers_index_is_printed_under_its_model() -> None:
+    plan = build_plan(load_spec(TEAMS / "kv-aware-cpu.yaml"))
+    index = {
+        "block_size": 16,
+        "replicas": {"r1": {"source": "events", "blocks": 3}, "r2": {"source": "lost", "blocks": 0}},
+        "decisions": {},
+    }
+    described = {"policy": "kv_aware", "policy_kwargs": {}, "prefill_policy": None, "kv_events": index}
+    line = model_line(plan.models[0], described)
+    assert line.endswith("\n    KV events (block size 16): r1 events (3 blocks), r2 lost (0 blocks)")
+    empty = model_line(plan.models[0], {**described, "kv_events": {**index, "replicas": {}}})
+    assert empty.endswith("KV events (block size 16): no replica yet")
+    assert "KV events" not in model_line(plan.models[0], None)

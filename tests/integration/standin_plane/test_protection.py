@@ -28,6 +28,7 @@ from base.waiting import wait_until
 from infra.api_keys import ApiKeySource, key_hash_line
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.protection import ClientLimits, FrontendProtection
+from routers.kv_aware import KV_INDEX_PATH
 from tests.integration.standin_plane.plane import Env, Plane, start_plane, stop_plane
 from tests.integration.standin_plane.standins import APP, CHAT_PATH, first_event
 from tests.support.frontend_contract import assert_frontend_error, assert_refused
@@ -216,6 +217,7 @@ def test_a_broken_chunked_body_gets_haproxys_400_and_is_never_routed(keyed: Plan
     ("method", "path"),
     [
         ("GET", "/internal/kv_index"),
+        ("GET", KV_INDEX_PATH),
         ("POST", "/internal/route"),
         ("POST", "/tokenize"),
         ("GET", "/metrics"),
