@@ -25,6 +25,10 @@ from topologies.spec import StackBase
 __all__ = ["PlannedModel", "ServeApp", "StackPlan", "build_plan", "model_path", "serve_config"]
 
 
+def frontend_app_name(stack: str) -> str:
+    return f"{stack}-frontend"
+
+
 def app_stem(stack: str, model: str, several: bool) -> str:
     """The stem of a model's Serve app names: the stack's, or with several models the stack's and the model's."""
     if not several:
@@ -73,7 +77,7 @@ def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
     frontend_args = FrontendArgs(stack=stack, apps=served, haproxy=haproxy, ingress=spec.ingress.config())
     apps.append(
         ServeApp(
-            name=f"{stack}-frontend",
+            name=frontend_app_name(stack),
             route_prefix=None,
             import_path=import_path(build_frontend_application),
             args=frontend_args.model_dump(mode="json"),

@@ -179,6 +179,22 @@ class Frontend(Section):
             self.tls.pem()  # a TLSError (a ValueError) names the file that cannot be used
         return self
 
+    def listening_ports(self) -> dict[int, str]:
+        return listening_ports(self.model_dump(mode="json"))
+
+
+def listening_ports(frontend: dict[str, Any]) -> dict[int, str]:
+    """The ports a frontend section (as a spec's JSON holds it, fields left out taking their defaults) has HAProxy
+    listen on, each with the field that asks for it."""
+    ports = {
+        frontend.get("port", HAPROXY_PORT_DEFAULT): "frontend.port",
+        frontend.get("metrics_port", HAPROXY_PROMETHEUS_PORT_DEFAULT): "frontend.metrics_port",
+    }
+    plain_port = (frontend.get("tls") or {}).get("plain_port")
+    if plain_port is not None:
+        ports[plain_port] = "frontend.tls.plain_port"
+    return ports
+
 
 class Ingress(Section):
     """Which path serves the stack: `direct` (HAProxy -> replica), `legacy` (the retained Python ingress; a file with

@@ -294,7 +294,7 @@ def deploy(path: str, address: str, timeout_s: float | None = None) -> int:
     connect(address)
     spans_nodes = cluster_spans_nodes()
     plan = build_plan(spec, spans_nodes=spans_nodes)
-    start_serve = preflight(plan, spans_nodes)
+    start_serve = preflight(plan, spans_nodes, spec.frontend.listening_ports())
     ensure_models(spec)
     if start_serve is not None:
         serve.start(**start_serve)

@@ -1,9 +1,10 @@
 """Preflight: whether the Ray cluster at hand can run a sluice stack, answered in seconds, before anything is deployed.
 
 `connect` (every cluster command), `connect_to_serve` (also Serve's controller), `preflight` (`deploy`: reachable,
-Serve's controller settings, resources, sluice importable on the workers; a cluster beyond loopback without Ray's token
-authentication warned about). Each problem is a `PreflightError` naming the exact fix; the CLI exits with
-`PREFLIGHT_EXIT_CODE`. The checks one by one: `sluice/deploy/README.md`.
+Serve's controller settings, no other running stack's frontend on the stack's ports, resources, sluice importable on
+the workers; a cluster beyond loopback without Ray's token authentication warned about). Each problem is a
+`PreflightError` naming the exact fix; the CLI exits with `PREFLIGHT_EXIT_CODE`. The checks one by one:
+`sluice/deploy/README.md`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import socket
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from base.contracts import NODE_BIND_ALL, WORKER_NODE_RESOURCE
 from base.runtime import (
@@ -27,10 +28,15 @@ from base.runtime import (
     process_env,
     serve_controller_env,
 )
-from builders.plan import StackPlan
+from builders.plan import StackPlan, frontend_app_name
+from sluice.deploy import registry
 from sluice.deploy.exit_codes import EXIT_UNREACHABLE
+from topologies.sections import listening_ports
 
 PREFLIGHT_EXIT_CODE = EXIT_UNREACHABLE
+if TYPE_CHECKING:
+    from services.serve_internals import ControllerSettings
+
 # The whole preflight answers within 10 s: each probe gets a share of it.
 GCS_PROBE_TIMEOUT_S = 3.0
 CONTROLLER_PROBE_TIMEOUT_S = 3.0
@@ -154,13 +160,14 @@ def check_workers(on_loopback: bool) -> None:
         print(UNGUARDED_CLUSTER, file=sys.stderr, flush=True)
 
 
-def check_serve_controller(must_reach_nodes: bool) -> bool:
-    """Whether a Serve controller runs; PreflightError when it runs without what sluice needs."""
+def check_serve_controller(must_reach_nodes: bool) -> ControllerSettings | None:
+    """The running Serve controller's settings (None: none runs); PreflightError when it runs without what sluice
+    needs."""
     from services.serve_internals import serve_controller_settings
 
     settings = serve_controller_settings(list(SERVE_CONTROLLER_ENV_KEYS), CONTROLLER_PROBE_TIMEOUT_S)
     if settings is None:
-        return False
+        return None
     others = ", ".join(settings.applications) or "none"
     restart = (
         f"`serve shutdown -y` (deletes every Serve app of the cluster; running now: {others}) and deploy again: "
@@ -180,7 +187,26 @@ def check_serve_controller(must_reach_nodes: bool) -> bool:
             "not reach the replicas' own ports",
             f"`serve shutdown -y` (running now: {others}) and deploy again: sluice starts Serve on the node's address",
         )
-    return True
+    return settings
+
+
+def check_frontend_ports(stack: str, ports: dict[int, str], running_apps: Iterable[str]) -> None:
+    """No other stack whose frontend still runs listens on one of `ports` (port -> the field asking for it): two
+    HAProxies on one port would split its connections between two stacks without a word. A stack's record outlives
+    a frontend deleted without `sluice down`, so only frontends Serve runs count."""
+    running = set(running_apps)
+    for other in registry.deployed_stacks():
+        if other.stack == stack or frontend_app_name(other.stack) not in running:
+            continue
+        held = listening_ports(other.spec.get("frontend", {}))
+        for port, field in sorted(ports.items()):
+            if port in held:
+                raise PreflightError(
+                    f"port {port} ({field}) is held by stack {other.stack!r}, whose frontend listens there "
+                    f"({held[port]})",
+                    f"give this stack's {field} another port, or take {other.stack!r} down first "
+                    f"(`sluice down {other.stack}`)",
+                )
 
 
 def connect_to_serve(address: str) -> None:
@@ -253,10 +279,12 @@ def serve_start_options(spans_nodes: bool) -> dict[str, Any]:
     }
 
 
-def preflight(plan: StackPlan, spans_nodes: bool) -> dict[str, Any] | None:
+def preflight(plan: StackPlan, spans_nodes: bool, frontend_ports: dict[int, str]) -> dict[str, Any] | None:
     """The full check before a deploy: None when Serve runs already (compatible), else how to start it."""
     on_loopback = nodes_on_loopback()
     running = check_serve_controller(must_reach_nodes=spans_nodes or not on_loopback)
+    if running is not None:
+        check_frontend_ports(plan.stack, frontend_ports, running.applications)
     check_resources(plan)
     check_workers(on_loopback)
-    return None if running else serve_start_options(spans_nodes)
+    return None if running is not None else serve_start_options(spans_nodes)

@@ -213,6 +213,27 @@ def test_the_deployed_stack_serves_after_the_cli_exited(cluster: str, deployed: 
     assert chat.status_code == 200 and chat.headers[REPLICA_HEADER] in replicas
 
 
+def test_a_second_stack_on_the_running_frontends_port_is_refused_in_seconds_naming_both(
+    cluster: str, deployed: Deployed, tmp_path: Path
+) -> None:
+    port = int(deployed.url.rsplit(":", 1)[1])
+    path, _ = _spec(tmp_path, "clash")
+    clash = yaml.safe_load(path.read_text())
+    clash["frontend"]["port"] = port
+    path.write_text(yaml.safe_dump(clash))
+    replicas = _replica_ids(_status(cluster))
+    began = time.monotonic()
+    refused = _sluice("deploy", str(path), "--address", cluster)
+    took = time.monotonic() - began
+    print(f"refused in {took:.1f} s")
+    assert refused.returncode == PREFLIGHT_EXIT_CODE and took < REFUSED_WITHIN_S, refused.stdout + refused.stderr
+    assert f"port {port} (frontend.port) is held by stack {STACK!r}" in refused.stderr, refused.stderr
+    # Nothing of the running stack touched: the same replicas serve on its port, and no record of the refused one.
+    with httpx.Client(timeout=60) as client:
+        assert {_stream(client, deployed.url) for _ in range(8)} <= replicas
+    assert _replica_ids(_status(cluster)) == replicas
+
+
 def test_status_lists_the_stacks_and_reads_the_running_one(cluster: str, deployed: Deployed) -> None:
     listed = _sluice("status", "--address", cluster, "--json")
     assert [stack["stack"] for stack in json.loads(listed.stdout)["stacks"]] == [STACK]

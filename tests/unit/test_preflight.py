@@ -158,3 +158,45 @@ def test_a_cluster_beyond_loopback_without_rays_token_is_warned_about(
     _workers_answer(monkeypatch, token_auth=True)
     preflight.check_workers(on_loopback=False)
     assert capsys.readouterr().err == ""
+
+
+def _running_stacks(monkeypatch: pytest.MonkeyPatch, **frontends: dict[str, Any]) -> None:
+    """The cluster's stack records: each stack's frontend section as its record holds it."""
+    from sluice.deploy import registry
+
+    records = [
+        registry.DeployedStack(stack=stack, source="", spec={"frontend": frontend}, apps=[], deployed_at=0.0)
+        for stack, frontend in frontends.items()
+    ]
+    monkeypatch.setattr(registry, "deployed_stacks", lambda: records)
+
+
+def test_a_port_another_running_stacks_frontend_holds_is_refused_naming_the_stack_and_the_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = load_spec(TEAMS / "local-cpu.yaml")  # port 8000, metrics 9101
+    ports = spec.frontend.listening_ports()
+    _running_stacks(monkeypatch, **{"other-chat": {"port": 8000}, spec.stack: {"port": 8000}})
+    with pytest.raises(PreflightError) as refused:
+        preflight.check_frontend_ports(spec.stack, ports, ["other-chat-frontend", f"{spec.stack}-frontend"])
+    assert refused.value.problem == (
+        "port 8000 (frontend.port) is held by stack 'other-chat', whose frontend listens there (frontend.port)"
+    )
+    assert "sluice down other-chat" in refused.value.fix
+    # Its metrics port, or the plain-HTTP port beside TLS, clashes as well.
+    _running_stacks(monkeypatch, other={"port": 8443, "tls": {"plain_port": spec.frontend.metrics_port}})
+    with pytest.raises(PreflightError, match=r"port \d+ \(frontend.metrics_port\) .* \(frontend.tls.plain_port\)"):
+        preflight.check_frontend_ports(spec.stack, ports, ["other-frontend"])
+
+
+def test_a_stack_redeployed_on_its_own_port_or_beside_a_record_whose_frontend_is_gone_goes_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = load_spec(TEAMS / "local-cpu.yaml")
+    ports = spec.frontend.listening_ports()
+    # A record whose frontend Serve no longer runs (deleted without `sluice down`) holds nothing.
+    _running_stacks(
+        monkeypatch,
+        **{"gone": {"port": 8000}, spec.stack: {"port": 8000}, "elsewhere": {"port": 8001, "metrics_port": 8405}},
+    )
+    preflight.check_frontend_ports(spec.stack, ports, ["gone-llm", f"{spec.stack}-frontend", "elsewhere-frontend"])
