@@ -108,6 +108,20 @@ REASON_MODEL_NOT_FOUND = "model_not_found"  # 404: a model this frontend does no
 REASON_MODEL_MISSING = "model_missing"  # 400: neither the header nor the body names a model
 REASON_MODEL_BEYOND_BUFFER = "model_beyond_buffer"  # 400: no `model` within the body bytes the frontend reads
 MODEL_REASONS = {REASON_MODEL_NOT_FOUND: 404, REASON_MODEL_MISSING: 400, REASON_MODEL_BEYOND_BUFFER: 400}
+# One platform for many teams (topologies/platform.py): a request's class (`PRIORITY_CLASSES`, first = served first),
+# asked for in this header and clamped to its tenant's ceiling; the platform's own refusals.
+PRIORITY_HEADER = "x-sluice-priority"
+PRIORITY_CLASSES = ("interactive", "batch")
+REASON_QUOTA_EXCEEDED = "quota_exceeded"  # 429: the tenant is over a requests or tokens per minute quota
+REASON_TENANT_LIMIT = "tenant_limit"  # 429: the tenant is over its requests in flight
+REASON_QUEUE_TIMEOUT = "queue_timeout"  # 429: the model stayed at capacity for the whole admission wait
+REASON_MODEL_UNAVAILABLE = "model_unavailable"  # 503: the model's team is attached but its frontend is not up
+PLATFORM_REASONS = {
+    REASON_QUOTA_EXCEEDED: 429,
+    REASON_TENANT_LIMIT: 429,
+    REASON_QUEUE_TIMEOUT: 429,
+    REASON_MODEL_UNAVAILABLE: 503,
+}
 # A decode replica's prefill phase: the chosen prefill replica failed (or was unreachable, or gave no KV transfer
 # parameters), or no prefill replica was chosen for the request (it reached the decode replica without a router).
 REASON_PREFILL_FAILED = "prefill_failed"  # 502

@@ -16,7 +16,14 @@ from base.runtime import LOOPBACK
 from builders.kinds.registry import kind_of
 from builders.plan_types import PlannedModel, ServeApp, StackPlan, import_path, model_path
 from infra.haproxy.apps import AppRoute
-from services.frontend.app import FRONTEND_DEPLOYMENT_NAME, FrontendArgs, ServedApp, build_frontend_application
+from services.frontend.app import (
+    FRONTEND_DEPLOYMENT_NAME,
+    AttachedApp,
+    Attachment,
+    FrontendArgs,
+    ServedApp,
+    build_frontend_application,
+)
 from services.legacy.ingress import build_legacy_ingress_application
 from services.router.service import build_router_application
 from topologies.problems import SpecError, SpecProblem
@@ -74,7 +81,10 @@ def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
     served = [
         ServedApp(llm_app=model.llm_app, router_app=model.router_app, legacy_app=model.legacy_app) for model in models
     ]
-    frontend_args = FrontendArgs(stack=stack, apps=served, haproxy=haproxy, ingress=spec.ingress.config())
+    attachment = _attachment(spec, apps, models) if frontend.attached else None
+    frontend_args = FrontendArgs(
+        stack=stack, apps=served, haproxy=haproxy, ingress=spec.ingress.config(), attachment=attachment
+    )
     apps.append(
         ServeApp(
             name=frontend_app_name(stack),
@@ -87,6 +97,21 @@ def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
         apps = [_placed(app) for app in apps]
     return StackPlan(
         stack=stack, apps=apps, models=models, url=f"{'https' if frontend.tls else 'http'}://{LOOPBACK}:{frontend.port}"
+    )
+
+
+def _attachment(spec: StackBase, apps: list[ServeApp], models: list[PlannedModel]) -> Attachment:
+    """What the platform needs of an attached stack: each model and what one replica of its pinned app takes."""
+    by_name = {app.name: app for app in apps}
+    capacities = [by_name[model.llm_app].args["deployment"]["max_ongoing_requests"] for model in models]
+    assert spec.frontend.platform is not None
+    return Attachment(
+        platform=spec.frontend.platform,
+        team=spec.team,
+        apps=[
+            AttachedApp(model=model.name, max_ongoing_requests=capacity)
+            for model, capacity in zip(models, capacities, strict=True)
+        ],
     )
 
 
@@ -117,6 +142,7 @@ def serve_config(plan: StackPlan) -> dict[str, Any]:
     """The plan as a Serve config file (`serve deploy`, KubeRay's `serveConfigV2`), checked with Ray's own schema."""
     from ray.serve.schema import ServeDeploySchema
 
-    config = {"applications": [_serve_config_app(app, app.name == plan.frontend_app) for app in plan.apps]}
+    frontend = import_path(build_frontend_application)
+    config = {"applications": [_serve_config_app(app, app.import_path == frontend) for app in plan.apps]}
     ServeDeploySchema.model_validate(config)
     return config

@@ -17,9 +17,9 @@ from sluice.import_circles import circle_problems, imports_of
 
 LAYERS = ("base", "routers", "infra", "services", "topologies", "builders", "loadtests", "sluice")
 # The replica serves alone; the router ranks replicas (their config); the legacy ingress calls replicas; the frontend
-# asks the routers. Equal ranks do not import each other.
+# asks the routers; a platform's frontend sits in front of the stacks' frontends. Equal ranks do not import each other.
 SUB_LAYERS = {
-    "services": {"replica": 0, "router": 1, "legacy": 1, "frontend": 2},
+    "services": {"replica": 0, "router": 1, "legacy": 1, "frontend": 2, "platform": 3},
     "sluice": {"deploy": 0, "bench": 1, "cli": 2},
 }
 _RANK = {package: rank for rank, package in enumerate(LAYERS)}

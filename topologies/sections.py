@@ -168,6 +168,29 @@ class Frontend(Section):
     protection: FrontendProtection = FrontendProtection()
     # TLS on `port` (docs/data-plane.md, TLS at the frontend); None: plain HTTP.
     tls: FrontendTLS | None = None
+    # The platform (topologies/platform.py) whose frontend serves this stack's models: the stack's own HAProxy then
+    # listens on loopback ports of its own choosing, and keys, TLS and the public port are the platform's.
+    platform: str | None = None
+
+    @model_validator(mode="after")
+    def _attached_has_no_public_side(self) -> Frontend:
+        if self.platform is None:
+            return self
+        if not NAME_PATTERN.match(self.platform):
+            raise ValueError(f"platform {self.platform!r}: a platform's name (lower-case letters, digits and '-')")
+        public = sorted({"port", "metrics_port", "tls"} & self.model_fields_set)
+        if self.protection.api_keys is not None:
+            public.append("protection.api_keys")
+        if public:
+            raise ValueError(
+                f"a stack attached to platform {self.platform!r} has no public side of its own: remove "
+                f"{', '.join(public)} (the platform's frontend listens, checks keys and serves TLS)"
+            )
+        return self
+
+    @property
+    def attached(self) -> bool:
+        return self.platform is not None
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> Frontend:
@@ -180,12 +203,15 @@ class Frontend(Section):
         return self
 
     def listening_ports(self) -> dict[int, str]:
-        return listening_ports(self.model_dump(mode="json"))
+        """The public ports (none for a stack attached to a platform: its HAProxy picks loopback ports)."""
+        return {} if self.attached else listening_ports(self.model_dump(mode="json"))
 
 
 def listening_ports(frontend: dict[str, Any]) -> dict[int, str]:
     """The ports a frontend section (as a spec's JSON holds it, fields left out taking their defaults) has HAProxy
     listen on, each with the field that asks for it."""
+    if frontend.get("platform") is not None:
+        return {}
     ports = {
         frontend.get("port", HAPROXY_PORT_DEFAULT): "frontend.port",
         frontend.get("metrics_port", HAPROXY_PROMETHEUS_PORT_DEFAULT): "frontend.metrics_port",

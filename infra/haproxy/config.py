@@ -10,19 +10,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from base.contracts import (
-    DEFAULT_BIND_HOST,
     DIRECT_WEIGHT_MAX,
-    HAPROXY_PORT_DEFAULT,
-    HAPROXY_PROMETHEUS_PORT_DEFAULT,
     INTERNAL_CREDENTIAL_HEADER,
     ROUTE_TIMEOUT_S_DEFAULT,
 )
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
+from infra.haproxy.base_settings import HAProxyBaseSettings
 from infra.haproxy.canary import LOG_SOCKET, WEIGHTS_MAP
-from infra.haproxy.protection import FrontendProtection
 from infra.haproxy.tls import FrontendTLS
 
 # Names inside the rendered config (HAProxy-internal, not part of the wire contract).
@@ -55,8 +52,6 @@ SLUICE_METRICS_PATH = "/sluice/metrics"
 SERVER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,255}$")
 # Defaults shared with `sluice.bench.stack_harness.DirectStreamSpec`.
 CHECK_INTER_S_DEFAULT = 5.0
-# Room in the request buffer beyond a maximal request: HAProxy's own headers and HTX's bookkeeping.
-HEADER_HEADROOM_BYTES = 32768
 # Lua patterns for values taken from the router's reply (anything else is refused, so nothing reaches a header
 # or a map lookup unchecked).
 LUA_REPLICA_ID_PATTERN = "^[%w][%w%-_.:]*$"
@@ -69,20 +64,14 @@ MAX_ID_LENGTH = 256
 MAX_SOCKET_PATH_BYTES = 103
 
 
-class HAProxySettings(BaseModel):
-    """Everything the rendered HAProxy config and Lua action depend on."""
+class HAProxySettings(HAProxyBaseSettings):
+    """Everything a stack's rendered HAProxy config and Lua action depend on."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    workdir: Path
     # One app per model; the first also takes GET/HEAD requests that name no model. With several apps, each names
     # its model and a request's model picks its app.
     apps: list[AppRoute] = Field(min_length=1)
     # How much of a body a multi-model frontend searches for the request's `model`.
     model_lookup_bytes: int = Field(BODY_BUFFER_BYTES_DEFAULT, ge=1024, le=64 * 1024 * 1024)
-    bind_host: str = DEFAULT_BIND_HOST
-    port: int = Field(HAPROXY_PORT_DEFAULT, ge=1, le=65535)
-    prometheus_port: int = Field(HAPROXY_PROMETHEUS_PORT_DEFAULT, ge=1, le=65535)
     route_timeout_s: float = Field(ROUTE_TIMEOUT_S_DEFAULT, gt=0, le=60)
     # Timeout of one TCP connect attempt to a router. HAProxy retries a failed connect 3 times, so a router that
     # refuses or drops connections costs about 3x this before the next router is tried (measured: 0.05 s -> +0.15 s),
@@ -94,20 +83,11 @@ class HAProxySettings(BaseModel):
     check_downinter_s: float = Field(0.25, gt=0)
     check_fall: int = Field(2, ge=1)
     check_rise: int = Field(2, ge=1)
-    # Timeouts.
-    timeout_client_s: float = Field(3600.0, gt=0)
-    timeout_server_s: float = Field(3600.0, gt=0)
     # A staging stack's: the server timeout of a request that asks for it (`STAGING_TIMEOUT_HEADER`); None: the
     # header does nothing (not a staging stack).
     staging_server_timeout_s: float | None = Field(None, gt=0)
-    timeout_connect_s: float = Field(5.0, gt=0)
-    timeout_http_keep_alive_s: float = Field(90.0, gt=0)
-    hard_stop_after_s: float = Field(120.0, gt=0)
-    maxconn: int = Field(4096, ge=1)
     # None: HAProxy's default (one thread per CPU it may run on).
     nbthread: int | None = Field(None, ge=1)
-    tune_maxrewrite: int = Field(8192, ge=1024)
-    protection: FrontendProtection = FrontendProtection()
     # TLS on `port` (None: plain HTTP there).
     tls: FrontendTLS | None = None
     # Share of sessions on the direct path at start (the rest go to each app's legacy backend); changed at run time.
@@ -121,11 +101,6 @@ class HAProxySettings(BaseModel):
         if self.internal_credential is None:
             return None
         return INTERNAL_CREDENTIAL_HEADER, self.internal_credential.get_secret_value()
-
-    @field_validator("workdir")
-    @classmethod
-    def _absolute_workdir(cls, value: Path) -> Path:
-        return value.resolve()
 
     @model_validator(mode="after")
     def _socket_path_fits(self) -> HAProxySettings:
@@ -161,10 +136,6 @@ class HAProxySettings(BaseModel):
         return self.apps[0]
 
     @property
-    def config_path(self) -> Path:
-        return self.workdir / "haproxy.cfg"
-
-    @property
     def lua_path(self) -> Path:
         return self.workdir / "sluice_route.lua"
 
@@ -194,12 +165,8 @@ class HAProxySettings(BaseModel):
         return f"{self.bind_host}:{self.port}"
 
     @property
-    def socket_path(self) -> Path:
-        return self.workdir / "haproxy.sock"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / "haproxy.log"
+    def listener_sockets(self) -> tuple[Path, ...]:
+        return self.socket_path, self.retry_socket_path
 
     @property
     def keys_acl_path(self) -> Path:
@@ -210,11 +177,6 @@ class HAProxySettings(BaseModel):
     def tls_pem_path(self) -> Path:
         """The frontend's certificate and key as HAProxy loads them (written at start, replaced at run time)."""
         return self.workdir / "frontend.pem"
-
-    @property
-    def tune_bufsize(self) -> int:
-        """Request buffer size: a whole request up to the protection's maxima, plus HAProxy's rewrite reserve."""
-        return self.protection.request_bytes() + self.tune_maxrewrite + HEADER_HEADROOM_BYTES
 
 
 def replica_backend(index: int) -> str:

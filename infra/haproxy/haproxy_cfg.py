@@ -12,7 +12,6 @@ from base.contracts import (
     DIRECT_PATH,
     FALLBACK_RANK_HEADER,
     FALLBACK_REASONS,
-    HAPROXY_ERROR_REASONS,
     INTERNAL_HEADER_PREFIXES,
     LEGACY_PATH,
     REASON_ROUTER_UNREACHABLE,
@@ -21,6 +20,7 @@ from base.contracts import (
     SERVE_REASON_HEADER,
     STAGING_TIMEOUT_HEADER,
 )
+from infra.haproxy.base_settings import defaults_lines
 from infra.haproxy.canary import (
     STICK_COUNTERS,
     VAR_PATH,
@@ -166,28 +166,7 @@ def render_config(settings: HAProxySettings) -> str:
     if settings.nbthread is not None:
         lines.append(f"    nbthread {settings.nbthread}")
     lines.append(f"    tune.bufsize {settings.tune_bufsize}")
-    lines += [
-        "",
-        "defaults",
-        "    mode http",
-        "    # A soft stop (a frontend's hand-over) answers an idle keep-alive connection's next request with",
-        "    # `Connection: close`, instead of closing it while the client may be sending one.",
-        "    option idle-close-on-response",
-        # SSE: send each event as soon as it arrives (without it the first event came ~205 ms late).
-        "    option http-no-delay",
-        f"    timeout connect {haproxy_time(settings.timeout_connect_s)}",
-        f"    timeout client {haproxy_time(settings.timeout_client_s)}",
-        f"    timeout server {haproxy_time(settings.timeout_server_s)}",
-        f"    timeout http-keep-alive {haproxy_time(settings.timeout_http_keep_alive_s)}",
-        f"    timeout http-request {haproxy_time(settings.protection.request_timeout_s)}",
-        "    # HAProxy's own errors in the contract's shape: a reason header and an OpenAI-style JSON body.",
-    ]
-    for status, status_reason in HAPROXY_ERROR_REASONS.items():
-        body = openai_error_body(f"sluice: {status_reason}", status)
-        lines.append(
-            f"    http-error status {status} content-type application/json"
-            f" hdr {SERVE_REASON_HEADER} {status_reason} string '{body}'"
-        )
+    lines += ["", *defaults_lines(settings)]
     lines += [
         "",
         f"frontend {PROMETHEUS_FRONTEND}",

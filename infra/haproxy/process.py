@@ -13,9 +13,10 @@ import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from base.waiting import WaitTimeout, wait_until
 from infra.api_keys import render_acl
@@ -152,7 +153,29 @@ def write_files(settings: HAProxySettings) -> None:
     write_private(settings.config_path, render_config(settings))
 
 
-def check_config(settings: HAProxySettings, binary: Path | None = None) -> str:
+class HAProxyFiles(Protocol):
+    """Where an HAProxy's files are: a stack's (`HAProxySettings`) or a platform's
+    (`infra.haproxy.platform_settings.PlatformHAProxySettings`)."""
+
+    @property
+    def workdir(self) -> Path: ...
+
+    @property
+    def config_path(self) -> Path: ...
+
+    @property
+    def socket_path(self) -> Path: ...
+
+    @property
+    def log_path(self) -> Path: ...
+
+    @property
+    def listener_sockets(self) -> tuple[Path, ...]:
+        """The unix sockets HAProxy listens on: removed before it starts."""
+        ...
+
+
+def check_config(settings: HAProxyFiles, binary: Path | None = None) -> str:
     """Validate the written config with `haproxy -c`; returns HAProxy's output, raises HAProxyConfigError."""
     binary = binary or find_haproxy_binary()
     out = subprocess.run(
@@ -166,8 +189,16 @@ def check_config(settings: HAProxySettings, binary: Path | None = None) -> str:
 class HAProxyProcess:
     """One HAProxy in master-worker mode, in the foreground, stopped by PID."""
 
-    def __init__(self, settings: HAProxySettings, binary: Path | None = None, die_with_parent: bool = False) -> None:
+    def __init__(
+        self,
+        settings: HAProxyFiles,
+        binary: Path | None = None,
+        die_with_parent: bool = False,
+        write: Callable[[], None] | None = None,
+    ) -> None:
+        """`write`: writes the config and what it loads (default: a stack's, `write_files`)."""
         self.settings = settings
+        self._write = write if write is not None else lambda: write_files(settings)  # type: ignore[arg-type]
         self.binary = binary
         # The master gets SIGKILL when the thread that started it ends (Linux PR_SET_PDEATHSIG): start it from a
         # thread that lives as long as its owner. The worker exits with its master.
@@ -190,10 +221,10 @@ class HAProxyProcess:
         if self.process is not None:
             raise RuntimeError("HAProxy already started")
         self.binary = self.binary or find_haproxy_binary()
-        write_files(self.settings)
+        self._write()
         check_config(self.settings, self.binary)
-        self.settings.socket_path.unlink(missing_ok=True)
-        self.settings.retry_socket_path.unlink(missing_ok=True)
+        for path in self.settings.listener_sockets:
+            path.unlink(missing_ok=True)
         with open(self.settings.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [str(self.binary), "-W", "-db", "-f", str(self.settings.config_path)],

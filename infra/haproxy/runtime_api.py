@@ -224,6 +224,14 @@ class RuntimeAPI:
             )
         return stats
 
+    def backend_queues(self) -> dict[str, int]:
+        """Backend -> requests queued in it (waiting for a server with a free connection), from `show stat`."""
+        reply = self.command("show stat")
+        if not reply.startswith("# "):
+            raise RuntimeAPIError("show stat", reply)
+        rows = csv.DictReader(io.StringIO(reply[2:]))
+        return {row["pxname"]: int(row.get("qcur") or 0) for row in rows if row.get("svname") == "BACKEND"}
+
     def show_info(self) -> dict[str, str]:
         """`show info` as a dict (Pid, Uptime_sec, Process_num, Version, ...)."""
         reply = self.command("show info")

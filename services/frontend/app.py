@@ -26,16 +26,19 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
 
-from base.contracts import NodeRole, node_role_resources
+from base.contracts import DEFAULT_BIND_HOST, NodeRole, node_role_resources
 from base.rollout import config_version
-from base.runtime import cache_dir
+from base.runtime import cache_dir, free_port
 from infra.haproxy.apps import AppRoute
 from infra.haproxy.canary import legacy_backend
 from infra.haproxy.config import FRONTEND, HAProxySettings, is_internal_server
-from infra.haproxy.process import DATA_PLANE_NICENESS, HAProxyProcess, HAProxyStartError
+from infra.haproxy.process import HAProxyProcess
 from infra.haproxy.runtime_api import RuntimeAPI
+from services import attachments
+from services.attachments import AttachedModel, AttachedStack
 from services.frontend.api_key_watcher import ApiKeyWatcher
 from services.frontend.background_loop import BackgroundLoop
+from services.frontend.haproxy_supervision import SUPERVISE_INTERVAL_S, retire, start_until_up
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.frontend.ingress_control import IngressConfig, IngressController, ingress_store_key
 from services.frontend.path_log import PathLog
@@ -47,14 +50,14 @@ from services.serve_internals import list_replica_endpoints, with_rollout_versio
 logger = logging.getLogger(__name__)
 
 FRONTEND_DEPLOYMENT_NAME = "Frontend"
-# How often the supervisor looks at HAProxy's master process.
-SUPERVISE_INTERVAL_S = 0.2
 FIRST_START_TIMEOUT_S = 30.0
 # How long a new HAProxy stays paused waiting to route every live replica (then it listens anyway).
 FIRST_SYNC_WAIT_S = 10.0
 # How long a stopping frontend's HAProxy serves the streams it still holds (an SSE answer of a few thousand tokens
 # takes seconds to a minute); a stream past it is cut when the replica ends.
 HANDOVER_DRAIN_S = 60.0
+# How often an attached stack's frontend checks that its record on the platform is current.
+ATTACHMENT_PUBLISH_S = 1.0
 # Serve's budget for the stop beyond the drain: stopping the background loop and removing the workdir.
 SHUTDOWN_MARGIN_S = 10.0
 
@@ -68,6 +71,27 @@ class ServedApp(BaseModel):
     router_app: str
     # The app's retained legacy ingress (served while deployed; None: the app has no legacy path).
     legacy_app: str | None = None
+
+
+class AttachedApp(BaseModel):
+    """One app of a stack attached to a platform, as the platform queues for it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_ongoing_requests: int
+
+
+class Attachment(BaseModel):
+    """A stack attached to a platform (services/attachments.py): its HAProxy takes free loopback ports and the
+    frontend publishes where it listens and each model's capacity."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    platform: str
+    team: str
+    # In the order of `haproxy.apps`.
+    apps: list[AttachedApp]
 
 
 class FrontendArgs(BaseModel):
@@ -84,6 +108,8 @@ class FrontendArgs(BaseModel):
     ingress: IngressConfig = IngressConfig()
     # A stack across nodes: the frontend runs on the head node and binds its address; None: one machine, loopback.
     node_role: NodeRole | None = None
+    # A stack attached to a platform: no public port of its own (None: a stack with its own frontend).
+    attachment: Attachment | None = None
 
 
 class FrontendReplica:
@@ -93,6 +119,12 @@ class FrontendReplica:
         haproxy = dict(parsed.haproxy)
         if parsed.node_role is not None:
             haproxy["bind_host"] = ray.util.get_node_ip_address()
+        self._stack = parsed.stack
+        self._attachment = parsed.attachment
+        if parsed.attachment is not None:
+            # Ports of its own choosing, kept across HAProxy restarts: the platform learns them from the record.
+            host = haproxy.get("bind_host", DEFAULT_BIND_HOST)
+            haproxy.update(port=free_port(host), prometheus_port=free_port(host))
         # A folder per frontend process: a redeploy's new frontend runs beside the old one until the old one drains,
         # and their HAProxies' runtime and log sockets must not meet.
         workdir = cache_dir() / f"frontend-{parsed.stack}-{os.getpid()}"
@@ -116,7 +148,10 @@ class FrontendReplica:
             self._legacy_up,
             ingress_store_key(parsed.stack),
         )
-        self._loop = BackgroundLoop([self._listen, self._supervise, self._ingress.guard])
+        tasks = [self._listen, self._supervise, self._ingress.guard]
+        if parsed.attachment is not None:
+            tasks.append(self._publish_attachment)
+        self._loop = BackgroundLoop(tasks)
         self._loop.start()
         # Serve checks the replica's health as soon as it is constructed: HAProxy must be up by then.
         if not self._first_start.wait(FIRST_START_TIMEOUT_S):
@@ -154,6 +189,35 @@ class FrontendReplica:
 
     def _running(self) -> bool:
         return self._haproxy is not None and self._haproxy.process is not None and self._haproxy.process.poll() is None
+
+    def _attachment_record(self) -> AttachedStack | None:
+        """Where this attached stack's HAProxy listens and each model's capacity now (None: not listening yet)."""
+        attachment = self._attachment
+        if attachment is None or not self._listening.is_set():
+            return None
+        live = self._live_replicas()
+        models = [
+            AttachedModel(name=app.model, capacity=len(live.get(route.name, [])) * app.max_ongoing_requests)
+            for app, route in zip(attachment.apps, self._settings.apps, strict=True)
+        ]
+        return AttachedStack(
+            platform=attachment.platform,
+            stack=self._stack,
+            team=attachment.team,
+            host=self._settings.bind_host,
+            port=self._settings.port,
+            models=models,
+        )
+
+    async def _publish_attachment(self) -> None:
+        """Keep the stack's record on its platform current (services/attachments.py)."""
+        published: AttachedStack | None = None
+        while not self._retiring.is_set():
+            record = self._attachment_record()
+            if record is not None and record != published:
+                await asyncio.to_thread(attachments.publish, record)
+                published = record
+            await asyncio.sleep(ATTACHMENT_PUBLISH_S)
 
     async def _supervise(self) -> None:
         while not self._retiring.is_set():
@@ -197,24 +261,13 @@ class FrontendReplica:
         self._listening.set()
 
     async def _start_haproxy(self) -> HAProxyProcess:
-        """A new HAProxy, retried while the old one's port is still held (its worker exits after its master)."""
-        while True:
-            try:
-                # A new HAProxy starts with the weight in force, not the one it was first declared with.
-                settings = self._settings.model_copy(update={"direct_weight": self._ingress.weight})
-                haproxy = HAProxyProcess(settings, die_with_parent=True).start()
-            except HAProxyStartError as error:
-                logger.error("HAProxy did not start, retrying: %s", error)
-                await asyncio.sleep(SUPERVISE_INTERVAL_S)
-                continue
-            if (haproxy.niceness or 0) > DATA_PLANE_NICENESS:
-                logger.warning(
-                    "HAProxy runs at niceness %s, level with Ray's workers (no privilege to lower it to %s): "
-                    "under engine load each token waits longer for a core",
-                    haproxy.niceness,
-                    DATA_PLANE_NICENESS,
-                )
-            return haproxy
+        """A new HAProxy, which starts with the weight in force, not the one it was first declared with."""
+
+        def start() -> HAProxyProcess:
+            settings = self._settings.model_copy(update={"direct_weight": self._ingress.weight})
+            return HAProxyProcess(settings, die_with_parent=True).start()
+
+        return await start_until_up(start)
 
     async def check_health(self) -> None:
         if not self._loop.is_running():
@@ -275,18 +328,11 @@ class FrontendReplica:
         soft-stops and serves what it holds for up to `HANDOVER_DRAIN_S`, while the loop whose thread started it
         (its death signal) lives; then the loop ends. The run-time weight stays in Ray's KV store for the next
         frontend (`sluice down` drops it)."""
-        retiring = getattr(self, "_retiring", None)
-        if retiring is not None:
-            retiring.set()
-        haproxy = getattr(self, "_haproxy", None)
-        if haproxy is not None:
-            haproxy.stop(grace_s=HANDOVER_DRAIN_S)
-        loop = getattr(self, "_loop", None)
-        if loop is not None:
-            loop.stop()
-        settings = getattr(self, "_settings", None)
-        if settings is not None:
-            shutil.rmtree(settings.workdir, ignore_errors=True)
+        attachment = getattr(self, "_attachment", None)
+        if attachment is not None:
+            self._retiring.set()  # no record published after the withdrawal
+            attachments.withdraw(attachment.platform, self._stack, port=self._settings.port)
+        retire(self, HANDOVER_DRAIN_S)
 
 
 def _sources(app: ServedApp, route: AppRoute) -> AppSources:

@@ -117,11 +117,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from builders.specs import engine_problems, load_spec
+    from infra.api_keys import ApiKeyError
+    from topologies.platform import is_platform_file, load_platform
     from topologies.problems import SpecError
 
     try:
+        if is_platform_file(args.file):
+            platform = load_platform(args.file)
+            for tenant in platform.tenants:
+                tenant.api_keys.digests()
+            tenants = ", ".join(tenant.team for tenant in platform.tenants)
+            print(f"{args.file}: valid platform {platform.name} (tenants: {tenants})")
+            return 0
         spec = load_spec(args.file)
-    except SpecError as error:
+    except (SpecError, ApiKeyError) as error:
         print(error, file=sys.stderr)
         return 1
     problems = [] if args.no_engine else engine_problems(spec)

@@ -22,11 +22,14 @@ import yaml
 from base.contracts import DIRECT_WEIGHT_MAX
 from base.waiting import WaitTimeout, wait_until
 from builders.plan import StackPlan, build_plan, model_path, serve_config
+from builders.platform import build_platform_plan
 from builders.specs import load_spec
 from services.frontend.ingress_control import forget_ingress
 from sluice.deploy import registry
+from sluice.deploy.platforms import check_attachment, deploy_platform, detach, wait_attached
 from sluice.deploy.preflight import cluster_spans_nodes, connect, preflight, replica_demands
 from sluice.deploy.progress import DeployProgress
+from topologies.platform import is_platform_file, load_platform
 from topologies.spec import TINY_MOE_SOURCE, TINY_SOURCE, StackBase
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,10 @@ DELETE_TIMEOUT_S = 120.0
 
 
 def plan_of(path: str) -> tuple[Any, StackPlan]:
+    """A team file's or a platform file's spec and plan."""
+    if is_platform_file(path):
+        platform = load_platform(path)
+        return platform, build_platform_plan(platform)
     spec = load_spec(path)
     return spec, build_plan(spec)
 
@@ -290,11 +297,15 @@ def delete_plan(plan: StackPlan, wait: bool = True) -> None:
 def deploy(path: str, address: str, timeout_s: float | None = None) -> int:
     from ray import serve
 
+    if is_platform_file(path):
+        return deploy_platform(path, address, timeout_s)
     spec = load_spec(path)
     connect(address)
     spans_nodes = cluster_spans_nodes()
     plan = build_plan(spec, spans_nodes=spans_nodes)
     start_serve = preflight(plan, spans_nodes, spec.frontend.listening_ports())
+    if spec.frontend.attached:
+        check_attachment(spec, list(serve.status().applications))
     ensure_models(spec)
     if start_serve is not None:
         serve.start(**start_serve)
@@ -302,7 +313,8 @@ def deploy(path: str, address: str, timeout_s: float | None = None) -> int:
         print("a cluster of sluice nodes: LLM replicas on the worker nodes, the frontend on the head", flush=True)
     if not apply_plan(spec, plan, timeout_s, source=str(Path(path).resolve())):
         return 1
-    plan = plan.model_copy(update={"url": frontend_url(plan)})
+    url = wait_attached(spec) if spec.frontend.attached else frontend_url(plan)
+    plan = plan.model_copy(update={"url": url})
     print("\n".join(serving_lines(spec, plan)))
     return 0
 
@@ -310,7 +322,7 @@ def deploy(path: str, address: str, timeout_s: float | None = None) -> int:
 def down(target: str, address: str) -> int:
     """Delete a stack, named by its spec file or its name (`team-name`), and forget it."""
     connect(address)
-    stack = load_spec(target).stack if Path(target).is_file() else target
+    stack = stack_name(target) if Path(target).is_file() else target
     entry = registry.deployed(stack)
     if entry is not None:
         apps = entry.apps
@@ -321,6 +333,13 @@ def down(target: str, address: str) -> int:
         print(f"no sluice stack {stack!r} on this cluster (deployed: {known})", file=sys.stderr)
         return 1
     delete_apps(apps)
+    if entry is not None:
+        detach(stack, entry.spec)
     registry.forget(stack)
     forget_ingress(stack)
     return 0
+
+
+def stack_name(path: str) -> str:
+    """The stack a spec file or a platform file deploys."""
+    return load_platform(path).stack if is_platform_file(path) else load_spec(path).stack

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from builders.plan import StackPlan
+from topologies.platform import PlatformSpec
 from topologies.spec import StackBase
 
 KEY_PREFIX = "sluice/stack/"
@@ -34,7 +35,7 @@ class DeployedStack(BaseModel):
     deployed_at: float
 
 
-def record(spec: StackBase, plan: StackPlan, source: str) -> None:
+def record(spec: StackBase | PlatformSpec, plan: StackPlan, source: str) -> None:
     from ray.experimental.internal_kv import _internal_kv_put
 
     entry = DeployedStack(

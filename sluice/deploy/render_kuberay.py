@@ -10,6 +10,14 @@ import yaml
 
 from builders.kuberay import HF_TOKEN_KEY, TLS_FILES, from_hub, kuberay_manifests, pod_plan
 from builders.specs import load_spec
+from topologies.platform import is_platform_file
+
+# A platform and its attached stacks share one Ray cluster (the attachment records live in its KV store, the platform
+# reaches each team's frontend on the head), so they would render as one RayService together: not built yet.
+_PLATFORMS_NOT_RENDERED = (
+    "a platform and the stacks attached to it do not render for KubeRay yet (they must share one Ray cluster); "
+    "deploy them with `sluice deploy` onto one Ray cluster"
+)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -26,7 +34,11 @@ _Dumper.add_representer(str, _string)
 def render_kuberay(path: str, image: str) -> str:
     """The stack of the spec file at `path` as a RayService, the frontend's Service, the spec's ConfigMap and the
     stack's NetworkPolicy, for pods running `image`."""
+    if is_platform_file(path):
+        raise ValueError(f"{path}: {_PLATFORMS_NOT_RENDERED}")
     spec = load_spec(path)
+    if spec.frontend.attached:
+        raise ValueError(f"{path}: frontend.platform: {_PLATFORMS_NOT_RENDERED}")
     plan = pod_plan(spec)
     stack = plan.stack
     lines = [

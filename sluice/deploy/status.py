@@ -24,8 +24,9 @@ from routers.registry import policy_entry, policy_names
 from services.internal_credential import internal_headers
 from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
 from sluice.deploy import registry
-from sluice.deploy.apply import frontend_status
+from sluice.deploy.apply import frontend_status, stack_name
 from sluice.deploy.json_reports import StackList, StackState, StatusReport, canary_state
+from sluice.deploy.platforms import is_platform_record, show_platform
 from sluice.deploy.preflight import cluster_spans_nodes
 from topologies.spec import StackBase
 
@@ -236,6 +237,9 @@ def status(target: str | None, address: str, as_json: bool = False) -> int:
     connect(address)
     if target is None:
         return list_stacks(as_json)
+    recorded = registry.deployed(stack_name(target) if Path(target).is_file() else target)
+    if recorded is not None and is_platform_record(recorded):
+        return show_platform(recorded, as_json)
     found = _running_stack(target)
     if found is None:
         known = ", ".join(e.stack for e in registry.deployed_stacks()) or "none"

@@ -1,6 +1,7 @@
 """Checks every response the integration suite receives through a sluice frontend against the error contract:
 a 5xx always carries `x-serve-reason` (HAProxy's own errors, routing failures and a replica's own 5xx alike), and
-a refusal of the frontend's protection (401, 408, 413, 414, 429, 431 not sent by a replica) carries its reason.
+a refusal of the frontend's protection (401, 408, 413, 414, 429, 431 not sent by a replica) carries its reason (on a
+platform's frontend, a 429 may carry one of the platform's own: `base.contracts.PLATFORM_REASONS`).
 
 Frontends register their port when they start; `checking_frontend_responses()` wraps httpx's `send` so that every
 client, sync or async, streaming or not, is checked as soon as the response headers arrive.
@@ -15,14 +16,17 @@ from typing import Any
 
 import httpx
 
-from base.contracts import PROTECTION_REASONS, REPLICA_HEADER, SERVE_REASON_HEADER
+from base.contracts import PLATFORM_REASONS, PROTECTION_REASONS, REPLICA_HEADER, SERVE_REASON_HEADER
 
 _frontend_ports: set[int] = set()
+_platform_ports: set[int] = set()
 checked = {"responses": 0}
 
 
-def register_frontend(port: int) -> None:
+def register_frontend(port: int, platform: bool = False) -> None:
     _frontend_ports.add(port)
+    if platform:
+        _platform_ports.add(port)
 
 
 def check_frontend_response(response: httpx.Response) -> None:
@@ -34,8 +38,12 @@ def check_frontend_response(response: httpx.Response) -> None:
             f"{response.status_code} from the frontend without {SERVE_REASON_HEADER}: "
             f"{response.request.method} {response.request.url} {dict(response.headers)}"
         )
+    reason = response.headers.get(SERVE_REASON_HEADER)
+    platforms = response.request.url.port in _platform_ports
+    if platforms and PLATFORM_REASONS.get(reason or "") == response.status_code:
+        return
     if response.status_code in PROTECTION_REASONS and REPLICA_HEADER not in response.headers:
-        assert response.headers.get(SERVE_REASON_HEADER) == PROTECTION_REASONS[response.status_code], (
+        assert reason == PROTECTION_REASONS[response.status_code], (
             f"{response.status_code} from the frontend without its reason: {dict(response.headers)}"
         )
 

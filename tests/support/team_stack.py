@@ -16,6 +16,7 @@ import yaml
 from builders.plan import StackPlan, build_plan
 from builders.specs import load_spec
 from sluice.deploy.apply import apply_plan, delete_plan, ensure_models
+from sluice.deploy.platforms import wait_attached
 from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 
@@ -66,14 +67,25 @@ def team_stack(
     staging: bool = False,
     routers: int | None = None,
     ingress: dict[str, Any] | None = None,
+    platform: str | None = None,
+    team: str | None = None,
+    models: dict[str, Any] | None = None,
 ) -> Iterator[TeamStack]:
     """`staging`: the stack's fault endpoints on; `routers`: that many router replicas instead of the file's;
-    `ingress`: the stack's `ingress` section instead of the file's."""
+    `ingress`: the stack's `ingress` section instead of the file's; `platform`: attached to that platform (no port
+    of its own; the stack's URL is the platform's), as `team`, its first model's fields updated by `models`."""
     data = yaml.safe_load((TEAMS / team_file).read_text())
     port = free_port()
     data["name"] = name
     data["staging"] = staging or data.get("staging", False)
-    data["frontend"].update(port=port, metrics_port=free_port())
+    if team is not None:
+        data["team"] = team
+    if models is not None:
+        data["models"][0].update(models)
+    if platform is None:
+        data["frontend"].update(port=port, metrics_port=free_port())
+    else:
+        data["frontend"] = {"platform": platform, "routers": data["frontend"].get("routers", 1)}
     if routers is not None:
         data["frontend"]["routers"] = routers
     if ingress is not None:
@@ -86,7 +98,8 @@ def team_stack(
     register_frontend(port)
     try:
         _deploy(spec, plan)
-        yield TeamStack(spec, plan, path, f"http://127.0.0.1:{port}")
+        url = wait_attached(spec) if platform is not None else f"http://127.0.0.1:{port}"
+        yield TeamStack(spec, plan, path, url)
     finally:
         # Not awaited: the stack's replicas drain while the next module starts its own (the session's end stops
         # whatever still drains, and checks that nothing is left).

@@ -157,3 +157,13 @@ def test_every_frontend_status_is_listed_with_its_reason() -> None:
         assert str(status) in rows, f"docs/data-plane.md lists no {status}"
         assert f"`{reason}`" in rows[str(status)], f"docs/data-plane.md: {status} without `{reason}`"
     assert f"`{contracts.REASON_REPLICA_ERROR}`" in rows["a replica's 5xx"]
+
+
+def test_every_status_the_platform_returns_itself_is_listed_with_its_reason() -> None:
+    text = (ROOT / "services" / "platform" / "README.md").read_text()
+    section = text[text.index("### Every status the platform returns itself") :]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| ([^|]+?) \| ([^|]+?) \|", section, re.M)}
+    pairs = [*((status, reason) for reason, status in contracts.PLATFORM_REASONS.items())]
+    pairs += [(401, contracts.REASON_INVALID_API_KEY), (404, contracts.REASON_MODEL_NOT_FOUND)]
+    for status, reason in pairs:
+        assert f"`{reason}`" in rows[str(status)], f"services/platform/README.md: {status} without `{reason}`"
