@@ -5,9 +5,8 @@ One public frontend for many teams' stacks. A request, in the order of the rules
    stripped (`docs/design.md` §3).
 2. Its tenant: the `Authorization: Bearer` key's SHA-256 digest looked up in the keys map (401 `invalid_api_key`
    when absent); the key is not forwarded.
-3. The tenant's quotas (its stick-table entry, sc0): the over-quota map the platform service fills (tokens per
-   minute: 429 `quota_exceeded`, Retry-After its value), requests in flight (429 `tenant_limit`) and requests per
-   minute (429 `quota_exceeded`). Other tenants' entries are their own.
+3. The tenant's quotas (its stick-table entry, sc0): requests in flight (429 `tenant_limit`) and requests per minute
+   (429 `quota_exceeded`). Other tenants' entries are their own.
 4. The stack's protection (paths, sizes, the body's timeout: `infra.haproxy.protection`, without keys).
 5. `GET /v1/models`: the tenant's attached models (a Lua service). Else the model (the model header, else the body's
    top-level `model`: 400 `model_missing`); a model the tenant may not call and one not attached get the same 404
@@ -54,7 +53,6 @@ from infra.haproxy.platform_settings import (
     LUA_UNSERVED_BODY_FETCH,
     LUA_UNSERVED_REASON_FETCH,
     MODELS_MAP,
-    OVER_QUOTA_MAP,
     PLATFORM_FRONTEND,
     PROMETHEUS_FRONTEND,
     SLOT_BACKEND_PREFIX,
@@ -67,7 +65,6 @@ from infra.haproxy.platform_settings import (
     VAR_CLASS,
     VAR_MODEL,
     VAR_OFFSET,
-    VAR_OVER_QUOTA,
     VAR_SLOT,
     VAR_TENANT,
     PlatformHAProxySettings,
@@ -138,18 +135,9 @@ def _key_lines(settings: PlatformHAProxySettings) -> list[str]:
 
 
 def _quota_lines(settings: PlatformHAProxySettings) -> list[str]:
-    over = f"{{ var({VAR_OVER_QUOTA}) -m found }}"
     lines = [
         "    # The tenant's quotas, on its own entry: one tenant over its quota leaves the others untouched.",
         f"    http-request track-sc0 var({VAR_TENANT}) table {TENANT_TABLE}",
-        f"    http-request set-var({VAR_OVER_QUOTA}) var({VAR_TENANT}),map({settings.map_path(OVER_QUOTA_MAP)})",
-        *_tenant_refusal(
-            429,
-            REASON_QUOTA_EXCEEDED,
-            "the tenant is over its tokens per minute",
-            over,
-            f"{RETRY_AFTER_HEADER} %[var({VAR_OVER_QUOTA})]",
-        ),
     ]
     for tenant in settings.tenants:
         this = f"{{ var({VAR_TENANT}) -m str {tenant.name} }}"
@@ -304,7 +292,7 @@ def write_platform_files(
 ) -> None:
     """Write the config, the Lua and the maps into the workdir: `keys` key digest -> tenant, `access` the (tenant,
     model) pairs allowed, `models` attached model -> slot (its slot server is set by `platform_runtime.attach_model`;
-    until then the model answers 503 `model_unavailable`). The over-quota map starts empty."""
+    until then the model answers 503 `model_unavailable`)."""
     tenants = {tenant.name for tenant in settings.tenants}
     unknown = sorted({tenant for tenant in keys.values()} - tenants | {tenant for tenant, _ in access} - tenants)
     if unknown:
@@ -322,7 +310,6 @@ def write_platform_files(
         ACCESS_MAP: {f"{tenant}{ACCESS_SEPARATOR}{model}": "1" for tenant, model in access},
         MODELS_MAP: {model: str(slot) for model, slot in models.items()},
         SLOTS_MAP: {str(slot): model for model, slot in models.items()},
-        OVER_QUOTA_MAP: {},
     }
     for name, entries in maps.items():
         settings.map_path(name).write_text(_map_text(entries))

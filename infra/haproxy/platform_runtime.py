@@ -5,7 +5,7 @@
   maps (so no request reaches a slot that is not set). It detaches in the other order: out of the models map first
   (new requests get 404 `model_not_found`), then its server goes to maintenance, where the streams in flight on it
   finish.
-- The keys, the access pairs and the over-quota tenants are replaced whole: a new version of the map is filled, then
+- The keys and the access pairs are replaced whole: a new version of the map is filled, then
   committed at once (`prepare map` / `commit map`), so no request sees half a list.
 """
 
@@ -20,7 +20,6 @@ from infra.haproxy.platform_settings import (
     ACCESS_SEPARATOR,
     KEYS_MAP,
     MODELS_MAP,
-    OVER_QUOTA_MAP,
     SLOT_SERVER,
     SLOTS_MAP,
     PlatformHAProxySettings,
@@ -70,10 +69,6 @@ class PlatformRuntime:
     def set_access(self, access: set[tuple[str, str]]) -> None:
         """The (tenant, model) pairs allowed."""
         self._replace(ACCESS_MAP, {f"{tenant}{ACCESS_SEPARATOR}{model}": "1" for tenant, model in access})
-
-    def set_over_quota(self, over: Mapping[str, int]) -> None:
-        """The tenants over their token quota, each with the seconds until it may retry (429 `quota_exceeded`)."""
-        self._replace(OVER_QUOTA_MAP, {tenant: str(max(1, int(seconds))) for tenant, seconds in over.items()})
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.settings.model_slots:

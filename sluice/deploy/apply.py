@@ -26,7 +26,7 @@ from builders.platform import build_platform_plan
 from builders.specs import load_spec
 from services.frontend.ingress_control import forget_ingress
 from sluice.deploy import registry
-from sluice.deploy.platforms import check_attachment, deploy_platform, detach, wait_attached
+from sluice.deploy.platforms import attached_lines, check_attachment, deploy_platform, detach, wait_attached
 from sluice.deploy.preflight import cluster_spans_nodes, connect, preflight, replica_demands
 from sluice.deploy.progress import DeployProgress
 from topologies.platform import is_platform_file, load_platform
@@ -239,6 +239,8 @@ def settle_ingress(spec: StackBase, plan: StackPlan, say: Callable[[str], None])
 
 
 def serving_lines(spec: StackBase, plan: StackPlan) -> list[str]:
+    if spec.frontend.attached:
+        return attached_lines(spec, plan)
     lines = [f"\nsluice is serving at {plan.url}:"]
     for model, planned in zip(spec.models, plan.models, strict=True):
         what = " (the tiny model)" if model.source == TINY_SOURCE else ""

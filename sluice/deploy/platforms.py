@@ -75,6 +75,10 @@ def apply_platform(spec: PlatformSpec, plan: StackPlan, timeout_s: float, source
     registry.record(spec, plan, source)
 
     def listening() -> bool:
+        """Its app runs the new version (a redeploy reports DEPLOYING until it does) and its HAProxy listens."""
+        state = serve.status().applications.get(app.name)
+        if state is None or state.status.value != "RUNNING":
+            return False
         status = platform_handle_status(spec.stack, timeout_s=5.0)
         return bool(status and status["running"])
 
@@ -126,12 +130,33 @@ def wait_attached(spec: StackBase) -> str:
     return str(latest["url"])
 
 
+def attached_lines(spec: StackBase, plan: StackPlan) -> list[str]:
+    """What `sluice deploy` of an attached stack prints: where its models are served, and how a tenant calls one."""
+    served = plan.models[0].name
+    return [
+        f"\nsluice is serving {', '.join(model.name for model in plan.models)} at {plan.url} "
+        f"(platform {spec.frontend.platform}: a tenant's key calls the models the platform file lets it):",
+        f"  curl -N {plan.url}/v1/chat/completions -H 'authorization: Bearer <your key>' "
+        "-H 'content-type: application/json' \\",
+        f'    -d \'{{"model": "{served}", "messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 32, '
+        '"stream": true}\'',
+    ]
+
+
 def detach(stack: str, spec: dict[str, Any]) -> None:
     """`sluice down` of a stack attached to a platform: its record goes with it (its frontend's stop deletes it
-    too; this covers a frontend that died)."""
+    too; this covers a frontend that died). Of a platform: the stacks still attached to it are named."""
     platform = spec.get("frontend", {}).get("platform")
     if platform is not None:
         attachments.withdraw(platform, stack)
+    if spec.get("kind") == "platform":
+        left = [record.stack for record in attachments.attached(spec["name"])]
+        if left:
+            print(
+                f"note: {', '.join(left)} still attach to platform {spec['name']}: their models are unreachable "
+                "until the platform is deployed again (or take them down: `sluice down <stack>`)",
+                file=sys.stderr,
+            )
 
 
 def is_platform_record(entry: registry.DeployedStack) -> bool:

@@ -33,8 +33,10 @@ pytestmark = pytest.mark.integration
 
 ALPHA_MODEL, BETA_MODEL = "alpha-tiny", "beta-tiny"
 CAPACITY = 4
-# Long enough for each run to hold dozens of streams per tenant at the tiny model's speed on 2 cores.
-RUN_S = 20.0
+# Long enough for each run to hold about a hundred streams per tenant at the tiny model's speed on 2 cores.
+RUN_S = 12.0
+# Alpha streams while beta goes down and comes back (the redeploy takes about 25 s).
+DOWN_AND_UP_S = 30.0
 GAMMA_REQUESTS_PER_MINUTE = 5
 
 
@@ -160,7 +162,7 @@ def test_a_team_going_down_and_coming_back_cuts_nothing_of_another_teams_streams
     groups = [Clients("alpha", platform.keys["alpha"], ALPHA_MODEL, 8)]
 
     async def meanwhile() -> TenantLoad:
-        streaming = asyncio.create_task(tenant_load(platform.url, groups, RUN_S * 2))
+        streaming = asyncio.create_task(tenant_load(platform.url, groups, DOWN_AND_UP_S))
         await asyncio.to_thread(delete_plan, beta.plan)
         with httpx.Client(timeout=30) as client:
             gone = await asyncio.to_thread(_stream, client, platform.url, BETA_MODEL, platform.headers("beta"))

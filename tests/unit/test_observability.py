@@ -27,7 +27,7 @@ from infra.haproxy.config import (
 from infra.haproxy.haproxy_cfg import render_config
 from infra.haproxy.lua import LUA_TEMPLATE, render_lua
 from infra.haproxy.spoe import AGENT_BACKEND
-from infra.observability import DASHBOARD_PATH
+from infra.observability import DASHBOARD_PATH, PLATFORM_DASHBOARD_PATH
 from infra.observability.dashboard import Dashboard, GridPos, load_dashboard, metric_names
 from infra.observability.targets import METRICS_PATH, ROUTER_TARGETS_BACKEND, TARGETS_PATH, router_targets_backend
 from infra.prometheus_config import (
@@ -282,3 +282,13 @@ def test_a_ledger_that_does_not_answer_is_no_decision_fault() -> None:
     policy = CapacityQueue(Down(CapacityLedger()))
     assert asyncio.run(policy.ledger_snapshot()) is None
     assert not policy.counts.events
+
+
+def test_the_platform_dashboard_reads_only_the_platforms_counters_and_haproxys_own_series() -> None:
+    """Its shape is checked on load; its sluice names are the platform's Lua counters (the standin-plane test reads
+    every queried name off a running platform)."""
+    queried = set().union(*(metric_names(expr) for expr in load_dashboard(PLATFORM_DASHBOARD_PATH).exprs()))
+    lua = (ROOT / "infra" / "haproxy" / "platform_admission.lua.tmpl").read_text()
+    for name in sorted(n for n in queried if n.startswith("sluice_")):
+        assert f"{name}{{" in lua or f"{name} " in lua, name
+    assert {name.split("_")[0] for name in queried} == {"sluice", "haproxy"}

@@ -26,7 +26,6 @@ from infra.haproxy.platform_settings import (
     ACCESS_MAP,
     KEYS_MAP,
     MODELS_MAP,
-    OVER_QUOTA_MAP,
     SLOT_SERVER,
     SLOTS_MAP,
     VAR_TENANT,
@@ -67,7 +66,6 @@ def test_the_written_files_pass_haproxy_check_and_the_config_and_lua_are_private
     assert settings.map_path(ACCESS_MAP).read_text() == "alpha|org/chat 1\n"
     assert settings.map_path(MODELS_MAP).read_text() == "org/chat 2\n"
     assert settings.map_path(SLOTS_MAP).read_text() == "2 org/chat\n"
-    assert settings.map_path(OVER_QUOTA_MAP).read_text() == ""
 
 
 def test_every_slot_is_a_disabled_server_queueing_for_the_queue_timeout(tmp_path: Path) -> None:

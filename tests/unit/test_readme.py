@@ -16,6 +16,7 @@ from base import contracts
 from base.runtime import COMPATIBLE_RAY_START
 from sluice.cli.main import build_parser
 from topologies import EMBEDDED_SPEC, TEAMS_DIR
+from topologies.platform import is_platform_file, load_platform
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -82,6 +83,11 @@ def test_every_sluice_command_in_the_readme_parses() -> None:
 def test_every_team_file_and_stack_the_readme_names_exists() -> None:
     specs = [yaml.safe_load(path.read_text()) for path in TEAMS_DIR.glob("*.yaml")]
     stacks = {f"{spec['team']}-{spec['name']}" for spec in specs}
+    stacks |= {
+        load_platform(path).stack
+        for path in (ROOT / "topologies" / "platforms").glob("*.yaml")
+        if is_platform_file(path)
+    }
     for line, argv in _invocations("sluice", _readme()):
         for word in argv:
             if word.startswith("topologies/"):

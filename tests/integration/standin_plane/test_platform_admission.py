@@ -35,8 +35,16 @@ from base.contracts import (
 from base.waiting import wait_until
 from infra.haproxy.platform_cfg import QUEUE_TIMEOUT_RETRY_AFTER_S, write_platform_files
 from infra.haproxy.platform_runtime import PlatformRuntime
-from infra.haproxy.platform_settings import SLOT_SERVER, PlatformHAProxySettings, TenantRoute, slot_backend
+from infra.haproxy.platform_settings import (
+    SLOT_BACKEND_PREFIX,
+    SLOT_SERVER,
+    PlatformHAProxySettings,
+    TenantRoute,
+    slot_backend,
+)
 from infra.haproxy.process import HAProxyProcess
+from infra.observability import PLATFORM_DASHBOARD_PATH
+from infra.observability.dashboard import load_dashboard, metric_names
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
@@ -259,19 +267,6 @@ def test_a_tenant_over_its_requests_per_minute_is_refused_and_others_are_not(pla
     assert statuses == [200] * 5 and _chat(platform, "alpha").status_code == 200
 
 
-def test_a_tenant_over_its_token_quota_is_refused_with_the_platforms_retry_after(platform: Platform) -> None:
-    platform.attach("team/chat", 8)
-    platform.runtime.set_over_quota({"capped": 17})
-    try:
-        refused = _chat(platform, "capped")
-        _assert_refusal(refused, 429, REASON_QUOTA_EXCEEDED)
-        assert refused.headers[RETRY_AFTER_HEADER] == "17"
-        assert _chat(platform, "alpha").status_code == 200
-    finally:
-        platform.runtime.set_over_quota({})
-    assert _chat(platform, "capped").status_code == 200
-
-
 def test_keys_and_access_are_replaced_at_run_time(platform: Platform) -> None:
     platform.attach("team/chat", 4)
     keys = {_digest(key): name for name, key in KEYS.items()}
@@ -436,5 +431,11 @@ def test_the_platforms_counters_count_by_tenant_and_reason(platform: Platform) -
     assert counts['sluice_platform_requests_total{tenant="alpha"}'] > 0
     assert counts[f'sluice_platform_refusals_total{{tenant="alpha",reason="{REASON_MODEL_NOT_FOUND}"}}'] >= 1
     assert f'sluice_platform_refusals_total{{tenant="capped",reason="{REASON_MODEL_NOT_FOUND}"}}' not in counts
+    # Which model each slot backend serves, to join HAProxy's own backend series with.
+    backends = [key for key, value in counts.items() if key.startswith("sluice_platform_model_backend{") and value == 1]
+    assert any(f'proxy="{SLOT_BACKEND_PREFIX}' in key and 'model="team/chat"' in key for key in backends), backends
     exporter = httpx.get(f"http://{LOOPBACK}:{platform.settings.prometheus_port}/metrics", timeout=10)
-    assert "haproxy_backend_current_queue" in exporter.text
+    # Every series the platform's dashboard reads is exported here.
+    queried = set().union(*(metric_names(expr) for expr in load_dashboard(PLATFORM_DASHBOARD_PATH).exprs()))
+    exported = {line.split("{")[0].split(" ")[0] for line in (text + exporter.text).splitlines() if line[:1] != "#"}
+    assert queried and queried <= exported, sorted(queried - exported)
