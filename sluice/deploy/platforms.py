@@ -17,6 +17,7 @@ from base.waiting import WaitTimeout, wait_until
 from builders.plan import frontend_app_name
 from builders.plan_types import StackPlan
 from builders.platform import build_platform_plan
+from infra.api_keys import ApiKeyError
 from services import attachments
 from services.platform.app import build_platform_application
 from sluice.deploy import registry
@@ -45,6 +46,12 @@ def deploy_platform(path: str, address: str, timeout_s: float | None = None) -> 
     from ray import serve
 
     spec = load_platform(path)
+    try:
+        for tenant in spec.tenants:
+            tenant.api_keys.digests()
+    except ApiKeyError as error:
+        print(f"{path}: {error}", file=sys.stderr)
+        return 1
     connect(address)
     spans_nodes = cluster_spans_nodes()
     plan = build_platform_plan(spec, spans_nodes=spans_nodes)

@@ -140,3 +140,13 @@ def test_an_attached_team_is_refused_without_its_platform_or_with_a_model_name_a
         platforms.attachments, "attached", lambda platform: [holder.model_copy(update={"stack": "alpha-chat"})]
     )
     platforms.check_attachment(spec, ["local-platform-frontend"])
+
+
+def test_a_platform_whose_key_file_cannot_be_read_is_not_deployed(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from sluice.cli.main import main
+
+    path = _platform(tmp_path, {"tenants": [{"team": "alpha", "api_keys": {"file": "keys/nowhere.keys"}}]})
+    assert main(["deploy", str(path), "--address", "127.0.0.1:1"]) == 1
+    assert "cannot read the key file" in capsys.readouterr().err
