@@ -145,15 +145,16 @@ def from_hub(spec: StackBase) -> bool:
     return any(not is_local_model(model_path(model.source)) for model in spec.models)  # type: ignore[attr-defined]
 
 
-def container_env(spec: StackBase) -> list[dict[str, Any]]:
+def container_env(spec: StackBase, hub: bool | None = None) -> list[dict[str, Any]]:
     """The variables every Ray container of the stack starts with: no engine's hardware settings (each LLM replica
-    brings its own, `base.runtime.engine_env`), Hugging Face offline unless a model comes from the Hub."""
+    brings its own, `base.runtime.engine_env`), Hugging Face offline unless a model comes from the Hub (`hub`:
+    whether one does, when the spec alone cannot tell: a platform's cluster holds its teams' models)."""
     with _pod_cache_dir():
         env = {"SLUICE_CACHE_DIR": POD_CACHE_DIR, **process_env(), **CLUSTER_NODE_ENV}
     del env["RAY_AUTH_MODE"]  # KubeRay sets it, with the token (`RAY_AUTH`)
     del env["VLLM_HOST_IP"]
     entries: list[dict[str, Any]] = []
-    if from_hub(spec):
+    if from_hub(spec) if hub is None else hub:
         secret = {"name": f"{spec.stack}-hf-token", "key": HF_TOKEN_KEY, "optional": True}
         entries.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret}})
     else:
@@ -161,20 +162,24 @@ def container_env(spec: StackBase) -> list[dict[str, Any]]:
     return [{"name": key, "value": value} for key, value in env.items()] + entries
 
 
-def _stack_pods(spec: StackBase) -> dict[str, str]:
+def stack_pods(spec: StackBase) -> dict[str, str]:
     """The labels every object of the stack carries (its pods' selector)."""
     return {"app.kubernetes.io/name": "sluice", "app.kubernetes.io/instance": spec.stack}
 
 
-def _labels(spec: StackBase, component: str) -> dict[str, str]:
-    return {**_stack_pods(spec), "app.kubernetes.io/component": component}
+def labels(spec: StackBase, component: str) -> dict[str, str]:
+    return {**stack_pods(spec), "app.kubernetes.io/component": component}
 
 
 def _port(name: str, port: int) -> dict[str, Any]:
     return {"name": name, "containerPort": port, "protocol": "TCP"}
 
 
-def _head_secrets(spec: StackBase) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+# (env, volumes, mounts) of a head container's API keys.
+HeadSecrets = tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]
+
+
+def _head_secrets(spec: StackBase) -> HeadSecrets:
     """(env, volumes, mounts) the frontend's API keys need on the head: from the Secret `<stack>-api-keys`."""
     keys = spec.frontend.protection.api_keys
     if keys is None:
@@ -206,11 +211,14 @@ def public_ports(spec: StackBase) -> dict[str, int]:
     return ports
 
 
-def _head_group(spec: StackBase, image: str, env: list[dict[str, Any]]) -> dict[str, Any]:
+def head_group(
+    spec: StackBase, image: str, env: list[dict[str, Any]], secrets: HeadSecrets | None = None
+) -> dict[str, Any]:
+    """The head group; `secrets`: the API keys' (env, volumes, mounts), by default the stack's own."""
     ports = [_port(name, port) for name, port in RAY_HEAD_PORTS.items()]
     ports += [_port(SERVE_PORT_NAME, DEFAULT_SERVE_PROXY_PORT)]
     ports += [_port(name, port) for name, port in public_ports(spec).items()]
-    key_env, volumes, mounts = _head_secrets(spec)
+    key_env, volumes, mounts = secrets if secrets is not None else _head_secrets(spec)
     tls_volumes, tls_mounts = _tls_volume(spec)
     volumes += tls_volumes
     mounts += tls_mounts
@@ -226,13 +234,13 @@ def _head_group(spec: StackBase, image: str, env: list[dict[str, Any]]) -> dict[
     }
     params = {"num-cpus": "0", "resources": ray_start_resources({HEAD_NODE_RESOURCE: NODE_ROLE_CAPACITY})}
     template = {
-        "metadata": {"labels": _labels(spec, "frontend")},
+        "metadata": {"labels": labels(spec, "frontend")},
         "spec": {"containers": [container], "volumes": volumes},
     }
     return {"rayStartParams": params, "template": template}
 
 
-def _worker_group(
+def worker_group(
     spec: StackBase, image: str, env: list[dict[str, Any]], shape: PodShape, count: PodCount
 ) -> dict[str, Any]:
     resources: dict[str, Any] = {"requests": {"cpu": shape.cpu}}
@@ -257,7 +265,7 @@ def _worker_group(
         "resources": resources,
     }
     pod["containers"] = [container]
-    template = {"metadata": {"labels": _labels(spec, "llm")}, "spec": pod}
+    template = {"metadata": {"labels": labels(spec, "llm")}, "spec": pod}
     return group | {"rayStartParams": params, "template": template}
 
 
@@ -267,7 +275,7 @@ def serve_config_v2(plan: StackPlan) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def _frontend_service(spec: StackBase) -> dict[str, Any]:
+def frontend_service(spec: StackBase) -> dict[str, Any]:
     frontend = spec.frontend
     annotations = {
         "prometheus.io/scrape": "true",
@@ -282,10 +290,10 @@ def _frontend_service(spec: StackBase) -> dict[str, Any]:
         "kind": "Service",
         "metadata": {
             "name": f"{spec.stack}-frontend",
-            "labels": _labels(spec, "frontend"),
+            "labels": labels(spec, "frontend"),
             "annotations": annotations,
         },
-        "spec": {"type": "ClusterIP", "selector": _labels(spec, "frontend"), "ports": ports},
+        "spec": {"type": "ClusterIP", "selector": labels(spec, "frontend"), "ports": ports},
     }
 
 
@@ -294,7 +302,7 @@ def _spec_config_map(spec: StackBase) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": f"{spec.stack}-spec", "labels": _labels(spec, "spec")},
+        "metadata": {"name": f"{spec.stack}-spec", "labels": labels(spec, "spec")},
         "data": {SPEC_KEY: text},
     }
 
@@ -309,16 +317,16 @@ def kuberay_manifests(spec: StackBase, plan: StackPlan, image: str = DEFAULT_IMA
     cluster: dict[str, Any] = {
         "rayVersion": version("ray"),
         "authOptions": RAY_AUTH,
-        "headGroupSpec": _head_group(spec, image, env),
-        "workerGroupSpecs": [_worker_group(spec, image, env, shape, count) for shape, count in pods.items()],
+        "headGroupSpec": head_group(spec, image, env),
+        "workerGroupSpecs": [worker_group(spec, image, env, shape, count) for shape, count in pods.items()],
     }
     if any(scaling.autoscaling is not None for scaling, _ in _llm_deployments(spec)):
         cluster["enableInTreeAutoscaling"] = True
     service = RayService(
-        metadata=ObjectMeta(name=plan.stack, labels=_labels(spec, "stack")),
+        metadata=ObjectMeta(name=plan.stack, labels=labels(spec, "stack")),
         spec={"serveConfigV2": serve_config_v2(plan), "rayClusterConfig": cluster},
     )
     policy = network_policy(
-        f"{spec.stack}-ingress", _labels(spec, "network"), _stack_pods(spec), list(public_ports(spec))
+        f"{spec.stack}-ingress", labels(spec, "network"), stack_pods(spec), list(public_ports(spec))
     )
-    return [service.manifest(), _frontend_service(spec), _spec_config_map(spec), policy]
+    return [service.manifest(), frontend_service(spec), _spec_config_map(spec), policy]

@@ -25,7 +25,12 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         f"sluice check --target {URL} --json",
         "sluice check --target https://127.0.0.1:8000 --ca-file .cache/tls/ca.pem",
     ),
-    "render": (f"sluice render {TEAM}", f"sluice render {TEAM} --kuberay --image registry.local/sluice:0.1"),
+    "render": (
+        f"sluice render {TEAM}",
+        f"sluice render {TEAM} --kuberay --image registry.local/sluice:0.1",
+        "sluice render topologies/platforms/local-cpu.yaml --kuberay --attach topologies/platforms/alpha-chat.yaml "
+        "--attach topologies/platforms/beta-chat.yaml",
+    ),
     "image": ("sluice image build",),
     "image build": ("sluice image build", "sluice image build --engine gpu --tag sluice:gpu"),
     "node": ("sluice node head", "sluice node worker --head 10.0.0.5"),

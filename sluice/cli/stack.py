@@ -18,7 +18,8 @@ def _render(args: argparse.Namespace) -> int:
         if args.prometheus:
             print(_prometheus(args.file, args.frontend_host), end="")
         else:
-            print(render_kuberay(args.file, args.image) if args.kuberay else render(args.file), end="")
+            kuberay = args.kuberay or args.attach
+            print(render_kuberay(args.file, args.image, args.attach) if kuberay else render(args.file), end="")
     except ValueError as error:  # a SpecError, or a name KubeRay refuses
         print(error, file=sys.stderr)
         return 1
@@ -95,6 +96,13 @@ def register(commands: Any) -> None:
     what.add_argument("--kuberay", action="store_true", help="a KubeRay RayService manifest (+ Service, ConfigMap)")
     what.add_argument("--prometheus", action="store_true", help="prometheus.yml for the stack's frontend")
     render.add_argument("--image", default=image_tag("cpu"), help="the node image (sluice image build)")
+    render.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="TEAM_FILE",
+        help="with a platform file and --kuberay: a stack attached to it, rendered in the same RayService (repeat)",
+    )
     render.add_argument(
         "--frontend-host", default=LOOPBACK, help="where Prometheus reaches the frontend (host, Service name)"
     )

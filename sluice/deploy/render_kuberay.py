@@ -9,15 +9,9 @@ from typing import Any
 import yaml
 
 from builders.kuberay import HF_TOKEN_KEY, TLS_FILES, from_hub, kuberay_manifests, pod_plan
+from builders.platform_kuberay import platform_manifests
 from builders.specs import load_spec
-from topologies.platform import is_platform_file
-
-# A platform and its attached stacks share one Ray cluster (the attachment records live in its KV store, the platform
-# reaches each team's frontend on the head), so they would render as one RayService together: not built yet.
-_PLATFORMS_NOT_RENDERED = (
-    "a platform and the stacks attached to it do not render for KubeRay yet (they must share one Ray cluster); "
-    "deploy them with `sluice deploy` onto one Ray cluster"
-)
+from topologies.platform import is_platform_file, load_platform
 
 
 class _Dumper(yaml.SafeDumper):
@@ -31,14 +25,20 @@ def _string(dumper: yaml.SafeDumper, value: str) -> Any:
 _Dumper.add_representer(str, _string)
 
 
-def render_kuberay(path: str, image: str) -> str:
+def render_kuberay(path: str, image: str, attached: list[str] | None = None) -> str:
     """The stack of the spec file at `path` as a RayService, the frontend's Service, the spec's ConfigMap and the
-    stack's NetworkPolicy, for pods running `image`."""
+    stack's NetworkPolicy, for pods running `image`; a platform file with the stacks `attached` to it, as one."""
+    attached = attached or []
     if is_platform_file(path):
-        raise ValueError(f"{path}: {_PLATFORMS_NOT_RENDERED}")
+        return _render_platform(path, image, attached)
+    if attached:
+        raise ValueError(f"--attach: {path} is not a platform file (`kind: platform`)")
     spec = load_spec(path)
     if spec.frontend.attached:
-        raise ValueError(f"{path}: frontend.platform: {_PLATFORMS_NOT_RENDERED}")
+        raise ValueError(
+            f"{path}: frontend.platform: a stack attached to a platform renders with it, in one RayService: "
+            f"`sluice render <platform file> --kuberay --attach {path}`"
+        )
     plan = pod_plan(spec)
     stack = plan.stack
     lines = [
@@ -60,4 +60,20 @@ def render_kuberay(path: str, image: str) -> str:
         key = keys.env if keys.env is not None else keys.file.name  # type: ignore[union-attr]
         lines.append(f"# Create first the Secret `{stack}-api-keys` holding the key list as its key `{key}`.")
     manifests = kuberay_manifests(spec, plan, image)
+    return "\n".join(lines) + "\n" + yaml.dump_all(manifests, Dumper=_Dumper, sort_keys=False)
+
+
+def _render_platform(path: str, image: str, attached: list[str]) -> str:
+    platform = load_platform(path)
+    teams = [load_spec(team) for team in attached]
+    stack = platform.stack
+    lines = [
+        f"# Rendered by `sluice render {path} --kuberay --image {image}"
+        + "".join(f" --attach {team}" for team in attached)
+        + "`:",
+        "# `kubectl apply -f` it where KubeRay (>= 1.5.1) runs: the platform and its stacks in one Ray cluster.",
+        f"# Clients reach the platform at the Service `{stack}-frontend`; create first the Secret `{stack}-api-keys`",
+        "# holding each tenant's key list as a key named as its file (or its variable).",
+    ]
+    manifests = platform_manifests(platform, teams, image)
     return "\n".join(lines) + "\n" + yaml.dump_all(manifests, Dumper=_Dumper, sort_keys=False)

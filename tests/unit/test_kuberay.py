@@ -372,3 +372,51 @@ def test_rays_token_authentication_is_on_and_no_container_turns_it_off(path: Pat
     assert cluster["authOptions"] == {"mode": "token"}
     for group in [cluster["headGroupSpec"], *_groups(service)]:
         assert "RAY_AUTH_MODE" not in {entry["name"] for entry in _container(group)["env"]}
+
+
+PLATFORMS = Path(__file__).resolve().parents[2] / "topologies" / "platforms"
+
+
+def test_a_platform_and_its_attached_stacks_render_as_one_rayservice_kuberay_and_kubernetes_accept() -> None:
+    teams = [str(PLATFORMS / "alpha-chat.yaml"), str(PLATFORMS / "beta-chat.yaml")]
+    service, frontend, config_map, policy = yaml.safe_load_all(
+        render_kuberay(str(PLATFORMS / "local-cpu.yaml"), "sluice:test", teams)
+    )
+    RayService.model_validate(service)
+    cluster = _cluster(service)
+    templates = [cluster["headGroupSpec"]["template"]] + [group["template"] for group in _groups(service)]
+    for index, template in enumerate(templates):
+        kubernetes_validate.validate(_as_pod(template, f"pod-{index}"), KUBERNETES_VERSION, strict=True)
+    for obj in (frontend, config_map, policy):
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    apps = {app["name"]: app for app in config["applications"]}
+    assert set(apps) == {
+        "local-platform-frontend",
+        *(f"{team}-chat-{part}" for team in ("alpha", "beta") for part in ("llm", "router", "frontend")),
+    }
+    # Everything but the LLM replicas on the head; the tenants' keys where the head mounts their Secret.
+    assert apps["local-platform-frontend"]["args"]["node_role"] == "head"
+    keys = [tenant["api_keys"]["file"] for tenant in apps["local-platform-frontend"]["args"]["tenants"]]
+    assert keys == [f"{KEYS_MOUNT}/alpha.keys", f"{KEYS_MOUNT}/beta.keys"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    secret = next(volume["secret"] for volume in head["volumes"] if "secret" in volume)
+    assert secret["secretName"] == "local-platform-api-keys"
+    assert [item["key"] for item in secret["items"]] == ["alpha.keys", "beta.keys"]
+    assert {port["containerPort"] for port in _container(cluster["headGroupSpec"])["ports"]} >= {8000, 8404}
+    # One LLM replica per team, of one pod shape: one group of two pods.
+    assert [(group["replicas"], group["minReplicas"], group["maxReplicas"]) for group in _groups(service)] == [
+        (2, 2, 2)
+    ]
+    assert {port["port"] for port in frontend["spec"]["ports"]} == {8000, 8404}
+    assert set(config_map["data"]) == {SPEC_KEY, "alpha-chat.yaml", "beta-chat.yaml"}
+
+
+def test_an_attached_stack_renders_only_with_its_platform() -> None:
+    with pytest.raises(ValueError, match=r"--kuberay --attach \S+alpha-chat.yaml"):
+        render_kuberay(str(PLATFORMS / "alpha-chat.yaml"), "sluice:test")
+    with pytest.raises(ValueError, match="not a platform file"):
+        render_kuberay(str(TEAMS[0]), "sluice:test", [str(PLATFORMS / "alpha-chat.yaml")])
+    with pytest.raises(ValueError, match="frontend.platform is not 'local'"):
+        render_kuberay(str(PLATFORMS / "local-cpu.yaml"), "sluice:test", [str(TEAMS[0])])

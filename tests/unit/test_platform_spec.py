@@ -14,7 +14,6 @@ from services.attachments import AttachedModel, AttachedStack
 from services.frontend.app import FrontendArgs
 from services.platform.app import PlatformArgs
 from sluice.deploy.preflight import PreflightError
-from sluice.deploy.render_kuberay import render_kuberay
 from topologies.platform import is_platform_file, load_platform
 from topologies.problems import SpecError
 
@@ -100,12 +99,6 @@ def test_a_platform_file_with_a_bad_field_is_refused_naming_it(tmp_path: Path, c
     with pytest.raises(SpecError) as refused:
         load_platform(_platform(tmp_path, change))
     assert said in str(refused.value)
-
-
-def test_a_platform_and_an_attached_team_say_they_do_not_render_for_kuberay_yet() -> None:
-    for path in ("local-cpu.yaml", "alpha-chat.yaml"):
-        with pytest.raises(ValueError, match="do not render for KubeRay yet"):
-            render_kuberay(str(PLATFORMS / path), "image:tag")
 
 
 def test_an_attached_team_is_refused_without_its_platform_or_with_a_model_name_another_stack_holds(
