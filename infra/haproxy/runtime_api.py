@@ -224,6 +224,20 @@ class RuntimeAPI:
             )
         return stats
 
+    def show_table(self, table: str) -> dict[str, dict[str, int]]:
+        """A stick table's entries: key -> its stored counters by name (`http_req_rate(60000)` as `http_req_rate`)."""
+        _check_token(table)
+        reply = self.command(f"show table {table}")
+        if not reply.startswith("# table:"):
+            raise RuntimeAPIError(f"show table {table}", reply)
+        entries = {}
+        for line in reply.splitlines()[1:]:
+            fields = dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
+            key = fields.pop("key", None)
+            if key is not None:
+                entries[key] = {name.split("(")[0]: int(value) for name, value in fields.items() if value.isdigit()}
+        return entries
+
     def backend_queues(self) -> dict[str, int]:
         """Backend -> requests queued in it (waiting for a server with a free connection), from `show stat`."""
         reply = self.command("show stat")

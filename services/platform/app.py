@@ -29,6 +29,7 @@ from infra.haproxy.platform_runtime import PlatformRuntime
 from infra.haproxy.platform_settings import (
     PLATFORM_FRONTEND,
     SLOT_SERVER,
+    TENANT_TABLE,
     PlatformHAProxySettings,
     TenantRoute,
     slot_backend,
@@ -151,6 +152,7 @@ class PlatformReplica:
             return {"running": False, "restarts": self.restarts}
         stats = await asyncio.to_thread(self._haproxy.runtime.show_stat)
         queues = await asyncio.to_thread(self._haproxy.runtime.backend_queues)
+        usage = await asyncio.to_thread(self._haproxy.runtime.show_table, TENANT_TABLE)
         models = []
         for name, entry in sorted(self._syncer.entries.items()):
             stat = stats.get((slot_backend(entry.slot), SLOT_SERVER))
@@ -175,7 +177,11 @@ class PlatformReplica:
             "restarts": self.restarts,
             "url": f"http://{self._settings.bind_host}:{self._settings.port}",
             "tenants": [
-                {"team": tenant.team, "models": sorted(m for t, m in self._syncer.access if t == tenant.team)}
+                {
+                    "team": tenant.team,
+                    "models": sorted(m for t, m in self._syncer.access if t == tenant.team),
+                    "usage": _usage(usage.get(tenant.team, {})),
+                }
                 for tenant in self._tenants
             ],
             "models": models,
@@ -186,6 +192,16 @@ class PlatformReplica:
         """Serve stops this replica (a redeploy's new platform runs already, or it is deleted): its HAProxy serves
         the streams it holds for up to `HANDOVER_DRAIN_S`."""
         retire(self, HANDOVER_DRAIN_S)
+
+
+def _usage(counters: dict[str, int]) -> dict[str, int]:
+    """A tenant's live usage from its stick-table entry (no entry: nothing yet)."""
+    return {
+        "in_flight": counters.get("conn_cur", 0),
+        "requests_last_minute": counters.get("http_req_rate", 0),
+        "requests": counters.get("http_req_cnt", 0),
+        "queue_timeouts": counters.get("gpc0", 0),
+    }
 
 
 def build_platform_application(args: dict[str, Any]) -> Application:

@@ -190,9 +190,12 @@ def show_platform(entry: registry.DeployedStack, as_json: bool) -> int:
         f"(HAProxy master {report['master_pid']}, restarts {report['restarts']})"
     )
     for tenant in report["tenants"]:
-        usage = tenant.get("usage", {})
-        used = ", ".join(f"{key} {value}" for key, value in usage.items())
-        print(f"  tenant {tenant['team']}: models {', '.join(tenant['models']) or 'none'}{'; ' + used if used else ''}")
+        usage = tenant["usage"]
+        print(
+            f"  tenant {tenant['team']}: models {', '.join(tenant['models']) or 'none'}; {usage['in_flight']} in "
+            f"flight, {usage['requests_last_minute']} requests in the last minute ({usage['requests']} in all), "
+            f"{usage['queue_timeouts']} queue timeouts"
+        )
     for model in report["models"]:
         print(
             f"  model {model['model']} (team {model['team']}, stack {model['stack']}) at {model['address']}: "

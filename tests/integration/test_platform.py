@@ -155,6 +155,11 @@ def test_a_tenant_over_its_requests_per_minute_is_refused_and_another_is_not(sta
     assert over.headers[SERVE_REASON_HEADER] == REASON_QUOTA_EXCEEDED and int(over.headers[RETRY_AFTER_HEADER]) > 0
     assert over.json()["error"]["type"] == "rate_limit_error"
     assert alpha.status_code == 200
+    # `sluice status` shows each tenant's live usage.
+    status = platform_handle_status(platform.spec.stack)
+    assert status is not None
+    gamma = next(tenant for tenant in status["tenants"] if tenant["team"] == "gamma")
+    assert gamma["models"] == [ALPHA_MODEL] and gamma["usage"]["requests_last_minute"] >= len(answers)
 
 
 def test_a_team_going_down_and_coming_back_cuts_nothing_of_another_teams_streams(stacks: PlatformWithTeams) -> None:

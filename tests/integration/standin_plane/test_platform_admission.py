@@ -38,6 +38,7 @@ from infra.haproxy.platform_runtime import PlatformRuntime
 from infra.haproxy.platform_settings import (
     SLOT_BACKEND_PREFIX,
     SLOT_SERVER,
+    TENANT_TABLE,
     PlatformHAProxySettings,
     TenantRoute,
     slot_backend,
@@ -429,6 +430,11 @@ def test_the_platforms_counters_count_by_tenant_and_reason(platform: Platform) -
     text = httpx.get(f"http://{LOOPBACK}:{platform.settings.prometheus_port}/sluice/metrics", timeout=10).text
     counts = {line.rsplit(" ", 1)[0]: int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
     assert counts['sluice_platform_requests_total{tenant="alpha"}'] > 0
+    # The same entry as `sluice status` reads it through the runtime API.
+    entry = platform.runtime.api.show_table(TENANT_TABLE)["alpha"]
+    assert (
+        entry["http_req_cnt"] == counts['sluice_platform_requests_total{tenant="alpha"}'] and "http_req_rate" in entry
+    )
     assert counts[f'sluice_platform_refusals_total{{tenant="alpha",reason="{REASON_MODEL_NOT_FOUND}"}}'] >= 1
     assert f'sluice_platform_refusals_total{{tenant="capped",reason="{REASON_MODEL_NOT_FOUND}"}}' not in counts
     # Which model each slot backend serves, to join HAProxy's own backend series with.
