@@ -73,7 +73,7 @@ def register(commands: Any) -> None:
         "apps, show each deployment's replicas as they start, return once the frontend serves every replica. "
         f"A compatible Ray on this machine: `{COMPATIBLE_RAY_START}`.",
     )
-    deploy.add_argument("file", help="the stack's spec file")
+    deploy.add_argument("file", help="the stack's spec file, or a platform file (kind: platform)")
     deploy.add_argument(
         "--timeout",
         type=float,
