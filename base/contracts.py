@@ -116,6 +116,13 @@ REASON_QUOTA_EXCEEDED = "quota_exceeded"  # 429: the tenant is over a requests o
 REASON_TENANT_LIMIT = "tenant_limit"  # 429: the tenant is over its requests in flight
 REASON_QUEUE_TIMEOUT = "queue_timeout"  # 429: the model stayed at capacity for the whole admission wait
 REASON_MODEL_UNAVAILABLE = "model_unavailable"  # 503: the model's team is attached but its frontend is not up
+# Platform -> an attached stack's HAProxy -> the LLM replica, for a tenant with a token quota (kept past the stack's
+# HAProxy only with the cluster's internal credential): the tenant, and where the replica reports its tokens; the
+# replica's report carries the tokens to the platform's usage listener at `USAGE_PATH`.
+TENANT_HEADER = "x-sluice-tenant"
+USAGE_URL_HEADER = "x-sluice-usage"
+TOKENS_HEADER = "x-sluice-tokens"
+USAGE_PATH = "/internal/usage"
 PLATFORM_REASONS = {
     REASON_QUOTA_EXCEEDED: 429,
     REASON_TENANT_LIMIT: 429,

@@ -21,6 +21,7 @@ def _tenant(tenant: Tenant) -> PlatformTenant:
         weight=tenant.weight,
         max_concurrent_requests=limits.max_concurrent_requests,
         requests_per_minute=limits.requests_per_minute,
+        tokens_per_minute=limits.tokens_per_minute,
     )
     return PlatformTenant(team=tenant.team, api_keys=tenant.api_keys, models=tenant.models, route=route)
 

@@ -37,6 +37,8 @@ class TenantLimits(Section):
 
     max_concurrent_requests: int | None = Field(None, ge=1)
     requests_per_minute: int | None = Field(None, ge=1)
+    # Prompt and completion tokens over the last minute, as its replicas report them (streams included).
+    tokens_per_minute: int | None = Field(None, ge=1)
 
 
 class Tenant(Section):

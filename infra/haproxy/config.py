@@ -92,6 +92,8 @@ class HAProxySettings(HAProxyBaseSettings):
     tls: FrontendTLS | None = None
     # Share of sessions on the direct path at start (the rest go to each app's legacy backend); changed at run time.
     direct_weight: int = Field(DIRECT_WEIGHT_MAX, ge=0, le=DIRECT_WEIGHT_MAX)
+    # A stack attached to a platform: the platform's tenant and usage headers pass (with the internal credential).
+    attached: bool = False
     # The cluster's internal credential, set on every request forwarded past the frontend and on every route call
     # (services/internal_credential.py); None: none is set (HAProxy in front of stand-ins). Private: never printed.
     internal_credential: SecretStr | None = None

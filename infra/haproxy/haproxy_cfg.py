@@ -19,6 +19,8 @@ from base.contracts import (
     SERVE_FALLBACK_HEADER,
     SERVE_REASON_HEADER,
     STAGING_TIMEOUT_HEADER,
+    TENANT_HEADER,
+    USAGE_URL_HEADER,
 )
 from infra.haproxy.base_settings import defaults_lines
 from infra.haproxy.canary import (
@@ -134,6 +136,24 @@ def _pinned_backend_lines() -> list[str]:
     ]
 
 
+def _platform_headers_kept(internal: tuple[str, str]) -> tuple[list[str], list[str]]:
+    """A stack attached to a platform keeps the tenant and usage headers the platform sent, and only with the cluster's
+    credential (the replica reports the tenant's tokens there: services/replica/middleware/usage_report.py): the
+    rules that read them before the internal headers go, and the rules that set them again after."""
+    credential = f"{{ req.hdr({internal[0]}) -m str {internal[1]} }}"
+    read = [
+        "    # The platform's tenant and usage headers (with the cluster's credential), for the replica's usage report."
+    ]
+    put = []
+    for header in (TENANT_HEADER, USAGE_URL_HEADER):
+        var = f"txn.sluice_platform_{header.removeprefix('x-sluice-')}"
+        read.append(
+            f"    http-request set-var({var}) req.hdr({header}) if {credential} {{ req.hdr({header}) -m found }}"
+        )
+        put.append(f"    http-request set-header {header} %[var({var})] if {{ var({var}) -m found }}")
+    return read, put
+
+
 def _public_binds(settings: HAProxySettings) -> list[str]:
     """The public frontend's listeners: its port (with TLS when the spec has it) and a kept plain-HTTP port."""
     address = f"{settings.bind_host}:{settings.port}"
@@ -197,10 +217,14 @@ def render_config(settings: HAProxySettings) -> str:
             f"    http-request set-var({VAR_STAGING_TIMEOUT}) bool(true)"
             f" if {{ req.hdr({STAGING_TIMEOUT_HEADER}) -m found }}",
         ]
+    internal = settings.internal_header()
+    read, put = _platform_headers_kept(internal) if settings.attached and internal is not None else ([], [])
+    lines += read
     lines.append("    # A client can neither pin a replica (nor an engine rank) nor forge a capacity token.")
     lines += [f"    http-request del-header {prefix} -m beg" for prefix in INTERNAL_HEADER_PREFIXES]
     lines.append(f"    http-request del-header {DATA_PARALLEL_RANK_HEADER}")
-    if (internal := settings.internal_header()) is not None:
+    lines += put
+    if internal is not None:
         lines.append("    # Past the frontend every port asks for the cluster's credential; only HAProxy sends it.")
         lines.append(f"    http-request set-header {internal[0]} {internal[1]}")
     lines += [

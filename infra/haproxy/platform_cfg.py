@@ -23,6 +23,7 @@ from __future__ import annotations
 from base.contracts import (
     AUTHORIZATION_HEADER,
     DATA_PARALLEL_RANK_HEADER,
+    INTERNAL_CREDENTIAL_HEADER,
     INTERNAL_HEADER_PREFIXES,
     MODEL_HEADER,
     MODELS_PATH,
@@ -36,6 +37,10 @@ from base.contracts import (
     REASON_TENANT_LIMIT,
     RETRY_AFTER_HEADER,
     SERVE_REASON_HEADER,
+    TENANT_HEADER,
+    TOKENS_HEADER,
+    USAGE_PATH,
+    USAGE_URL_HEADER,
 )
 from infra.haproxy.base_settings import defaults_lines
 from infra.haproxy.config import PROMETHEUS_PATH, SLUICE_METRICS_PATH
@@ -60,6 +65,9 @@ from infra.haproxy.platform_settings import (
     SLOTS_MAP,
     TENANT_REFUSAL_TABLE,
     TENANT_TABLE,
+    TOKENS_TABLE,
+    TOKENS_WINDOW_S,
+    USAGE_FRONTEND,
     VAR_ACCESS,
     VAR_ASKED_CLASS,
     VAR_CLASS,
@@ -68,11 +76,14 @@ from infra.haproxy.platform_settings import (
     VAR_SLOT,
     VAR_TENANT,
     PlatformHAProxySettings,
+    TenantRoute,
     slot_backend,
 )
 from infra.haproxy.process import write_private
 from infra.haproxy.protection import REFUSAL_TABLE, protection_lines, protection_tables
 
+# The stick counter that tracks a tenant's tokens (sc0-sc2 are taken: see the global section).
+TOKENS_COUNTER = 3
 # A tenant over its requests in flight may retry as soon as one of them ends: say one second.
 TENANT_LIMIT_RETRY_AFTER_S = 1
 # A request that waited out the queue timeout: the queue moves whenever a stream ends, so soon.
@@ -157,7 +168,62 @@ def _quota_lines(settings: PlatformHAProxySettings) -> list[str]:
                 f"{this} {{ sc0_http_req_rate gt {tenant.requests_per_minute} }}",
                 f"{RETRY_AFTER_HEADER} {RATE_WINDOW_S}",
             )
+    if _token_quotas(settings):
+        lines.append(f"    http-request track-sc{TOKENS_COUNTER} var({VAR_TENANT}) table {TOKENS_TABLE}")
+    for tenant in _token_quotas(settings):
+        lines += _tenant_refusal(
+            429,
+            REASON_QUOTA_EXCEEDED,
+            f"over {tenant.tokens_per_minute} tokens per minute for this tenant",
+            f"{{ var({VAR_TENANT}) -m str {tenant.name} }}"
+            f" {{ sc_gpc_rate(0,{TOKENS_COUNTER}) ge {tenant.tokens_per_minute} }}",
+            f"{RETRY_AFTER_HEADER} {TOKENS_WINDOW_S}",
+        )
     return lines
+
+
+def _token_quotas(settings: PlatformHAProxySettings) -> list[TenantRoute]:
+    """The tenants with a token quota, when the platform has a usage listener to count their tokens."""
+    if settings.usage_port is None:
+        return []
+    return [tenant for tenant in settings.tenants if tenant.tokens_per_minute is not None]
+
+
+def _usage_headers(settings: PlatformHAProxySettings) -> list[str]:
+    """For a tenant with a token quota: the tenant and where its replica reports its tokens, with the cluster's
+    credential (an attached stack's HAProxy passes the first two on only with it)."""
+    tenants = _token_quotas(settings)
+    if not tenants or settings.internal_credential is None:
+        return []
+    quota = " ".join(f"{{ var({VAR_TENANT}) -m str {tenant.name} }}" for tenant in tenants)
+    url = f"http://{settings.bind_host}:{settings.usage_port}{USAGE_PATH}"
+    return [
+        "    # A tenant with a token quota: its replica reports the request's tokens to the usage listener.",
+        f"    http-request set-header {TENANT_HEADER} %[var({VAR_TENANT})] if {quota}",
+        f"    http-request set-header {USAGE_URL_HEADER} {url} if {quota}",
+        f"    http-request set-header {INTERNAL_CREDENTIAL_HEADER} {settings.internal_credential.get_secret_value()}"
+        f" if {quota}",
+    ]
+
+
+def _usage_frontend(settings: PlatformHAProxySettings) -> list[str]:
+    """Where the replicas report a tenant's tokens: with the cluster's credential only, counted on the tenant's
+    entry of the tokens table (a rate over `TOKENS_WINDOW_S`), answered 204."""
+    if not _token_quotas(settings) or settings.internal_credential is None:
+        return []
+    credential = settings.internal_credential.get_secret_value()
+    report = f"{{ method POST }} {{ path {USAGE_PATH} }} {{ req.hdr({TENANT_HEADER}) -m found }}"
+    return [
+        f"frontend {USAGE_FRONTEND}",
+        f"    bind {settings.bind_host}:{settings.usage_port}",
+        "    no log",
+        f"    http-request deny status 403 unless {{ req.hdr({INTERNAL_CREDENTIAL_HEADER}) -m str {credential} }}",
+        f"    http-request deny status 404 unless {report}",
+        f"    http-request track-sc0 req.hdr({TENANT_HEADER}) table {TOKENS_TABLE}",
+        f"    http-request sc-add-gpc(0,0) req.hdr({TOKENS_HEADER}),add(0)",
+        "    http-request return status 204",
+        "",
+    ]
 
 
 def _model_lines(settings: PlatformHAProxySettings) -> list[str]:
@@ -179,6 +245,7 @@ def _model_lines(settings: PlatformHAProxySettings) -> list[str]:
         f"    http-request set-var({VAR_SLOT}) var({VAR_MODEL}),map({settings.map_path(MODELS_MAP)})"
         f" if {{ var({VAR_ACCESS}),map({settings.map_path(ACCESS_MAP)}) -m found }}",
         *_tenant_refusal(404, REASON_MODEL_NOT_FOUND, NOT_FOUND_MESSAGE, f"!{slot}"),
+        *_usage_headers(settings),
         f"    use_backend {SLOT_BACKEND_PREFIX}%[var({VAR_SLOT})] if {slot}",
     ]
 
@@ -231,6 +298,8 @@ def render_platform_config(settings: PlatformHAProxySettings) -> str:
         f"    tune.maxrewrite {settings.tune_maxrewrite}",
         "    # A whole request fits: the model may be read from the body.",
         f"    tune.bufsize {settings.tune_bufsize}",
+        f"    # sc0 the tenant, sc1 a client's limits, sc2 refusals, sc{TOKENS_COUNTER} the tenant's tokens.",
+        f"    tune.stick-counters {TOKENS_COUNTER + 1}",
         "",
     ]
     lines += defaults_lines(settings)
@@ -259,6 +328,7 @@ def render_platform_config(settings: PlatformHAProxySettings) -> str:
         *_model_lines(settings),
         *_queue_timeout_lines(),
         "",
+        *_usage_frontend(settings),
     ]
     for slot in range(settings.model_slots):
         lines += _slot_backend_lines(settings, slot)
@@ -275,6 +345,10 @@ def render_platform_config(settings: PlatformHAProxySettings) -> str:
             tenants * len(TENANT_REFUSAL_REASONS),
             key_bytes=96,
         ),
+        f"backend {TOKENS_TABLE}",
+        f"    # Per tenant: the tokens its replicas reported, in all and per {TOKENS_WINDOW_S} s.",
+        f"    stick-table type string len 64 size {tenants * 4} store gpc(1),gpc_rate(1,{TOKENS_WINDOW_S}s)",
+        "",
         *protection_tables(settings.protection),
     ]
     return "\n".join(lines)

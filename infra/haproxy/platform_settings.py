@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from base.contracts import PRIORITY_CLASSES
 from infra.haproxy.base_settings import HAProxyBaseSettings
@@ -21,6 +21,10 @@ PLATFORM_FRONTEND = "platform_http"
 SLOT_BACKEND_PREFIX = "platform_model_"
 SLOT_SERVER = "team"
 TENANT_TABLE = "platform_tenants"
+# Tokens per tenant, added by the replicas' usage reports to `USAGE_FRONTEND` (a rate over `TOKENS_WINDOW_S`).
+TOKENS_TABLE = "platform_tokens"
+USAGE_FRONTEND = "platform_usage"
+TOKENS_WINDOW_S = 60
 KEYS_MAP = "keys.map"
 ACCESS_MAP = "access.map"
 MODELS_MAP = "models.map"
@@ -68,11 +72,17 @@ class TenantRoute(BaseModel):
     weight: float = Field(gt=0)
     max_concurrent_requests: int | None = None
     requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
 
 class PlatformHAProxySettings(HAProxyBaseSettings):
     platform: str
     tenants: list[TenantRoute] = Field(min_length=1)
+    # Where the replicas report a token-quota tenant's tokens (`USAGE_FRONTEND`, on `bind_host`; None: no tenant
+    # has a token quota), and the cluster's credential those reports carry (it also lets an attached stack's HAProxy
+    # pass the tenant and usage headers on).
+    usage_port: int | None = Field(None, ge=1, le=65535)
+    internal_credential: SecretStr | None = None
     model_slots: int = Field(ge=1)
     queue_timeout_s: float = Field(gt=0)
 

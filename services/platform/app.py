@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve import Application
 
-from base.contracts import NodeRole, node_role_resources
+from base.contracts import DEFAULT_BIND_HOST, NodeRole, node_role_resources
 from base.rollout import config_version
-from base.runtime import cache_dir
+from base.runtime import cache_dir, free_port
 from infra.api_keys import ApiKeySource
 from infra.haproxy.platform_cfg import write_platform_files
 from infra.haproxy.platform_runtime import PlatformRuntime
@@ -30,6 +30,7 @@ from infra.haproxy.platform_settings import (
     PLATFORM_FRONTEND,
     SLOT_SERVER,
     TENANT_TABLE,
+    TOKENS_TABLE,
     PlatformHAProxySettings,
     TenantRoute,
     slot_backend,
@@ -38,6 +39,7 @@ from infra.haproxy.process import HAProxyProcess
 from services import attachments
 from services.frontend.background_loop import BackgroundLoop
 from services.frontend.haproxy_supervision import SUPERVISE_INTERVAL_S, retire, start_until_up
+from services.internal_credential import internal_credential
 from services.platform.syncer import PlatformSyncer
 from services.serve_internals import with_rollout_version
 
@@ -87,7 +89,11 @@ class PlatformReplica:
         workdir.mkdir(parents=True)
         self._platform = parsed.platform
         self._tenants = parsed.tenants
-        self._settings = PlatformHAProxySettings(workdir=workdir, **haproxy)
+        if any(tenant.route.tokens_per_minute is not None for tenant in parsed.tenants):
+            # The replicas report a token-quota tenant's tokens here: a port of its own choosing, kept across
+            # HAProxy restarts (each request tells its replica where).
+            haproxy["usage_port"] = free_port(haproxy.get("bind_host", DEFAULT_BIND_HOST))
+        self._settings = PlatformHAProxySettings(workdir=workdir, internal_credential=internal_credential(), **haproxy)
         self._haproxy: HAProxyProcess | None = None
         self._syncer: PlatformSyncer | None = None
         self.restarts = 0
@@ -153,6 +159,7 @@ class PlatformReplica:
         stats = await asyncio.to_thread(self._haproxy.runtime.show_stat)
         queues = await asyncio.to_thread(self._haproxy.runtime.backend_queues)
         usage = await asyncio.to_thread(self._haproxy.runtime.show_table, TENANT_TABLE)
+        tokens = await asyncio.to_thread(self._haproxy.runtime.show_table, TOKENS_TABLE)
         models = []
         for name, entry in sorted(self._syncer.entries.items()):
             stat = stats.get((slot_backend(entry.slot), SLOT_SERVER))
@@ -180,7 +187,7 @@ class PlatformReplica:
                 {
                     "team": tenant.team,
                     "models": sorted(m for t, m in self._syncer.access if t == tenant.team),
-                    "usage": _usage(usage.get(tenant.team, {})),
+                    "usage": _usage(usage.get(tenant.team, {}), tokens.get(tenant.team, {})),
                 }
                 for tenant in self._tenants
             ],
@@ -194,13 +201,15 @@ class PlatformReplica:
         retire(self, HANDOVER_DRAIN_S)
 
 
-def _usage(counters: dict[str, int]) -> dict[str, int]:
-    """A tenant's live usage from its stick-table entry (no entry: nothing yet)."""
+def _usage(counters: dict[str, int], tokens: dict[str, int]) -> dict[str, int]:
+    """A tenant's live usage from its stick-table entries (no entry: nothing yet; tokens are counted only for a
+    tenant with a token quota)."""
     return {
         "in_flight": counters.get("conn_cur", 0),
         "requests_last_minute": counters.get("http_req_rate", 0),
         "requests": counters.get("http_req_cnt", 0),
         "queue_timeouts": counters.get("gpc0", 0),
+        "tokens_last_minute": tokens.get("gpc0_rate", 0),
     }
 
 

@@ -51,6 +51,23 @@ async def send_openai_error(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def call_with_body(app: ASGIApp, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+    """`app` on `body`, the request's body read already (and perhaps changed): it arrives whole, its length in
+    `content-length`; later receives (a disconnect) come from `receive`."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+    delivered = False
+
+    async def replay() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    await app(scope, replay, send)
+
+
 async def read_body(receive: Receive) -> bytes | None:
     """The whole request body, or None when the client disconnected first."""
     chunks = []

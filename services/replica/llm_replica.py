@@ -30,6 +30,7 @@ from services.replica.middleware.capacity_release import CapacityReleaseMiddlewa
 from services.replica.middleware.disconnect_on_cancel import DisconnectOnCancelMiddleware
 from services.replica.middleware.remote_prefill import RemotePrefillMiddleware
 from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
+from services.replica.middleware.usage_report import UsageReportMiddleware
 from services.replica.prefill_endpoints import KnownPrefillURLs
 from services.replica.rank_gang import RankGang
 from services.replica.vllm_app import build_openai_app, parse_engine_args, require_model_folder, start_engine
@@ -71,8 +72,8 @@ class LLMReplica:
         if self._config.fault_injection:
             self._app.add_api_route(FAULT_PATH, self.inject_fault, methods=["POST"], status_code=204)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
-        # outermost: the internal credential, the cancel-to-disconnect, the headers stamp, the capacity release, the
-        # remote prefill, then vLLM's.
+        # outermost: the internal credential, the cancel-to-disconnect, the headers stamp, the usage report, the
+        # capacity release, the remote prefill, then vLLM's.
         self._app.middleware_stack = None
         role = self._config.prefill_decode
         if role is not None and role.role == "decode":
@@ -92,6 +93,8 @@ class LLMReplica:
             context = serve.get_replica_context()
             ledger = NamedLedgerClient(ledger_actor_name(context.app_name, self._config.deployment.name))
             self._app.add_middleware(CapacityReleaseMiddleware, ledger=ledger)
+        # Only a request a platform forwarded for a tenant with a token quota is read for its usage.
+        self._app.add_middleware(UsageReportMiddleware)
         rank = self._gang.rank if self._gang is not None else None
         stand_in = self._config.engine_stand_in
         self._app.add_middleware(

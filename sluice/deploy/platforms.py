@@ -194,7 +194,7 @@ def show_platform(entry: registry.DeployedStack, as_json: bool) -> int:
         print(
             f"  tenant {tenant['team']}: models {', '.join(tenant['models']) or 'none'}; {usage['in_flight']} in "
             f"flight, {usage['requests_last_minute']} requests in the last minute ({usage['requests']} in all), "
-            f"{usage['queue_timeouts']} queue timeouts"
+            f"{usage['queue_timeouts']} queue timeouts, {usage['tokens_last_minute']} tokens in the last minute"
         )
     for model in report["models"]:
         print(

@@ -38,6 +38,9 @@ RUN_S = 12.0
 # Alpha streams while beta goes down and comes back (the redeploy takes about 25 s).
 DOWN_AND_UP_S = 30.0
 GAMMA_REQUESTS_PER_MINUTE = 5
+DELTA_TOKENS_PER_MINUTE = 2000
+# Delta's requests until its quota refuses one: about 30 of 70 tokens each; a bound, never reached.
+MAX_DELTA_REQUESTS = 100
 
 
 @dataclass
@@ -55,6 +58,7 @@ def stacks(
         {"team": "alpha", "priority": "interactive"},
         {"team": "beta", "priority": "batch", "models": [BETA_MODEL, ALPHA_MODEL]},
         {"team": "gamma", "models": [ALPHA_MODEL], "limits": {"requests_per_minute": GAMMA_REQUESTS_PER_MINUTE}},
+        {"team": "delta", "models": [ALPHA_MODEL], "limits": {"tokens_per_minute": DELTA_TOKENS_PER_MINUTE}},
     ]
     model = {"replicas": 1, "max_ongoing_requests": CAPACITY}
     with (
@@ -160,6 +164,35 @@ def test_a_tenant_over_its_requests_per_minute_is_refused_and_another_is_not(sta
     assert status is not None
     gamma = next(tenant for tenant in status["tenants"] if tenant["team"] == "gamma")
     assert gamma["models"] == [ALPHA_MODEL] and gamma["usage"]["requests_last_minute"] >= len(answers)
+
+
+def test_a_tenant_past_its_tokens_per_minute_is_refused_and_another_is_not(stacks: PlatformWithTeams) -> None:
+    """Its replica reports each answer's usage (a stream's too, its usage event not shown to a client that did not
+    ask); the platform refuses the tenant once the last minute's tokens reach its quota."""
+    platform = stacks.platform
+    counted, refused = 0, None
+    with httpx.Client(timeout=60) as client:
+        streamed = _stream(client, platform.url, ALPHA_MODEL, platform.headers("delta"))
+        assert streamed.status_code == 200 and all(chunk["choices"] for chunk in chunks(data_lines(streamed)))
+        counted += 8  # its completion; its prompt's few tokens are the slack below
+        body = {"model": ALPHA_MODEL, "prompt": "hello", "max_tokens": 64}
+        for _ in range(MAX_DELTA_REQUESTS):
+            answer = client.post(f"{platform.url}/v1/completions", json=body, headers=platform.headers("delta"))
+            if answer.status_code != 200:
+                refused = answer
+                break
+            counted += answer.json()["usage"]["total_tokens"]
+        alpha = _stream(client, platform.url, ALPHA_MODEL, platform.headers("alpha"))
+    assert refused is not None and refused.status_code == 429, f"no refusal after {counted} tokens"
+    assert refused.headers[SERVE_REASON_HEADER] == REASON_QUOTA_EXCEEDED and refused.headers[RETRY_AFTER_HEADER]
+    # Refused once the quota is used up: a report lands just after its answer, so a request or two may pass first.
+    print(f"delta refused after {counted} tokens (quota {DELTA_TOKENS_PER_MINUTE})")
+    assert DELTA_TOKENS_PER_MINUTE - 16 <= counted <= DELTA_TOKENS_PER_MINUTE + 3 * 80
+    assert alpha.status_code == 200
+    status = platform_handle_status(platform.spec.stack)
+    assert status is not None
+    delta = next(tenant for tenant in status["tenants"] if tenant["team"] == "delta")
+    assert delta["usage"]["tokens_last_minute"] >= DELTA_TOKENS_PER_MINUTE
 
 
 def test_a_team_going_down_and_coming_back_cuts_nothing_of_another_teams_streams(stacks: PlatformWithTeams) -> None:

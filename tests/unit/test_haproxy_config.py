@@ -387,3 +387,20 @@ def test_the_internal_credential_replaces_any_clients_and_stays_private(tmp_path
         assert stat.S_IMODE(written.stat().st_mode) == 0o600, written
     without = render_config(settings(tmp_path))
     assert contracts.INTERNAL_CREDENTIAL_HEADER not in without
+
+
+def test_an_attached_stack_passes_the_platforms_tenant_and_usage_headers_on_only_with_the_credential(
+    tmp_path: Path,
+) -> None:
+    secret = "cluster-secret-token"
+    base = {"workdir": tmp_path, "apps": [AppRoute(name="llm")], "port": 18000, "prometheus_port": 18404}
+    config = render_config(HAProxySettings(**base, internal_credential=secret, attached=True))
+    stripped = config.index("http-request del-header x-sluice- -m beg")
+    for header in (contracts.TENANT_HEADER, contracts.USAGE_URL_HEADER):
+        read = next(line for line in config.splitlines() if f"req.hdr({header}) if" in line)
+        assert f"{{ req.hdr({contracts.INTERNAL_CREDENTIAL_HEADER}) -m str {secret} }}" in read
+        assert config.index(read) < stripped < config.index(f"http-request set-header {header} ")
+    write_files(HAProxySettings(**base, internal_credential=secret, attached=True))
+    assert "Configuration file is valid" in check_config(HAProxySettings(**base, internal_credential=secret))
+    # A stack with a public side of its own drops them like any client's internal header.
+    assert contracts.TENANT_HEADER not in render_config(HAProxySettings(**base, internal_credential=secret))

@@ -45,6 +45,8 @@ def test_the_platforms_plan_is_one_frontend_app_with_each_tenants_class_and_limi
     routes = {tenant.team: tenant.route for tenant in args.tenants}
     assert routes["alpha"].priority_class == 0 and routes["beta"].priority_class == 1
     assert routes["beta"].requests_per_minute == 600 and args.haproxy["port"] == 8000
+    # No tenant with a token quota here: the replica picks no usage port (the platform's HAProxy needs none).
+    assert all(route.tokens_per_minute is None for route in routes.values()) and "usage_port" not in args.haproxy
 
 
 def _team(tmp_path: Path, **frontend: object) -> Path:

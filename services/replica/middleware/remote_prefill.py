@@ -26,7 +26,7 @@ from base.contracts import (
     REQUEST_ID_HEADER,
     SERVED_PREFILL_HEADER,
 )
-from services.replica.asgi_call import read_body, route_path, send_openai_error
+from services.replica.asgi_call import call_with_body, read_body, route_path, send_openai_error
 from services.replica.middleware.replica_headers import ASGIApp, Message, Receive, Scope, Send
 from services.replica.prefill_endpoints import KnownPrefillURLs
 
@@ -217,23 +217,13 @@ class RemotePrefillMiddleware:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, body: bytes, stamp: list) -> None:
         """vLLM's app on `body` (already read), the response stamped with `stamp`."""
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        delivered = False
-
-        async def replay() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
 
         async def stamped(message: Message) -> None:
             if message["type"] == "http.response.start" and stamp:
                 message["headers"] = [*message.get("headers", []), *stamp]
             await send(message)
 
-        await self.app(scope, replay, stamped)
+        await call_with_body(self.app, scope, receive, stamped, body)
 
 
 def _after(disconnect: asyncio.Future) -> Receive:

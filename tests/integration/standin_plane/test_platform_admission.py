@@ -15,10 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
 from base.contracts import (
     AUTHORIZATION_HEADER,
     DATA_PARALLEL_RANK_HEADER,
+    INTERNAL_CREDENTIAL_HEADER,
     MODEL_HEADER,
     MODELS_PATH,
     PRIORITY_HEADER,
@@ -31,6 +33,10 @@ from base.contracts import (
     REASON_TENANT_LIMIT,
     RETRY_AFTER_HEADER,
     SERVE_REASON_HEADER,
+    TENANT_HEADER,
+    TOKENS_HEADER,
+    USAGE_PATH,
+    USAGE_URL_HEADER,
 )
 from base.waiting import wait_until
 from infra.haproxy.platform_cfg import QUEUE_TIMEOUT_RETRY_AFTER_S, write_platform_files
@@ -61,11 +67,13 @@ TENANTS = [
     TenantRoute(name="beta", priority_class=1, weight=1.0),
     TenantRoute(name="capped", priority_class=0, weight=1.0, max_concurrent_requests=2),
     TenantRoute(name="metered", priority_class=0, weight=1.0, requests_per_minute=5),
+    TenantRoute(name="counted", priority_class=0, weight=1.0, tokens_per_minute=100),
 ]
-KEYS = {name: f"sk-{name}" for name in ("alpha", "beta", "capped", "metered")}
+KEYS = {name: f"sk-{name}" for name in ("alpha", "beta", "capped", "metered", "counted")}
+CREDENTIAL = "test-internal-credential"
 # Models: (slot, who may call it). Attached by the tests that use them.
 MODELS = {
-    "team/chat": (0, {"alpha", "beta", "capped", "metered"}),
+    "team/chat": (0, {"alpha", "beta", "capped", "metered", "counted"}),
     "solo": (1, {"alpha", "beta"}),
     "beta-only": (2, {"beta"}),
     "fleeting": (3, {"alpha"}),
@@ -156,6 +164,8 @@ def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
         prometheus_port=free_port(),
         model_slots=len(MODELS),
         queue_timeout_s=QUEUE_TIMEOUT_S,
+        usage_port=free_port(),
+        internal_credential=SecretStr(CREDENTIAL),
     )
     access = {(tenant, model) for model, (_, tenants) in MODELS.items() for tenant in tenants}
     keys = {_digest(key): name for name, key in KEYS.items()}
@@ -266,6 +276,34 @@ def test_a_tenant_over_its_requests_per_minute_is_refused_and_others_are_not(pla
     _assert_refusal(refused, 429, REASON_QUOTA_EXCEEDED)
     assert refused.headers[RETRY_AFTER_HEADER] == "60"
     assert statuses == [200] * 5 and _chat(platform, "alpha").status_code == 200
+
+
+def _report(platform: Platform, tenant: str, tokens: int, credential: str = CREDENTIAL) -> int:
+    """A replica's usage report to the platform's usage listener; its status."""
+    headers = {INTERNAL_CREDENTIAL_HEADER: credential, TENANT_HEADER: tenant, TOKENS_HEADER: str(tokens)}
+    url = f"http://{LOOPBACK}:{platform.settings.usage_port}{USAGE_PATH}"
+    return httpx.post(url, headers=headers, timeout=10).status_code
+
+
+def test_a_tenant_over_its_reported_tokens_per_minute_is_refused_and_another_is_not(platform: Platform) -> None:
+    platform.attach("team/chat", 8)
+    platform.team.seen.clear()
+    assert _chat(platform, "counted").status_code == _chat(platform, "alpha").status_code == 200
+    # The team gets the tenant and where to report for the quota's tenant only, with the cluster's credential.
+    counted, alpha = platform.team.seen[-2:]
+    assert counted[TENANT_HEADER] == "counted" and counted[INTERNAL_CREDENTIAL_HEADER] == CREDENTIAL
+    assert counted[USAGE_URL_HEADER] == f"http://{LOOPBACK}:{platform.settings.usage_port}{USAGE_PATH}"
+    assert TENANT_HEADER not in alpha and USAGE_URL_HEADER not in alpha
+    # A report without the credential counts nothing.
+    assert _report(platform, "counted", 500, credential="forged") == 403
+    assert _chat(platform, "counted").status_code == 200
+    assert _report(platform, "counted", 60) == 204
+    assert _chat(platform, "counted").status_code == 200
+    assert _report(platform, "counted", 40) == 204
+    refused = _chat(platform, "counted")
+    _assert_refusal(refused, 429, REASON_QUOTA_EXCEEDED)
+    assert refused.headers[RETRY_AFTER_HEADER] == "60" and "100 tokens per minute" in refused.json()["error"]["message"]
+    assert _chat(platform, "alpha").status_code == 200
 
 
 def test_keys_and_access_are_replaced_at_run_time(platform: Platform) -> None:
