@@ -87,8 +87,9 @@ def _reported(reports: list[httpx.Request]) -> list[tuple[str, str, str]]:
 def test_a_stream_that_did_not_ask_for_usage_reports_it_without_the_client_seeing_the_usage_event() -> None:
     app, answer, reports = _run(_scope(), {"prompt": "hi", "stream": True, "stream_options": {"x": 1}})
     assert app.request["stream_options"] == {"x": 1, "include_usage": True}
-    events = [line for line in answer.split(b"\n\n") if line]
-    assert len(events) == 3 and events[-1] == b"data: [DONE]" and b'"choices": []' not in answer
+    # Every event as it was, each ended once; only the usage event is gone.
+    events = answer.split(b"\n\n")
+    assert len(events) == 4 and events[-2:] == [b"data: [DONE]", b""] and b'"choices": []' not in answer
     assert _reported(reports) == [(PLATFORM, "alpha", "12")]
 
 

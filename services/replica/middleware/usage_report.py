@@ -95,13 +95,13 @@ class UsageCounter:
             if last:
                 self._read_json()
             return body
-        data = self._pending + body
-        events = data.split(_EVENT_END)
-        self._pending = b"" if last else events.pop()
-        kept = [event for event in events if self._keep(event)]
-        out = _EVENT_END.join(kept)
-        if kept and (not last or data.endswith(_EVENT_END)):
-            out += _EVENT_END
+        events = (self._pending + body).split(_EVENT_END)
+        tail = events.pop()  # an event not ended yet (empty when the data ended one)
+        out = b"".join(event + _EVENT_END for event in events if self._keep(event))
+        if last:
+            self._pending = b""
+            return out + tail
+        self._pending = tail
         return out
 
     def _keep(self, event: bytes) -> bool:
