@@ -86,6 +86,10 @@ class PlatformSpec(Section):
             raise ValueError("frontend.platform: a platform's frontend is its own; remove `platform`")
         if self.frontend.protection.api_keys is not None:
             raise ValueError("frontend.protection.api_keys: a platform's keys are its tenants' (tenants[].api_keys)")
+        if self.frontend.tls is not None:
+            raise ValueError("frontend.tls: a platform's frontend does not serve TLS yet: end TLS in front of it")
+        if "routers" in self.frontend.model_fields_set:
+            raise ValueError("frontend.routers: a platform has no routers (each attached stack has its own)")
         teams = [tenant.team for tenant in self.tenants]
         twice = sorted({team for team in teams if teams.count(team) > 1})
         if twice:

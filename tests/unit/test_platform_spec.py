@@ -78,6 +78,7 @@ def _platform(tmp_path: Path, change: dict) -> Path:
         ({"tenants": []}, "tenants"),
         ({"name": "Local"}, "name"),
         ({"frontend": {"platform": "other"}}, "a platform's frontend is its own"),
+        ({"frontend": {"routers": 2}}, "a platform has no routers"),
         (
             {"tenants": [{"team": "alpha", "api_keys": {"file": "keys/alpha.keys"}, "priority": "urgent"}]},
             "tenants[0].priority",
