@@ -48,6 +48,7 @@ from infra.haproxy.platform_settings import (
     SLOTS_MAP,
     TENANT_REFUSAL_TABLE,
     TENANT_TABLE,
+    TOKENS_TABLE,
     VAR_ASKED_CLASS,
     VAR_CLASS,
     VAR_CLOCK,
@@ -84,7 +85,9 @@ def _lua(value: str | float | list[str] | dict[str, str]) -> str:
 
 def _tenants(settings: PlatformHAProxySettings) -> str:
     entries = [
-        f"    [{_lua(t.name)}] = {{ceiling = {t.priority_class}, weight = {t.weight!r}}}," for t in settings.tenants
+        f"    [{_lua(t.name)}] = {{ceiling = {t.priority_class}, weight = {t.weight!r},"
+        f" counted = {'true' if t.tokens_per_minute is not None else 'false'}}},"
+        for t in settings.tenants
     ]
     return "{\n" + "\n".join(entries) + "\n}"
 
@@ -129,6 +132,7 @@ def render_platform_lua(settings: PlatformHAProxySettings) -> str:
         model_owner=_lua(MODEL_OWNER),
         tenant_table=_lua(TENANT_TABLE),
         tenant_refusal_table=_lua(TENANT_REFUSAL_TABLE),
+        tokens_table=_lua(TOKENS_TABLE),
         timed_out_reason=_lua(REASON_QUEUE_TIMEOUT),
         unserved=_unserved(),
         admit_action=_lua(LUA_ADMIT_ACTION),

@@ -98,8 +98,8 @@ def test_the_buffer_holds_a_whole_request_and_the_lua_state_is_shared(tmp_path: 
 
 def test_the_lua_knows_each_tenants_ceiling_and_weight_and_the_classes(tmp_path: Path) -> None:
     lua = render_platform_lua(_settings(tmp_path))
-    assert '["alpha"] = {ceiling = 0, weight = 2.0}' in lua
-    assert '["beta"] = {ceiling = 1, weight = 1.0}' in lua
+    assert '["alpha"] = {ceiling = 0, weight = 2.0, counted = false}' in lua
+    assert '["beta"] = {ceiling = 1, weight = 1.0, counted = false}' in lua
     assert "{" + ", ".join(f'"{name}"' for name in PRIORITY_CLASSES) + "}" in lua
 
 

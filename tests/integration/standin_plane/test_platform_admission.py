@@ -301,6 +301,8 @@ def test_a_tenant_over_its_reported_tokens_per_minute_is_refused_and_another_is_
     assert _chat(platform, "counted").status_code == 200
     assert _report(platform, "counted", 40) == 204
     refused = _chat(platform, "counted")
+    metrics = httpx.get(f"http://{LOOPBACK}:{platform.settings.prometheus_port}/sluice/metrics", timeout=10).text
+    assert 'sluice_platform_tokens_total{tenant="counted"} 100' in metrics.splitlines()
     _assert_refusal(refused, 429, REASON_QUOTA_EXCEEDED)
     assert refused.headers[RETRY_AFTER_HEADER] == "60" and "100 tokens per minute" in refused.json()["error"]["message"]
     assert _chat(platform, "alpha").status_code == 200
