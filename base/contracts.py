@@ -59,6 +59,8 @@ PREFILL_FALLBACK_HEADER = "x-serve-prefill-fallback"
 # one. `zero_compute` answers `max_tokens` copies of one token without running the model.
 ENGINE_STAND_IN_HEADER = "x-serve-engine-stand-in"
 ZERO_COMPUTE_STAND_IN = "zero_compute"
+# The simulator engine (`engine: sim`, services/replica/sim/): timed from a stated model, no model runs.
+SIM_STAND_IN = "sim"
 # Checked by the frontend when a stack turns API keys on, then removed: a replica never sees it.
 AUTHORIZATION_HEADER = "authorization"
 # Set by HAProxy on every request it forwards (and by every internal caller): the cluster's secret, without which the
@@ -162,6 +164,9 @@ CANARY_CRITERIA = ("ratio_503", "ttft_p99_s", "stream_error_ratio", "replica_imb
 HEALTH_PATH = "/-/healthz"
 # Where a replica (under its app's route prefix) says where its engine publishes KV events (`KVEventSources`).
 KV_EVENTS_PATH = "/internal/kv-events"
+# Where a replica (under its app's route prefix) says how loaded its engine is now (`EngineLoads`): the token load a
+# cache-aware router weighs against a cached prefix.
+ENGINE_LOAD_PATH = "/internal/engine-load"
 # A replica's Ray and vLLM versions (`ComponentVersions`), for `sluice check`.
 VERSIONS_PATH = "/internal/versions"
 DEFAULT_BIND_HOST = "127.0.0.1"

@@ -103,6 +103,32 @@ class KVEventSources(BaseModel):
     sources: dict[int, KVEventSource] = {}
 
 
+class EngineLoad(BaseModel):
+    """One engine rank's load as its scheduler last reported it: requests running and waiting, the KV tokens its
+    running requests hold (`kv_tokens_used`: the decode load) and, where the engine says, the prompt tokens it has
+    still to compute (`prefill_tokens_pending`; None where it does not: vLLM's scheduler statistics count waiting
+    requests, not their tokens)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    kv_tokens_used: int = Field(ge=0)
+    prefill_tokens_pending: int | None = Field(None, ge=0)
+    # The KV cache's size in tokens; the prefix cache's queries and hits (tokens) since the engine started.
+    kv_tokens_total: int | None = Field(None, ge=0)
+    prefix_cache_queries: int = Field(0, ge=0)
+    prefix_cache_hits: int = Field(0, ge=0)
+
+
+class EngineLoads(BaseModel):
+    """A replica's answer at `ENGINE_LOAD_PATH`: each engine rank's load (none before its first step)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ranks: dict[int, EngineLoad] = {}
+
+
 class ComponentVersions(BaseModel):
     """The Ray and vLLM a process runs (a replica's answer at `VERSIONS_PATH`; the CLI's own for `sluice check`)."""
 

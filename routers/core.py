@@ -243,6 +243,9 @@ class RoutingPolicy(ABC):
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
         """The replica set changed; the default keeps nothing per set."""
 
+    def after_decision(self) -> None:
+        """Called once a decision's answer is out: work a policy deferred off the decision's path (none by default)."""
+
     def _routable(self, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
         """The routable views (and `views_by_id`, and the replica set synced): O(N) for a new sequence, O(1) for
         the tuple of the last call, so a decision's cost does not grow with the replica count."""

@@ -1,33 +1,44 @@
-"""KVAware: send a request to the replica whose KV cache already holds the longest prefix of its prompt, unless that
-replica is saturated.
+"""KVAware: send a request to the replica where it costs the fewest tokens of work, counting the prefix its KV cache
+already holds; by cached prefix and in-flight counts where the engines report no load.
 
 The router turns the forwarded body into the prompt tokens vLLM will compute (`PromptTokens`: the served model's
-tokenizer and chat template), cuts them into the engine's KV blocks and scores each replica by how many leading
-blocks it holds (`KVBlockIndex`, fed by every replica's vLLM KV events; a replica that publishes none is scored by
-what this router itself sent there, `RoutedPrefixes`). Ranking, best first: more matched blocks, then fewer live
-in-flight requests (`live_in_flight`: the open requests its frontends last counted, plus this router's decisions
-since), then a tie-break hashed from the prompt's first block and the replica id (the same in every
-router, and spreading different prompts over equally loaded replicas). The primary is the best replica that is not
-saturated: its live in-flight plus this request would pass both `saturation_factor` times the mean (the bound of
-consistent hashing with bounded loads, Mirrokni et al. 2018) and `saturation_floor`, or its capacity. Fallbacks
-follow in rank order.
+tokenizer and chat template), cuts them into the engine's KV blocks and finds how many leading blocks each replica
+holds (`KVBlockIndex`, fed by every replica's vLLM KV events; a replica that publishes none is scored by what this
+router itself sent there, `RoutedPrefixes`).
 
-A replica whose event stream was lost (its publisher went away: it died or restarted) holds nothing and ranks last
-until its stream is back. Reasons: `match`, `approximate_match`, `saturated`, `miss`, `no_index`, `no_prompt`,
-`body_truncated`. Settings and measured figures: routers/README.md#kv_aware.
+**Token load** (every candidate's engine reported within `engine_load.STALE_AFTER_S`): a replica's cost is the
+prefill it would do, the prompt less its cached prefix, plus its token load: the prompt tokens it has still to
+compute and `decode_weight` times the KV its running requests hold (`EngineLoads`: the engines' reports plus this
+router's placements since). The prompt's length is the same everywhere, so the ranking is by load minus cached
+tokens (Dynamo's KV router weighs prefill and active blocks one to one). A hot prefix stays on the replica that
+caches it until the KV of its requests there outweighs a whole prefill elsewhere, then a second replica warms up:
+load follows the tokens, not the count of requests. A replica at its capacity is never the primary.
+
+**In-flight counts** (the fallback): more matched blocks first, then fewer live in-flight requests
+(`live_in_flight`: the open requests its frontends last counted, plus this router's decisions since); the primary is
+the best replica that is not saturated: its live in-flight plus this request would pass both `saturation_factor`
+times the mean (the bound of consistent hashing with bounded loads, Mirrokni et al. 2018) and `saturation_floor`, or
+its capacity.
+
+Either way ties break by a hash of the prompt's first block and the replica id (the same in every router, and
+spreading different prompts over equally loaded replicas); fallbacks follow in rank order. A replica whose event
+stream was lost (its publisher went away: it died or restarted) holds nothing and ranks last until its stream is
+back. Reasons: `match`, `approximate_match`, `saturated` (a longer match lost to load), `miss`, `no_index`,
+`no_prompt`, `body_truncated`. Settings and measured figures: routers/README.md#kv_aware.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mmh3
 from pydantic import Field
 
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
+from routers.engine_load import EngineLoads
 from routers.entry import PolicyContext, PolicyEntry, PolicyReport, PolicySettings
 from routers.kv_events import ReplicaEvents
 from routers.kv_index import KVBlockIndex, PromptChain, RoutedPrefixes
@@ -47,6 +58,12 @@ DEFAULT_SATURATION_FLOOR = 4
 # How long a replica without events is taken to keep a prefix this router sent it: a small cache under load turns
 # over in minutes; a longer guess sends conversations to blocks long evicted.
 DEFAULT_APPROXIMATE_TTL_S = 120.0
+# What a token of KV held by a running request weighs against a token of prefill: one to one, as Dynamo's KV router
+# and llm-d's load-aware scoring weigh them. Lower keeps prefixes together longer under load, higher spreads sooner.
+DEFAULT_DECODE_WEIGHT = 1.0
+# A prompt whose tokens were read only as far as the ranking needed counts its body's bytes at this many a token
+# (JSON-escaped English through a BPE vocabulary of 32k-128k tokens) when its load is added to the chosen replica.
+BODY_BYTES_PER_TOKEN = 4
 _TIE_SEED = 0x6B76
 
 
@@ -54,6 +71,7 @@ class KVAwareSettings(PolicySettings):
     saturation_factor: float = Field(DEFAULT_SATURATION_FACTOR, ge=1.0)
     saturation_floor: int = Field(DEFAULT_SATURATION_FLOOR, ge=1)
     approximate_ttl_s: float = Field(DEFAULT_APPROXIMATE_TTL_S, gt=0)
+    decode_weight: float = Field(DEFAULT_DECODE_WEIGHT, ge=0)
     num_fallback_replicas: int = Field(DEFAULT_NUM_FALLBACK_REPLICAS, ge=0)
 
 
@@ -68,34 +86,46 @@ class KVAware(RoutingPolicy):
     def __init__(
         self,
         tokenize: Tokenize,
+        read_left: Callable[[], None] | None = None,
         saturation_factor: float = DEFAULT_SATURATION_FACTOR,
         saturation_floor: int = DEFAULT_SATURATION_FLOOR,
         approximate_ttl_s: float = DEFAULT_APPROXIMATE_TTL_S,
         num_fallback_replicas: int = DEFAULT_NUM_FALLBACK_REPLICAS,
+        decode_weight: float = DEFAULT_DECODE_WEIGHT,
     ) -> None:
         if saturation_factor < 1.0:
             raise ValueError(f"saturation_factor must be >= 1.0, got {saturation_factor}")
         super().__init__()
         self.tokenize = tokenize
+        # What reads the prompt parts decisions left unread (`PromptTokens.read_left_pieces`), after the answer.
+        self.read_left = read_left
         self.saturation_factor = saturation_factor
         self.saturation_floor = saturation_floor
         self.num_fallback_replicas = num_fallback_replicas
+        self.decode_weight = decode_weight
         self.index = KVBlockIndex()
         self.routed_prefixes = RoutedPrefixes(approximate_ttl_s)
         # Set by whoever feeds the index (the router's event subscriber); a replica not named here has no index yet.
         self.sources: dict[str, ReplicaEvents] = {}
         # The engines' block size, as the replicas announce it; None until one did.
         self.block_size: int | None = None
+        # The engines' token loads, as the router service polls them.
+        self.engine_loads = EngineLoads()
         self._tie_keys: dict[str, int] = {}
 
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
         self._tie_keys = {replica_id: _tie_key(replica_id) for replica_id in replica_ids}
+
+    def after_decision(self) -> None:
+        if self.read_left is not None:
+            self.read_left()
 
     def replica_left(self, replica_id: str) -> None:
         """Forget everything about a replica that left the set."""
         self.index.cleared(replica_id)
         self.routed_prefixes.forget(replica_id)
         self.sources.pop(replica_id, None)
+        self.engine_loads.forget(replica_id)
 
     def live_in_flight(self, view: ReplicaView) -> int:
         """A replica's open requests as its frontends last counted them, plus what this router sent it since; with
@@ -104,57 +134,79 @@ class KVAware(RoutingPolicy):
             return view.in_flight + self.tracker.placed_since_sample(view.replica_id)
         return super().live_in_flight(view)
 
+    def token_loads(self, replicas: list[ReplicaView]) -> dict[str, float] | None:
+        """Each replica's token load (prefill to come plus `decode_weight` times its running KV), or None unless
+        every one of them has a fresh report."""
+        loads = {}
+        for view in replicas:
+            load = self.engine_loads.load(view.replica_id)
+            if load is None:
+                return None
+            loads[view.replica_id] = load.prefill_tokens + self.decode_weight * load.kv_tokens
+        return loads
+
     def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
-        keys, reason = self._prompt_keys(request)
+        token_loads = self.token_loads(replicas)
+        keys, prompt_tokens, reason = self._prompt_keys(request, token_loads)
         matched = self._matched(keys, replicas)
         first = keys[0] if keys else mmh3.hash64(request.request_id, signed=False)[0]
-        loads = {view.replica_id: self.live_in_flight(view) for view in replicas}
+        if token_loads is not None:
+            block_size = self.block_size or 0
+            costs = {rid: load - matched[rid] * block_size for rid, load in token_loads.items()}
+        else:
+            costs = {view.replica_id: self.live_in_flight(view) for view in replicas}
 
-        def order(view: ReplicaView) -> tuple[bool, int, int, int]:
+        def order(view: ReplicaView) -> tuple[bool, float, int, int]:
             tie = self._tie_keys.get(view.replica_id) or _tie_key(view.replica_id)
             lost_stream = self.sources.get(view.replica_id) == ReplicaEvents.LOST
-            return lost_stream, -matched[view.replica_id], loads[view.replica_id], tie ^ first
+            if token_loads is not None:
+                return lost_stream, costs[view.replica_id], 0, tie ^ first
+            return lost_stream, -matched[view.replica_id], costs[view.replica_id], tie ^ first
 
         ranked = sorted(replicas, key=order)
-        best = ranked[0]
-        bound = max(
-            self.saturation_floor, math.ceil(self.saturation_factor * (sum(loads.values()) + 1) / len(replicas))
-        )
+        if token_loads is not None:
+            primary = next((view for view in ranked if not self._full(view)), ranked[0])
+        else:
+            bound = max(
+                self.saturation_floor, math.ceil(self.saturation_factor * (sum(costs.values()) + 1) / len(replicas))
+            )
+            primary = next(
+                (view for view in ranked if not self._saturated(view, costs[view.replica_id], bound)), ranked[0]
+            )
+        longest = max(matched.values())
         if reason is None:
-            if matched[best.replica_id] == 0:
+            if longest == 0:
                 reason = "miss"
-            elif self.sources.get(best.replica_id) == ReplicaEvents.APPROXIMATE:
+            elif matched[primary.replica_id] < longest:
+                reason = "saturated"
+            elif self.sources.get(primary.replica_id) == ReplicaEvents.APPROXIMATE:
                 reason = "approximate_match"
             else:
                 reason = "match"
-        primary = next((view for view in ranked if not self._saturated(view, loads[view.replica_id], bound)), best)
-        if primary is not best and matched[best.replica_id] > 0:
-            reason = "saturated"
         if keys and self.sources.get(primary.replica_id) == ReplicaEvents.APPROXIMATE:
             self.routed_prefixes.routed(primary.replica_id, keys)
+        estimated_prompt = max(prompt_tokens, len(request.body_prefix) // BODY_BYTES_PER_TOKEN)
+        cached = min(matched[primary.replica_id] * (self.block_size or 0), estimated_prompt)
+        self.engine_loads.placed(primary.replica_id, estimated_prompt, estimated_prompt - cached)
         fallbacks = [view for view in ranked if view is not primary][: self.num_fallback_replicas]
         return [[primary], *([view] for view in fallbacks)], reason
 
-    def _prompt_keys(self, request: RouteRequest) -> tuple[list[int], str | None]:
-        """The request's block chain keys, or none and the reason it has none."""
+    def _prompt_keys(
+        self, request: RouteRequest, token_loads: dict[str, float] | None
+    ) -> tuple[list[int], int, str | None]:
+        """The request's block chain keys and how many of its tokens were read, or none and the reason."""
         if self.block_size is None:
-            return [], "no_index"
+            return [], 0, "no_index"
         if request.body_truncated:
-            return [], "body_truncated"
+            return [], 0, "body_truncated"
         # A replica scored by what this router sent it learns the whole prompt: tokenize all of it then.
         approximate = ReplicaEvents.APPROXIMATE in self.sources.values()
         chain = PromptChain(self.block_size)
-        tokens = self.tokenize(request.body_prefix, None if approximate else lambda part: self._read_on(chain, part))
+        settled = _Settled(self.index, chain, token_loads, self.block_size)
+        tokens = self.tokenize(request.body_prefix, None if approximate else settled.read_on)
         if tokens is None:
-            return [], "no_prompt"
-        return chain.extended(tokens), None
-
-    def _read_on(self, chain: PromptChain, leading_tokens: Sequence[int]) -> bool:
-        """Whether the prompt past these leading tokens can change the ranking: while they hold no whole block, or
-        while two or more replicas hold the last one. A replica that lacks block k matches fewer than k blocks
-        whatever follows, so once one replica or none holds it, every replica's order is settled."""
-        keys = chain.extended(leading_tokens)
-        return not keys or self.index.holder_count(keys[-1]) >= 2
+            return [], 0, "no_prompt"
+        return chain.extended(tokens), len(tokens), None
 
     def _matched(self, keys: list[int], replicas: list[ReplicaView]) -> dict[str, int]:
         ids = [view.replica_id for view in replicas]
@@ -166,9 +218,47 @@ class KVAware(RoutingPolicy):
                 matched[replica_id] = self.routed_prefixes.matched_blocks(keys, replica_id)
         return matched
 
+    def _full(self, view: ReplicaView) -> bool:
+        """Taking one more would pass the replica's capacity; a lost stream counts as full."""
+        return self.live_in_flight(view) + 1 > view.capacity or self.sources.get(view.replica_id) == ReplicaEvents.LOST
+
     def _saturated(self, view: ReplicaView, load: int, bound: int) -> bool:
         """Taking one more would pass the bound or the replica's capacity; a lost stream counts as saturated."""
         return load + 1 > min(bound, view.capacity) or self.sources.get(view.replica_id) == ReplicaEvents.LOST
+
+
+class _Settled:
+    """Whether the prompt past its leading tokens can change the ranking (`read_on`). While they hold no whole block,
+    or two or more replicas hold the last one, yes. When none does, no: a replica that lacks block k matches fewer
+    than k blocks whatever follows. When one replica alone holds it, by in-flight counts no (it leads whatever
+    follows); by token load only while it does not win yet: each block more it holds lowers its cost alone, and
+    every other replica's match is settled, so once it wins with what it holds so far it wins with the rest."""
+
+    def __init__(
+        self, index: KVBlockIndex, chain: PromptChain, token_loads: dict[str, float] | None, block_size: int
+    ) -> None:
+        self.index = index
+        self.chain = chain
+        self.token_loads = token_loads
+        self.block_size = block_size
+        self._two_lowest = sorted(token_loads.items(), key=lambda item: item[1])[:2] if token_loads else []
+
+    def read_on(self, leading_tokens: Sequence[int]) -> bool:
+        keys = self.chain.extended(leading_tokens)
+        if not keys:
+            return True
+        holders = self.index.holders(keys[-1])
+        if len(holders) != 1:
+            return len(holders) >= 2
+        if self.token_loads is None:
+            return False
+        (holder,) = holders
+        load = self.token_loads.get(holder)
+        others = [tokens for rid, tokens in self._two_lowest if rid != holder]
+        if load is None or not others:
+            return False
+        # Every other replica lacks the last block: its cost is at least its load less the blocks before it.
+        return load - self.block_size >= others[0]
 
 
 def _build(settings: KVAwareSettings, context: PolicyContext) -> KVAware:
@@ -176,10 +266,12 @@ def _build(settings: KVAwareSettings, context: PolicyContext) -> KVAware:
         raise ValueError("kv_aware needs the served model's tokenizer (the router's model_path)")
     return KVAware(
         context.tokenize,
+        getattr(context.tokenize, "read_left_pieces", None),
         saturation_factor=settings.saturation_factor,
         saturation_floor=settings.saturation_floor,
         approximate_ttl_s=settings.approximate_ttl_s,
         num_fallback_replicas=settings.num_fallback_replicas,
+        decode_weight=settings.decode_weight,
     )
 
 

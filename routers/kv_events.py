@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from routers.engine_load import EngineLoads
 from routers.kv_index import KVBlockIndex
 
 END_OF_REPLAY = -1
@@ -40,11 +41,12 @@ class ReplicaEvents(StrEnum):
 class KVEventTarget(Protocol):
     """What the router service's KV event subscriber feeds: a policy scored by its replicas' KV events (its entry's
     `kv_event_target`). `sources` says where each replica's score comes from; `block_size` is the engines' as
-    announced (None until one did)."""
+    announced (None until one did); `engine_loads`, what the router's engine load poller feeds."""
 
     index: KVBlockIndex
     sources: dict[str, ReplicaEvents]
     block_size: int | None
+    engine_loads: EngineLoads
 
     def replica_left(self, replica_id: str) -> None: ...
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 # Where the chain starts: block 0's parent key.
 ROOT_KEY = 0x5_1CE_C0DE
+_NONE: set[str] = set()
 
 
 def chain_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
@@ -116,9 +117,9 @@ class KVBlockIndex:
             if not holders:
                 del self._holders[key]
 
-    def holder_count(self, key: int) -> int:
-        """How many replicas hold the block of this chain key."""
-        return len(self._holders.get(key, ()))
+    def holders(self, key: int) -> set[str]:
+        """The replicas holding the block of this chain key (the index's own set: read, never change it)."""
+        return self._holders.get(key, _NONE)
 
     def matched_blocks(self, keys: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """How many leading blocks of `keys` each of `replica_ids` holds (0 when none)."""

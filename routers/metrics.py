@@ -1,6 +1,7 @@
 """Why each routing decision went the way it did, counted per policy and exported to Prometheus; and the capacity
 ledger's tokens (`LEDGER_METRICS`, the last snapshot a capacity-metered router read at its scrape, per app), and a
-kv_aware router's replicas by where their scores come from (`KV_REPLICAS`).
+kv_aware router's replicas by where their scores come from (`KV_REPLICAS`), and the CPU time of each decision on the
+route agent (`DECISION_SECONDS`).
 
 Reasons are a small fixed vocabulary per policy, so the label set stays low-cardinality. Every router of an app
 exports the same ledger: aggregate across routers with `max`, never `sum`. More: routers/README.md#metrics.
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 DECISIONS_TOTAL = Counter(
@@ -25,6 +26,13 @@ EVENTS_TOTAL = Counter(
     ["policy", "event"],
 )
 
+# A decision takes 5-150 µs of CPU on these machines (docs/design.md §5): buckets from 25 µs to 25 ms.
+DECISION_SECONDS = Histogram(
+    "sluice_router_decision_seconds",
+    "CPU time of each routing decision answered on the route agent, its frame decoded and answer encoded.",
+    ["app", "policy"],
+    buckets=(25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 700e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3),
+)
 KV_REPLICAS = Gauge(
     "sluice_router_kv_replicas",
     "A kv_aware router's target replicas by where their scores come from (events, approximate, lost).",
@@ -35,8 +43,10 @@ KV_REPLICAS = Gauge(
 class DecisionCounts:
     """Per-policy-instance tallies (what tests read) mirrored into the process-wide counters."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, exported: bool = True) -> None:
+        """`exported` False: tallies only (a shadow policy's decisions are not the router's)."""
         self.policy = policy
+        self.exported = exported
         self.decisions: Tally[str] = Tally()
         self.events: Tally[str] = Tally()
         self.last_reason = ""
@@ -45,6 +55,8 @@ class DecisionCounts:
     def record(self, reason: str) -> None:
         self.decisions[reason] += 1
         self.last_reason = reason
+        if not self.exported:
+            return
         child = self._decision_children.get(reason)
         if child is None:
             child = self._decision_children[reason] = DECISIONS_TOTAL.labels(self.policy, reason)
@@ -52,7 +64,8 @@ class DecisionCounts:
 
     def event(self, name: str, amount: int = 1) -> None:
         self.events[name] += amount
-        EVENTS_TOTAL.labels(self.policy, name).inc(amount)
+        if self.exported:
+            EVENTS_TOTAL.labels(self.policy, name).inc(amount)
 
 
 # The ledger snapshot's counters (`CapacityLedger.snapshot`) -> the `event` label of `sluice_ledger_token_events`.

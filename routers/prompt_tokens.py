@@ -25,13 +25,17 @@ work (for kv_aware: one no replica holds, or only one does), so a new 1k-token p
 its whole length (and when it reads on, the rest is encoded from the cut: no token twice). The head is cut before a
 space that follows a non-space, where a tokenizer that splits words at spaces first (byte-level BPE, Metaspace,
 whitespace) gives exactly the leading tokens of the whole piece; for any other tokenizer every piece is encoded whole.
+The pieces a decision left unread are read and cached by `read_left_pieces`, which the router calls once the
+decision's answer is out: the next prompt that needs them (the second request of a new system prompt, which one
+replica now holds) finds them cached instead of paying their whole length inside its decision (measured here: 5.7 ms
+for a new 1,536-token piece, 0.1 ms cached).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +50,8 @@ PIECE_MAX_CHARS = 64 * 1024
 MAX_PROMPT_CHARS = 64 * 1024
 # Chat template kwargs vLLM refuses from a request (`resolve_chat_template_kwargs`).
 REFUSED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})
+# Pieces left unread by decisions, kept to be read after them: a burst of new prompts' pieces.
+UNREAD_PIECES = 64
 # The head of a long new piece tokenized first: about 200 tokens of English, more than one KV block of any common
 # size (16-128 tokens), so `read_on` can answer after it. Only pieces over twice this long are cut.
 HEAD_CHARS = 1024
@@ -92,6 +98,7 @@ class PromptTokens:
         self._tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._backend = self._tokenizer.backend_tokenizer
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._unread: deque[str] = deque(maxlen=UNREAD_PIECES)
         self._pieces_chars = 0
         self._template_variables = _template_variables(self._tokenizer.chat_template)
         added = self._tokenizer.added_tokens_decoder.values()
@@ -107,6 +114,13 @@ class PromptTokens:
     def cached_chars(self) -> int:
         """Characters of the pieces the cache holds."""
         return self._pieces_chars
+
+    def text_tokens(self, text: str) -> list[int]:
+        """A text's token ids, without special tokens."""
+        return self._encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(token_ids))
 
     def __call__(self, body: bytes, read_on: ReadOn | None = None) -> list[int] | None:
         return self.tokens(body, read_on)
@@ -167,23 +181,40 @@ class PromptTokens:
         if self._splitter is None:
             return self._encode(text)
         tokens: list[int] = []
-        for piece in self._splitter.split(text):
+        pieces = self._splitter.split(text)
+        for index, piece in enumerate(pieces):
             added = self._added_ids.get(piece)
             if added is not None:
                 tokens.append(added)
                 continue
             if read_on is not None and piece not in self._pieces:
                 if not read_on(tokens):
+                    self._left_unread(pieces[index:])
                     return tokens
                 cut = head_cut(piece) if self._cuts_heads else None
                 if cut is not None:
                     head = self._encode(piece[:cut])
                     if not read_on(tokens + head):
+                        self._left_unread(pieces[index:])
                         return tokens + head
                     tokens.extend(self._remember(piece, head + self._encode(piece[cut:])))
                     continue
             tokens.extend(self._piece(piece))
         return tokens
+
+    def _left_unread(self, pieces: list[str]) -> None:
+        """Pieces a decision did not need: read later (`read_left_pieces`), so the next prompt that needs them finds
+        them cached."""
+        for piece in pieces:
+            if piece not in self._added_ids and piece not in self._pieces and len(piece) <= PIECE_MAX_CHARS:
+                self._unread.append(piece)
+
+    def read_left_pieces(self) -> None:
+        """Tokenize and cache the pieces decisions left unread (off a decision's path: after its answer is out)."""
+        while self._unread:
+            piece = self._unread.popleft()
+            if piece not in self._pieces:
+                self._remember(piece, self._encode(piece))
 
     def _reads(self, kwarg: str) -> bool:
         return self._template_variables is None or kwarg in self._template_variables

@@ -19,12 +19,13 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
-from base.contracts import FAULT_PATH, KV_EVENTS_PATH, VERSIONS_PATH
+from base.contracts import ENGINE_LOAD_PATH, FAULT_PATH, KV_EVENTS_PATH, VERSIONS_PATH
 from base.route_wire import ComponentVersions, KVEventSource, KVEventSources
 from base.runtime import engine_env, free_port
 from routers.ledger_actor import ledger_actor_name
 from services.internal_credential import InternalCredentialMiddleware, internal_credential, internal_headers
 from services.replica.asgi_call import ResponseStart, stream_asgi
+from services.replica.engine_load import EngineLoadBoard, load_logger_factory
 from services.replica.llm_config import LLMAppConfig
 from services.replica.middleware.capacity_release import CapacityReleaseMiddleware, NamedLedgerClient
 from services.replica.middleware.disconnect_on_cancel import DisconnectOnCancelMiddleware
@@ -64,10 +65,12 @@ class LLMReplica:
             engine = engine.model_copy(update={"extra_args": {**engine.extra_args, **rank_args}})
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(context.rank.local_rank, 1)
         self._args = parse_engine_args(engine)
-        self._engine = start_engine(self._args)
+        self._load = EngineLoadBoard()
+        self._engine = start_engine(self._args, [load_logger_factory(self._load)])
         self._app = await build_openai_app(self._serving_engine(), self._args)
         self._kv_events_off = False
         self._app.add_api_route(KV_EVENTS_PATH, self.kv_event_sources, methods=["GET"])
+        self._app.add_api_route(ENGINE_LOAD_PATH, self.engine_load, methods=["GET"])
         self._app.add_api_route(VERSIONS_PATH, self.versions, methods=["GET"])
         if self._config.fault_injection:
             self._app.add_api_route(FAULT_PATH, self.inject_fault, methods=["POST"], status_code=204)
@@ -137,6 +140,10 @@ class LLMReplica:
         }
         block_size = self._engine.vllm_config.cache_config.block_size
         return JSONResponse(KVEventSources(block_size=block_size, sources=sources).model_dump(mode="json"))
+
+    async def engine_load(self) -> JSONResponse:
+        """The engine ranks' load as their schedulers last reported it."""
+        return JSONResponse(self._load.report().model_dump(mode="json"))
 
     async def versions(self) -> JSONResponse:
         """The Ray and vLLM this replica runs."""

@@ -59,7 +59,8 @@ def check_engine_args(config: EngineConfig) -> argparse.Namespace:
         raise EngineArgsError(str(error)) from None
 
 
-def start_engine(args: argparse.Namespace) -> AsyncLLM:
+def start_engine(args: argparse.Namespace, stat_loggers: list | None = None) -> AsyncLLM:
+    """The engine of `args`; `stat_loggers`: vLLM stat logger factories beside its own (the load board's)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -71,6 +72,7 @@ def start_engine(args: argparse.Namespace) -> AsyncLLM:
         usage_context=UsageContext.OPENAI_API_SERVER,
         enable_log_requests=engine_args.enable_log_requests,
         disable_log_stats=engine_args.disable_log_stats,
+        stat_loggers=stat_loggers,
     )
 
 

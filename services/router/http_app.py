@@ -9,6 +9,7 @@ entry: no policy class is named here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from base.contracts import (
 )
 from base.route_wire import Membership, RouteRefusal, RouteReply
 from infra.observability.targets import METRICS_PATH
-from routers.core import Decision, NoReplicaAvailable, ReplicaView, RoutingPolicy
+from routers.core import Decision, NoReplicaAvailable, ReplicaView, RouteRequest, RoutingPolicy
 from routers.registry import policy_entry, table_of
 from services.router.fault import InjectedFault
 from services.router.membership import FrontendMembership
@@ -66,10 +67,11 @@ def build_router_app(
     policy: RoutingPolicy,
     replicas: Callable[[], Sequence[ReplicaView]],
     prefill: PrefillChooser | None = None,
+    after_decision: Callable[[Sequence[ReplicaView], RouteRequest, Decision], None] | None = None,
 ) -> FastAPI:
     """The router's HTTP app; `replicas()` gives the current views of the target app's replicas, which
     each route call narrows to those its frontend published (`FrontendMembership`). With `prefill`, every reply
-    also names the prefill replica."""
+    also names the prefill replica; `after_decision(views, request, decision)` is called once each answer is out."""
     app = FastAPI(title="sluice router", openapi_url=None, docs_url=None, redoc_url=None)
     routed = ROUTED_TOTAL.labels(settings.target_app, policy.name)
     truncated_bodies = TRUNCATED_TOTAL.labels(settings.target_app)
@@ -87,11 +89,15 @@ def build_router_app(
         frontend = headers.get(FRONTEND_HEADER) or None
         try:
             prefill_replica = prefill.choose(route_request) if prefill is not None else None
-            decision = await policy.decide(membership.routable(replicas(), frontend), route_request)
+            views = membership.routable(replicas(), frontend)
+            decision = await policy.decide(views, route_request)
         except NoReplicaAvailable as refusal:
             REFUSED_TOTAL.labels(settings.target_app, policy.name, refusal.reason).inc()
             return 503, RouteRefusal(reason=refusal.reason)
         routed.inc()
+        if after_decision is not None:
+            # After the answer is on its way: what follows the decision (the shadows) never delays it.
+            asyncio.get_running_loop().call_soon(after_decision, views, route_request, decision)
         return 200, route_reply(decision, prefill_replica)
 
     app.state.answer_route = answer

@@ -25,6 +25,7 @@ from routers.registry import (
     validate_settings,
 )
 from routers.registry import build_policy as build_registered_policy
+from routers.shadows import ShadowPolicies, shadow_refusal
 from services.replica.llm_config import LLM_DEPLOYMENT_NAME
 
 
@@ -86,6 +87,9 @@ class RouterSettings(PolicyChoice):
     model_path: str | None = None
     # The target app's route prefix: where its replicas answer `KV_EVENTS_PATH` (a policy fed by KV events).
     target_route_prefix: str = ""
+    # Policies that rank every request beside the live one, scored on what they would have cached
+    # (`routers.shadows`); they need the served model's files (`model_path`) and the replicas' KV events.
+    shadow_policies: list[str] = Field(default_factory=list)
     # How long HAProxy waits for the route agent's answer (SPOE's processing timeout): a decision still pending then
     # is cancelled, so a capacity wait gives its grant back instead of holding a token no request carries. None: no
     # bound (a router no frontend's agent calls).
@@ -102,7 +106,23 @@ class RouterSettings(PolicyChoice):
     def _prompt_source(self) -> RouterSettings:
         if policy_entry(self.policy).needs_prompt and self.model_path is None:
             raise ValueError(f"{self.policy} reads the prompt's tokens: give model_path (the served model's files)")
+        if self.shadow_policies and self.model_path is None:
+            raise ValueError("shadow policies are scored on the prompt's tokens: give model_path")
         return self
+
+    @field_validator("shadow_policies")
+    @classmethod
+    def _shadowable(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if name not in policy_names():
+                raise ValueError(f"unknown shadow policy {name!r}: one of {', '.join(policy_names())}")
+            entry = policy_entry(name)
+            refusal = shadow_refusal(entry.needs_prompt, entry.needs_ledger)
+            if refusal is not None:
+                raise ValueError(f"{name} cannot shadow: it {refusal}")
+        if len(set(names)) != len(names):
+            raise ValueError("a shadow policy is named twice")
+        return names
 
 
 class RouterAppArgs(BaseModel):
@@ -130,6 +150,20 @@ def build_policy(settings: RouterSettings, ledger: LedgerClient | None = None) -
     policy = build_registered_policy(settings.policy, settings.policy_kwargs, context)
     policy.tracker = InFlightTracker(forget_after_s=settings.forget_after_s)
     return policy
+
+
+def build_shadows(settings: RouterSettings) -> ShadowPolicies | None:
+    """The settings' shadow policies (None: none), each built with its default kwargs."""
+    if not settings.shadow_policies or settings.model_path is None:
+        return None
+    from routers.prompt_tokens import PromptTokens
+
+    shadows = {}
+    for name in settings.shadow_policies:
+        policy = build_stateless_policy(name, {})
+        policy.tracker = InFlightTracker(forget_after_s=settings.forget_after_s)
+        shadows[name] = policy
+    return ShadowPolicies(settings.policy, shadows, PromptTokens(settings.model_path))
 
 
 def build_prefill_policy(settings: RouterSettings, side: PrefillTarget) -> RoutingPolicy:

@@ -1,4 +1,5 @@
-"""`sluice bench replica | direct | pd | paths | routers | tls | soak | overload`: benchmarks, never tests."""
+"""`sluice bench replica | direct | pd | paths | routers | policies | tls | soak | overload`: benchmarks, never
+tests."""
 
 from __future__ import annotations
 
@@ -115,6 +116,43 @@ def _bench_routers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_policies(args: argparse.Namespace) -> int:
+    """Every policy on every workload over simulated replicas (sluice/bench/policies.py); no Ray."""
+    from base.tiny_model import ensure_built
+    from sluice.bench.policies import run_policy_bench
+
+    run_policy_bench(
+        ensure_built(Path(args.model)),
+        Path(args.out),
+        tuple(args.replicas),
+        tuple(args.workloads),
+        tuple(args.policies),
+        shadow=not args.no_shadow,
+    )
+    return 0
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: replica counts separated by commas, e.g. 8,32,64") from None
+    if any(count < 2 or count > 256 for count in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: each replica count from 2 to 256")
+    return counts
+
+
+def _names(choices: tuple[str, ...]) -> Any:
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        unknown = [name for name in names if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}: choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
 def _load_duration(text: str) -> float:
     """A load's length in seconds, refused before any stack starts when a campaign could not run it."""
     from loadtests.campaign import load_seconds
@@ -153,6 +191,24 @@ def register(commands: Any) -> None:
     routers.add_argument("--no-actor", action="store_true", help="skip the Ray actor ledger round trip")
     routers.add_argument("--model", default=str(default_model_dir()), help="the model whose tokenizer kv_aware uses")
     routers.set_defaults(func=_bench_routers)
+    from sluice.bench.policy_workloads import BENCH_POLICIES, DEFAULT_REPLICAS, POLICY_WORKLOADS
+
+    policies = bench_commands.add_parser(
+        "policies", help="every policy x workload x replica count on simulated replicas: hit rates, TTFT, load spread"
+    )
+    policies.add_argument("--replicas", type=_counts, default=list(DEFAULT_REPLICAS), help="e.g. 8,32,64")
+    policies.add_argument(
+        "--workloads", type=_names(POLICY_WORKLOADS), default=list(POLICY_WORKLOADS), help="comma-separated, e.g. mixed"
+    )
+    policies.add_argument(
+        "--policies", type=_names(BENCH_POLICIES), default=list(BENCH_POLICIES), help="comma-separated, e.g. kv_aware"
+    )
+    policies.add_argument("--no-shadow", action="store_true", help="skip the shadow policy runs at 16 replicas")
+    policies.add_argument(
+        "--model", default=str(default_model_dir()), help="the model whose tokenizer and template the prompts use"
+    )
+    policies.add_argument("--out", default=".cache/bench", help="where policies.json goes")
+    policies.set_defaults(func=_bench_policies)
     tls = bench_commands.add_parser("tls", help="TTFT and tokens/s through one frontend over TLS and over plain HTTP")
     tls.add_argument("--out", default=".cache/bench", help="where tls.json goes")
     tls.set_defaults(func=_bench_tls)

@@ -61,6 +61,10 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "bench pd": ("sluice bench pd --samples 20",),
     "bench paths": ("sluice bench paths --out .cache/bench",),
     "bench routers": ("sluice bench routers --no-actor",),
+    "bench policies": (
+        "sluice bench policies --replicas 64",
+        "sluice bench policies --replicas 8 --workloads multi_turn --policies kv_aware,consistent_hash --no-shadow",
+    ),
     "bench soak": ("sluice bench soak --duration 1800",),
     "bench overload": ("sluice bench overload --duration 60",),
     "bench tls": ("sluice bench tls",),

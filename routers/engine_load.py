@@ -1,0 +1,106 @@
+"""Each replica's token load as its engine last reported it, plus what this router placed there since: the load a
+cache-aware policy weighs against a cached prefix (`kv_aware`).
+
+An engine's load in tokens is the KV its running requests hold (every decode step reads all of it: the decode load)
+plus the prompt tokens it has still to compute (its prefill queue). The engines report both (`base.route_wire.
+EngineLoad`, polled by the router service); vLLM's scheduler statistics count waiting requests but not their tokens,
+so a waiting request there counts as the mean prompt this router placed. A request placed since the last report
+adds its prompt: the blocks cached there join the running KV at once, the rest is prefill to come. Every router of an
+app reads the same reports, so they agree but for their own placements of the last poll interval.
+
+A report older than `STALE_AFTER_S` is no report: the policy then falls back to in-flight counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Ten missed polls (the router asks every `ENGINE_LOAD_POLL_S`): an engine that stopped answering is not taken as
+# idle for long.
+STALE_AFTER_S = 5.0
+# A waiting request's prompt before this router placed any (vLLM reports waiting requests, not tokens).
+DEFAULT_MEAN_PROMPT_TOKENS = 512
+# Weight of the newest placement in the running mean of placed prompts: about the last 50.
+_MEAN_WEIGHT = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedLoad:
+    kv_tokens_used: int
+    waiting: int
+    prefill_tokens_pending: int | None
+    at: float
+    # The engine's KV cache in tokens, and its prefix cache counters since it started (tokens).
+    kv_tokens_total: int | None = None
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLoad:
+    """A replica's KV tokens held by running requests (the decode load) and prompt tokens it has still to compute."""
+
+    kv_tokens: int
+    prefill_tokens: int
+
+
+class EngineLoads:
+    """Token load per replica view id: the engines' reports plus this router's placements since each."""
+
+    def __init__(self, stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._reports: dict[str, ReportedLoad] = {}
+        # Per view: (cached prompt tokens, prompt tokens to compute) placed since its last report.
+        self._placed_since: dict[str, tuple[int, int]] = {}
+        self.mean_prompt_tokens = float(DEFAULT_MEAN_PROMPT_TOKENS)
+
+    def reported(
+        self,
+        view_id: str,
+        kv_tokens_used: int,
+        waiting: int,
+        prefill_tokens_pending: int | None = None,
+        kv_tokens_total: int | None = None,
+        prefix_queries: int = 0,
+        prefix_hits: int = 0,
+    ) -> None:
+        """A new report from the view's engine: it holds every placement made before it."""
+        self._reports[view_id] = ReportedLoad(
+            kv_tokens_used, waiting, prefill_tokens_pending, self._clock(), kv_tokens_total, prefix_queries, prefix_hits
+        )
+        self._placed_since[view_id] = (0, 0)
+
+    def placed(self, view_id: str, prompt_tokens: int, prefill_tokens: int) -> None:
+        """A request placed on the view: its prompt, of which `prefill_tokens` are not cached there."""
+        kv, prefill = self._placed_since.get(view_id, (0, 0))
+        self._placed_since[view_id] = (kv + prompt_tokens - prefill_tokens, prefill + prefill_tokens)
+        self.mean_prompt_tokens += _MEAN_WEIGHT * (prompt_tokens - self.mean_prompt_tokens)
+
+    def forget(self, view_id: str) -> None:
+        self._reports.pop(view_id, None)
+        self._placed_since.pop(view_id, None)
+
+    def load(self, view_id: str) -> TokenLoad | None:
+        """The view's token load now; None without a fresh report."""
+        report = self._reports.get(view_id)
+        if report is None or self._clock() - report.at > self.stale_after_s:
+            return None
+        pending = report.prefill_tokens_pending
+        if pending is None:
+            pending = round(report.waiting * self.mean_prompt_tokens)
+        kv, prefill = self._placed_since.get(view_id, (0, 0))
+        return TokenLoad(report.kv_tokens_used + kv, pending + prefill)
+
+    def cache_tokens(self) -> int | None:
+        """The smallest KV cache any engine reported, in tokens (None: none did)."""
+        sizes = [report.kv_tokens_total for report in self._reports.values() if report.kv_tokens_total]
+        return min(sizes) if sizes else None
+
+    def prefix_hit_ratio(self) -> float | None:
+        """The engines' prefix cache hits over queries (tokens), summed over the replicas reporting now."""
+        queries = sum(report.prefix_queries for report in self._reports.values())
+        hits = sum(report.prefix_hits for report in self._reports.values())
+        return round(hits / queries, 4) if queries else None
