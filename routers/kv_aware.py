@@ -60,7 +60,10 @@ DEFAULT_SATURATION_FLOOR = 4
 DEFAULT_APPROXIMATE_TTL_S = 120.0
 # What a token of KV held by a running request weighs against a token of prefill: one to one, as Dynamo's KV router
 # and llm-d's load-aware scoring weigh them. Lower keeps prefixes together longer under load, higher spreads sooner.
-DEFAULT_DECODE_WEIGHT = 1.0
+DEFAULT_DECODE_WEIGHT = 0.25
+# What a token of the request's own prefill weighs against a token of the replica's load. Above 1: a miss is work the
+# whole stack does (and the next requests queue behind), not only this request's wait.
+DEFAULT_PREFIX_WEIGHT = 4.0
 # A prompt whose tokens were read only as far as the ranking needed counts its body's bytes at this many a token
 # (JSON-escaped English through a BPE vocabulary of 32k-128k tokens) when its load is added to the chosen replica.
 BODY_BYTES_PER_TOKEN = 4
@@ -72,6 +75,7 @@ class KVAwareSettings(PolicySettings):
     saturation_floor: int = Field(DEFAULT_SATURATION_FLOOR, ge=1)
     approximate_ttl_s: float = Field(DEFAULT_APPROXIMATE_TTL_S, gt=0)
     decode_weight: float = Field(DEFAULT_DECODE_WEIGHT, ge=0)
+    prefix_weight: float = Field(DEFAULT_PREFIX_WEIGHT, ge=0)
     num_fallback_replicas: int = Field(DEFAULT_NUM_FALLBACK_REPLICAS, ge=0)
 
 
@@ -92,6 +96,7 @@ class KVAware(RoutingPolicy):
         approximate_ttl_s: float = DEFAULT_APPROXIMATE_TTL_S,
         num_fallback_replicas: int = DEFAULT_NUM_FALLBACK_REPLICAS,
         decode_weight: float = DEFAULT_DECODE_WEIGHT,
+        prefix_weight: float = DEFAULT_PREFIX_WEIGHT,
     ) -> None:
         if saturation_factor < 1.0:
             raise ValueError(f"saturation_factor must be >= 1.0, got {saturation_factor}")
@@ -103,6 +108,7 @@ class KVAware(RoutingPolicy):
         self.saturation_floor = saturation_floor
         self.num_fallback_replicas = num_fallback_replicas
         self.decode_weight = decode_weight
+        self.prefix_weight = prefix_weight
         self.index = KVBlockIndex()
         self.routed_prefixes = RoutedPrefixes(approximate_ttl_s)
         # Set by whoever feeds the index (the router's event subscriber); a replica not named here has no index yet.
@@ -152,7 +158,8 @@ class KVAware(RoutingPolicy):
         first = keys[0] if keys else mmh3.hash64(request.request_id, signed=False)[0]
         if token_loads is not None:
             block_size = self.block_size or 0
-            costs = {rid: load - matched[rid] * block_size for rid, load in token_loads.items()}
+            weight = self.prefix_weight * block_size
+            costs = {rid: load - matched[rid] * weight for rid, load in token_loads.items()}
         else:
             costs = {view.replica_id: self.live_in_flight(view) for view in replicas}
 
@@ -202,7 +209,7 @@ class KVAware(RoutingPolicy):
         # A replica scored by what this router sent it learns the whole prompt: tokenize all of it then.
         approximate = ReplicaEvents.APPROXIMATE in self.sources.values()
         chain = PromptChain(self.block_size)
-        settled = _Settled(self.index, chain, token_loads, self.block_size)
+        settled = _Settled(self.index, chain, token_loads, self.block_size * self.prefix_weight)
         tokens = self.tokenize(request.body_prefix, None if approximate else settled.read_on)
         if tokens is None:
             return [], 0, "no_prompt"
@@ -235,12 +242,13 @@ class _Settled:
     every other replica's match is settled, so once it wins with what it holds so far it wins with the rest."""
 
     def __init__(
-        self, index: KVBlockIndex, chain: PromptChain, token_loads: dict[str, float] | None, block_size: int
+        self, index: KVBlockIndex, chain: PromptChain, token_loads: dict[str, float] | None, block_weight: float
     ) -> None:
+        """`block_weight`: what one more cached block takes off a replica's cost."""
         self.index = index
         self.chain = chain
         self.token_loads = token_loads
-        self.block_size = block_size
+        self.block_weight = block_weight
         self._two_lowest = sorted(token_loads.items(), key=lambda item: item[1])[:2] if token_loads else []
 
     def read_on(self, leading_tokens: Sequence[int]) -> bool:
@@ -258,7 +266,7 @@ class _Settled:
         if load is None or not others:
             return False
         # Every other replica lacks the last block: its cost is at least its load less the blocks before it.
-        return load - self.block_size >= others[0]
+        return load - self.block_weight >= others[0]
 
 
 def _build(settings: KVAwareSettings, context: PolicyContext) -> KVAware:
@@ -272,6 +280,7 @@ def _build(settings: KVAwareSettings, context: PolicyContext) -> KVAware:
         approximate_ttl_s=settings.approximate_ttl_s,
         num_fallback_replicas=settings.num_fallback_replicas,
         decode_weight=settings.decode_weight,
+        prefix_weight=settings.prefix_weight,
     )
 
 

@@ -1,12 +1,13 @@
 """One run of `sluice bench policies`: a workload's users against one stack of simulated replicas, and its row.
 
-Every user sends its planned requests one after the other (closed loop) through the stack's HAProxy, streamed with
-usage; a sampler reads every engine's running and waiting requests each `LOAD_SAMPLE_S`. The run is bounded by its
-plan and by `max_s`. The row: the hit rate the engines counted (prefix cache hits over queries, in tokens, summed
-over the replicas), the ideal (every request's prompt on one unbounded cache, in the order they were sent, counted as
-vLLM counts: whole blocks, at most the prompt less one token), TTFT p50/p90 (the first content chunk), the load
-spread (each replica's mean in flight over the run, the largest over the mean of all), the router's CPU per decision
-(p99, its route agent's frame read to ACK), and the requests that did not end in a 2xx stream.
+Every user sends its planned requests one after the other (closed loop) through the stack's HAProxy, the users
+starting one after the other over `RAMP_S`; a sampler reads every engine's running and waiting requests each
+`LOAD_SAMPLE_S`. The run is bounded by its plan and by `max_s`. The row: the hit rate the engines counted (prefix
+cache hits over queries, in tokens, summed over the replicas), the ideal (every request's prompt on one unbounded
+cache, in the order they were sent, counted as vLLM counts: whole blocks, at most the prompt less one token), TTFT
+p50/p90 (the first content chunk), the load spread (each replica's mean in flight over the run, the largest over the
+mean of all), the router's CPU per decision (p99, its route agent's frame read to ACK), and the requests that did
+not end in a 2xx stream.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import httpx
-
 from base.quantiles import quantile
+from base.runtime import LOOPBACK
 from base.sse import DATA_PREFIX, DONE, LineSplitter
+from loadtests.raw_stream import Response, StreamConnection
 from routers.kv_index import chain_keys
 from routers.prompt_tokens import PromptTokens
 from sluice.bench.policy_workloads import PlannedRequest, WorkloadPlan
 from sluice.bench.sim_stack import SimPolicyStack
 
 LOAD_SAMPLE_S = 0.25
+# Users start one after the other over this long, as a service's users arrive, not all in the first millisecond
+# (which would make the first request of every user a miss wherever it went).
+RAMP_S = 1.0
 CHAT_PATH = "/v1/chat/completions"
-REQUEST_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -37,7 +40,6 @@ class Sent:
     sent_at: float
     ttft_s: float | None = None
     status: int = 0
-    cached_tokens: int = 0
 
 
 @dataclass
@@ -58,33 +60,37 @@ class PolicyRow:
         return asdict(self)
 
 
-async def _send(client: httpx.AsyncClient, url: str, planned: PlannedRequest, header: str, sent: list[Sent]) -> None:
+async def _send(connection: StreamConnection, planned: PlannedRequest, header: str, sent: list[Sent]) -> None:
     record = Sent(planned.body, time.perf_counter())
     sent.append(record)
     headers = {header: planned.session} if planned.session is not None else {}
+    response = Response()
     try:
-        async with client.stream("POST", url + CHAT_PATH, json=planned.body, headers=headers) as response:
-            record.status = response.status_code
-            splitter = LineSplitter()
-            async for chunk in response.aiter_raw():
-                for line in splitter.feed(chunk):
-                    if not line.startswith(DATA_PREFIX) or line[len(DATA_PREFIX) :] == DONE:
-                        continue
-                    event = json.loads(line[len(DATA_PREFIX) :])
-                    if record.ttft_s is None and any(c.get("delta", {}).get("content") for c in event["choices"]):
-                        record.ttft_s = time.perf_counter() - record.sent_at
-                    usage = event.get("usage")
-                    if usage:
-                        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    except httpx.HTTPError:
-        record.status = 0
+        splitter = LineSplitter()
+        async for chunk in connection.post(CHAT_PATH, json.dumps(planned.body).encode(), headers, response):
+            for line in splitter.feed(chunk):
+                if not line.startswith(DATA_PREFIX) or line[len(DATA_PREFIX) :] == DONE:
+                    continue
+                event = json.loads(line[len(DATA_PREFIX) :])
+                if record.ttft_s is None and any(c.get("delta", {}).get("content") for c in event["choices"]):
+                    record.ttft_s = time.perf_counter() - record.sent_at
+    except (OSError, ValueError, TimeoutError, asyncio.IncompleteReadError):
+        response.status = 0
+    record.status = response.status
 
 
-async def _user(client, url, requests, header, sent, deadline) -> None:  # noqa: ANN001
-    for planned in requests:
-        if time.perf_counter() > deadline:
-            return
-        await _send(client, url, planned, header, sent)
+async def _user(
+    url: tuple[str, int], requests: list[PlannedRequest], header: str, sent: list[Sent], start: float, deadline: float
+) -> None:
+    await asyncio.sleep(start)
+    connection = StreamConnection(*url)
+    try:
+        for planned in requests:
+            if time.perf_counter() > deadline:
+                return
+            await _send(connection, planned, header, sent)
+    finally:
+        connection.close()
 
 
 async def _sample_loads(stack: SimPolicyStack, samples: list[dict[str, int]], stop: asyncio.Event) -> None:
@@ -101,13 +107,14 @@ async def _drive(stack: SimPolicyStack, plan: WorkloadPlan, header: str, max_s: 
     sent: list[Sent] = []
     samples: list[dict[str, int]] = []
     stop = asyncio.Event()
-    limits = httpx.Limits(max_connections=len(plan.users), max_keepalive_connections=len(plan.users))
-    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        sampler = asyncio.create_task(_sample_loads(stack, samples, stop))
-        deadline = time.perf_counter() + max_s
-        await asyncio.gather(*(_user(client, stack.url, user, header, sent, deadline) for user in plan.users))
-        stop.set()
-        await sampler
+    sampler = asyncio.create_task(_sample_loads(stack, samples, stop))
+    deadline = time.perf_counter() + max_s
+    address = (LOOPBACK, stack.port)
+    ramp = RAMP_S / len(plan.users)
+    users = (_user(address, user, header, sent, index * ramp, deadline) for index, user in enumerate(plan.users))
+    await asyncio.gather(*users)
+    stop.set()
+    await sampler
     return sent, samples
 
 

@@ -32,9 +32,9 @@ POLICY_WORKLOADS = ("shared_prefix", "multi_turn", "hot_sessions", "mixed", "age
 BENCH_POLICIES = ("round_robin", "power_of_two", "consistent_hash", "kv_aware")
 DEFAULT_REPLICAS = (8, 32, 64)
 ANSWER_TOKENS = 8
-REQUESTS_PER_REPLICA = 16
+REQUESTS_PER_REPLICA = 32
 USERS_PER_REPLICA = 1
-# shared_prefix: one system prompt per 2 replicas, ~32 requests each: a perfect cache misses one in 32, so TTFT's p90
+# shared_prefix: one system prompt per 2 replicas, ~64 requests each: a perfect cache misses one in 64, so TTFT's p90
 # is a hit wherever the policy keeps prompts together.
 SHARED_PREFIXES_PER_REPLICA = 0.5
 SYSTEM_TOKENS, QUESTION_TOKENS = 1536, 32
@@ -45,7 +45,7 @@ TURNS, OPENING_TOKENS, TURN_TOKENS = 12, 512, 160
 HOT_SESSIONS_PER_REPLICA = 2
 ZIPF_EXPONENT = 1.0
 DOCUMENT_TOKENS = 1536
-# mixed: one long document per 4 replicas, each asked ~13 times.
+# mixed: one long document per 4 replicas, each asked ~26 times.
 LONG_SHARE, LONG_TOKENS, LONG_DOCUMENTS_PER_REPLICA = 0.2, 8192, 0.25
 SHORT_SYSTEM_TOKENS, SHORT_TOKENS = 96, 96
 # agentic: a 1,024-token tool catalogue, a 64-token task, then 8 turns of a call (the answer) and a 192-token result.

@@ -30,7 +30,7 @@ from infra.haproxy.process import HAProxyProcess
 from infra.haproxy.protection import FrontendProtection
 from services.frontend.background_loop import BackgroundLoop
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
-from services.replica.sim.fleet import CREDENTIAL_ENV
+from services.replica.sim.fleet import CREDENTIAL_ENV, FLEET_STATE_PATH
 from services.router.runtime import SHADOWS_KEY
 from services.router.settings import RouterSettings
 from services.serve_internals import ReplicaEndpoint
@@ -73,7 +73,7 @@ class _Child:
 
 
 class SimPolicyStack:
-    """`replicas` simulated replicas behind one router running `policy`; `start()`, then `url`, then `stop()`."""
+    """`replicas` simulated replicas behind one router running `policy`; `start()`, then `port`, then `stop()`."""
 
     def __init__(
         self,
@@ -98,11 +98,13 @@ class SimPolicyStack:
         self._frontend: BackgroundLoop | None = None
         self.syncer: HAProxySyncer | None = None
         self.replicas: list[ReplicaEndpoint] = []
+        self._client = httpx.Client(timeout=10)
 
     @property
-    def url(self) -> str:
+    def port(self) -> int:
+        """HAProxy's port (loopback)."""
         assert self.haproxy is not None
-        return f"http://127.0.0.1:{self.haproxy.settings.port}"
+        return self.haproxy.settings.port
 
     def start(self) -> SimPolicyStack:
         env = {**os.environ, CREDENTIAL_ENV: self.credential}
@@ -177,7 +179,7 @@ class SimPolicyStack:
     def fleet_state(self) -> dict[str, dict[str, int]]:
         """Each replica's engine figures now: running, waiting, prefix cache queries and hits (tokens)."""
         assert self.fleet is not None
-        response = httpx.get(f"http://127.0.0.1:{self.fleet.answer['control_port']}/fleet/state", timeout=10)
+        response = self._client.get(f"http://127.0.0.1:{self.fleet.answer['control_port']}{FLEET_STATE_PATH}")
         response.raise_for_status()
         return response.json()
 
@@ -207,3 +209,4 @@ class SimPolicyStack:
             for child in (self.router, self.fleet):
                 if child is not None:
                     child.stop()
+            self._client.close()
