@@ -129,7 +129,7 @@ def with_kv_events(engine: EngineConfig, routing: Routing) -> EngineConfig:
 def router_settings(
     spec: StackBase, llm_app: str, model: ModelBase, scaling: Scaling, routing: Routing, **extra: object
 ) -> RouterSettings:
-    needs_prompt = policy_entry(routing.policy).needs_prompt
+    needs_prompt = policy_entry(routing.policy).needs_prompt or bool(routing.shadow_policies)
     return RouterSettings(
         # HAProxy's route timeout is the stack's (infra/haproxy/spoe.py renders the agent's share of it).
         agent_deadline_s=agent_timeout_s(spec.routing.route_timeout_s),
@@ -141,5 +141,6 @@ def router_settings(
         policy=routing.policy,
         policy_kwargs=routing.policy_kwargs,
         session_header=routing.session_header,
+        shadow_policies=routing.shadow_policies,
         **extra,
     )

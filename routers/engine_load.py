@@ -56,6 +56,9 @@ class EngineLoads:
         # Per view: (cached prompt tokens, prompt tokens to compute) placed since its last report.
         self._placed_since: dict[str, tuple[int, int]] = {}
         self.mean_prompt_tokens = float(DEFAULT_MEAN_PROMPT_TOKENS)
+        # Counts reports and forgotten views: a load computed from the book at one version holds until the next
+        # (but for placements, which its user adds itself, and staleness: `oldest_report`).
+        self.version = 0
 
     def reported(
         self,
@@ -68,6 +71,7 @@ class EngineLoads:
         prefix_hits: int = 0,
     ) -> None:
         """A new report from the view's engine: it holds every placement made before it."""
+        self.version += 1
         self._reports[view_id] = ReportedLoad(
             kv_tokens_used, waiting, prefill_tokens_pending, self._clock(), kv_tokens_total, prefix_queries, prefix_hits
         )
@@ -80,6 +84,7 @@ class EngineLoads:
         self.mean_prompt_tokens += _MEAN_WEIGHT * (prompt_tokens - self.mean_prompt_tokens)
 
     def forget(self, view_id: str) -> None:
+        self.version += 1
         self._reports.pop(view_id, None)
         self._placed_since.pop(view_id, None)
 
@@ -93,6 +98,15 @@ class EngineLoads:
             pending = round(report.waiting * self.mean_prompt_tokens)
         kv, prefill = self._placed_since.get(view_id, (0, 0))
         return TokenLoad(report.kv_tokens_used + kv, pending + prefill)
+
+    def oldest_report(self, view_ids: list[str]) -> float | None:
+        """When the oldest of these views' reports came (None: one has none)."""
+        times = [self._reports[view_id].at if view_id in self._reports else None for view_id in view_ids]
+        return None if None in times else min(times)  # type: ignore[type-var]
+
+    def fresh_since(self, at: float) -> bool:
+        """Whether a report that came at `at` is still fresh."""
+        return self._clock() - at <= self.stale_after_s
 
     def cache_tokens(self) -> int | None:
         """The smallest KV cache any engine reported, in tokens (None: none did)."""

@@ -115,8 +115,9 @@ class KVAware(RoutingPolicy):
         self.sources: dict[str, ReplicaEvents] = {}
         # The engines' block size, as the replicas announce it; None until one did.
         self.block_size: int | None = None
-        # The engines' token loads, as the router service polls them.
+        # The engines' token loads, as the router service polls them, and the loads last computed from them.
         self.engine_loads = EngineLoads()
+        self._kept_loads: tuple[int, list[ReplicaView], float, dict[str, float]] | None = None
         self._tie_keys: dict[str, int] = {}
 
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
@@ -142,19 +143,32 @@ class KVAware(RoutingPolicy):
 
     def token_loads(self, replicas: list[ReplicaView]) -> dict[str, float] | None:
         """Each replica's token load (prefill to come plus `decode_weight` times its running KV), or None unless
-        every one of them has a fresh report."""
+        every one of them has a fresh report. Kept between decisions while no report came and the replica set is the
+        same (this router's placements are added to it as they are made): a decision reads it in O(1)."""
+        book = self.engine_loads
+        kept = self._kept_loads
+        if kept is not None and kept[0] == book.version and kept[1] is replicas and book.fresh_since(kept[2]):
+            return kept[3]
+        ids = [view.replica_id for view in replicas]
+        oldest = book.oldest_report(ids)
+        if oldest is None or not book.fresh_since(oldest):
+            self._kept_loads = None
+            return None
         loads = {}
-        for view in replicas:
-            load = self.engine_loads.load(view.replica_id)
-            if load is None:
-                return None
-            loads[view.replica_id] = load.prefill_tokens + self.decode_weight * load.kv_tokens
+        for replica_id in ids:
+            load = book.load(replica_id)
+            assert load is not None
+            loads[replica_id] = load.prefill_tokens + self.decode_weight * load.kv_tokens
+        self._kept_loads = (book.version, replicas, oldest, loads)
         return loads
 
     def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
         token_loads = self.token_loads(replicas)
-        keys, prompt_tokens, reason = self._prompt_keys(request, token_loads)
-        matched = self._matched(keys, replicas)
+        chain = PromptChain(self.block_size or 1)
+        settled = _Settled(self.index, chain, token_loads, (self.block_size or 0) * self.prefix_weight)
+        tokens, reason = self._prompt_tokens(request, settled)
+        keys, matched = self._matched(chain, tokens, replicas, settled)
+        prompt_tokens = len(tokens)
         first = keys[0] if keys else mmh3.hash64(request.request_id, signed=False)[0]
         if token_loads is not None:
             block_size = self.block_size or 0
@@ -195,35 +209,63 @@ class KVAware(RoutingPolicy):
         estimated_prompt = max(prompt_tokens, len(request.body_prefix) // BODY_BYTES_PER_TOKEN)
         cached = min(matched[primary.replica_id] * (self.block_size or 0), estimated_prompt)
         self.engine_loads.placed(primary.replica_id, estimated_prompt, estimated_prompt - cached)
+        if token_loads is not None:
+            token_loads[primary.replica_id] += estimated_prompt - cached + self.decode_weight * cached
         fallbacks = [view for view in ranked if view is not primary][: self.num_fallback_replicas]
         return [[primary], *([view] for view in fallbacks)], reason
 
-    def _prompt_keys(
-        self, request: RouteRequest, token_loads: dict[str, float] | None
-    ) -> tuple[list[int], int, str | None]:
-        """The request's block chain keys and how many of its tokens were read, or none and the reason."""
+    def _prompt_tokens(self, request: RouteRequest, settled: _Settled) -> tuple[list[int], str | None]:
+        """The request's prompt tokens as far as the ranking needs them, or none and the reason it has none."""
         if self.block_size is None:
-            return [], 0, "no_index"
+            return [], "no_index"
         if request.body_truncated:
-            return [], 0, "body_truncated"
+            return [], "body_truncated"
         # A replica scored by what this router sent it learns the whole prompt: tokenize all of it then.
         approximate = ReplicaEvents.APPROXIMATE in self.sources.values()
-        chain = PromptChain(self.block_size)
-        settled = _Settled(self.index, chain, token_loads, self.block_size * self.prefix_weight)
         tokens = self.tokenize(request.body_prefix, None if approximate else settled.read_on)
         if tokens is None:
-            return [], 0, "no_prompt"
-        return chain.extended(tokens), len(tokens), None
+            return [], "no_prompt"
+        return tokens, None
 
-    def _matched(self, keys: list[int], replicas: list[ReplicaView]) -> dict[str, int]:
+    def _matched(
+        self, chain: PromptChain, tokens: list[int], replicas: list[ReplicaView], settled: _Settled
+    ) -> tuple[list[int], dict[str, int]]:
+        """The chain keys computed and how many leading blocks each replica holds. The walk stops where no replica
+        holds the next block, or where one alone does and the ranking is settled (`_Settled.wins`): its keys past
+        that are never hashed (an 8k-token prompt cached on one replica costs its first blocks, not 512 hashes)."""
         ids = [view.replica_id for view in replicas]
-        if not keys:
-            return dict.fromkeys(ids, 0)
-        matched = self.index.matched_blocks(keys, ids)
-        for replica_id in ids:
-            if self.sources.get(replica_id) == ReplicaEvents.APPROXIMATE:
-                matched[replica_id] = self.routed_prefixes.matched_blocks(keys, replica_id)
-        return matched
+        matched = dict.fromkeys(ids, 0)
+        if not tokens:
+            return [], matched
+        if ReplicaEvents.APPROXIMATE in self.sources.values():
+            keys = chain.extended(tokens)
+            matched = self.index.matched_blocks(keys, ids)
+            for replica_id in ids:
+                if self.sources.get(replica_id) == ReplicaEvents.APPROXIMATE:
+                    matched[replica_id] = self.routed_prefixes.matched_blocks(keys, replica_id)
+            return keys, matched
+        alive = set(ids)
+        lone, enough = None, 0
+        for depth, key in enumerate(chain.walk(tokens), start=1):
+            holders = self.index.holders(key)
+            if lone is not None:  # one replica left: it only needs to hold `enough` blocks to lead
+                if lone not in holders:
+                    break
+                matched[lone] = depth
+                if depth >= enough:
+                    break
+                continue
+            alive = alive & holders
+            if not alive:
+                break
+            for replica_id in alive:
+                matched[replica_id] = depth
+            if len(alive) == 1:
+                lone = next(iter(alive))
+                enough = settled.blocks_to_lead(lone, depth)
+                if depth >= enough:
+                    break
+        return chain.keys, matched
 
     def _full(self, view: ReplicaView) -> bool:
         """Taking one more would pass the replica's capacity; a lost stream counts as full."""
@@ -235,11 +277,12 @@ class KVAware(RoutingPolicy):
 
 
 class _Settled:
-    """Whether the prompt past its leading tokens can change the ranking (`read_on`). While they hold no whole block,
-    or two or more replicas hold the last one, yes. When none does, no: a replica that lacks block k matches fewer
-    than k blocks whatever follows. When one replica alone holds it, by in-flight counts no (it leads whatever
-    follows); by token load only while it does not win yet: each block more it holds lowers its cost alone, and
-    every other replica's match is settled, so once it wins with what it holds so far it wins with the rest."""
+    """Whether the prompt past its leading tokens can change the ranking (`read_on`, and where the index walk stops).
+    While they hold no whole block, or two or more replicas hold the last one, yes. When none does, no: a replica that
+    lacks block k matches fewer than k blocks whatever follows. When one replica alone holds it, every other replica's
+    match is settled (it lacks that block); by in-flight counts the holder leads whatever follows; by token load it
+    leads once its cost with the blocks read so far is below every other's settled cost: each block more it holds
+    lowers its cost alone, so it then leads with the rest too."""
 
     def __init__(
         self, index: KVBlockIndex, chain: PromptChain, token_loads: dict[str, float] | None, block_weight: float
@@ -249,7 +292,8 @@ class _Settled:
         self.chain = chain
         self.token_loads = token_loads
         self.block_weight = block_weight
-        self._two_lowest = sorted(token_loads.items(), key=lambda item: item[1])[:2] if token_loads else []
+        # Per lone holder: the lowest settled cost of every other replica.
+        self._best_other: dict[str, float] = {}
 
     def read_on(self, leading_tokens: Sequence[int]) -> bool:
         keys = self.chain.extended(leading_tokens)
@@ -258,15 +302,28 @@ class _Settled:
         holders = self.index.holders(keys[-1])
         if len(holders) != 1:
             return len(holders) >= 2
-        if self.token_loads is None:
-            return False
-        (holder,) = holders
-        load = self.token_loads.get(holder)
-        others = [tokens for rid, tokens in self._two_lowest if rid != holder]
-        if load is None or not others:
-            return False
-        # Every other replica lacks the last block: its cost is at least its load less the blocks before it.
-        return load - self.block_weight >= others[0]
+        return not self.wins(next(iter(holders)), len(keys))
+
+    def wins(self, holder: str, depth: int) -> bool:
+        """Whether the one replica that holds the first `depth` blocks ranks first whatever follows."""
+        return depth >= self.blocks_to_lead(holder, depth)
+
+    def blocks_to_lead(self, holder: str, depth: int) -> float:
+        """How many leading blocks the one replica that holds the first `depth` must hold to rank first whatever
+        follows (the others' matches are settled: none holds block `depth`)."""
+        loads = self.token_loads
+        if loads is None or holder not in loads:
+            return depth
+        if holder not in self._best_other:
+            others = [replica_id for replica_id in loads if replica_id != holder]
+            held = self.index.matched_blocks(self.chain.keys[:depth], others)
+            costs = (loads[replica_id] - self.block_weight * held[replica_id] for replica_id in others)
+            self._best_other[holder] = min(costs, default=math.inf)
+        if self._best_other[holder] == math.inf:
+            return depth
+        if self.block_weight <= 0:
+            return depth if loads[holder] < self._best_other[holder] else math.inf
+        return math.floor((loads[holder] - self._best_other[holder]) / self.block_weight) + 1
 
 
 def _build(settings: KVAwareSettings, context: PolicyContext) -> KVAware:

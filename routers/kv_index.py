@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 # Where the chain starts: block 0's parent key.
 ROOT_KEY = 0x5_1CE_C0DE
@@ -46,6 +46,19 @@ class PromptChain:
         done = len(self.keys) * self.block_size
         self.keys.extend(chain_keys(token_ids[done:], self.block_size, self.keys[-1] if self.keys else ROOT_KEY))
         return self.keys
+
+    def walk(self, token_ids: Sequence[int]) -> Iterator[int]:
+        """Each full block's key in order, computed only as far as the caller reads."""
+        index = 0
+        while True:
+            if index == len(self.keys):
+                start = index * self.block_size
+                if start + self.block_size > len(token_ids):
+                    return
+                parent = self.keys[-1] if self.keys else ROOT_KEY
+                self.keys.append(hash((parent, tuple(token_ids[start : start + self.block_size]))))
+            yield self.keys[index]
+            index += 1
 
 
 class KVBlockIndex:

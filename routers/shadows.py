@@ -34,6 +34,8 @@ from routers.prompt_tokens import Tokenize
 SPREAD_WINDOW = 1000
 # A replica's virtual cache before any engine reported its size.
 DEFAULT_CACHE_BLOCKS = 4096
+# Where a router's `describe` reports its shadows (`ShadowPolicies.report`).
+SHADOWS_KEY = "shadows"
 LIVE = "live"
 SHADOW = "shadow"
 

@@ -26,6 +26,7 @@ from routers.registry import (
     table_policy_choices,
     validate_settings,
 )
+from routers.shadows import shadow_refusal
 from services.frontend.canary_guard import AbortCriteria
 from services.frontend.ingress_control import DRAIN_DEADLINE_S_DEFAULT, IngressConfig
 from services.replica.llm_config import EngineArgValue
@@ -118,6 +119,10 @@ class Routing(Section):
     # The frontend ranks each request from the routers' table (a rotation, a hash ring) with no route call, where the
     # policy is a function of the replica set and the request's headers (docs/data-plane.md, table decisions).
     table_decisions: bool = False
+    # Policies each router also runs on every request without acting on it: what each would have hit and how it
+    # would have spread the load, beside the live policy's (`sluice status`; routers/README.md, shadow policies).
+    # They read the prompt (routing.forward_body) and the replicas' KV events (turned on for them).
+    shadow_policies: list[PolicyName] = Field(default_factory=list)
 
     @field_validator("session_header")
     @classmethod
@@ -126,7 +131,9 @@ class Routing(Section):
 
     @property
     def publishes_kv_events(self) -> bool:
-        return self.kv_events if self.kv_events is not None else policy_entry(self.policy).kv_events
+        if self.kv_events is not None:
+            return self.kv_events
+        return policy_entry(self.policy).kv_events or bool(self.shadow_policies)
 
     def overridden(self, override: RoutingOverride | None) -> Routing:
         """This routing with a model's overrides applied (a new policy starts from empty kwargs)."""
@@ -150,6 +157,18 @@ def policy_problem(routing: Routing) -> tuple[str, str] | None:
             f"holds: choose {table_policy_choices()} with kwargs that keep a table (docs/policies.md), or set "
             "routing.table_decisions: false"
         )
+    for name in routing.shadow_policies:
+        entry = policy_entry(name)
+        refusal = shadow_refusal(entry.needs_prompt, entry.needs_ledger)
+        if refusal is not None:
+            return (
+                "shadow_policies",
+                f"{name} cannot shadow: it {refusal}; choose policies that need no prompt or ledger",
+            )
+    if routing.shadow_policies and not routing.forward_body:
+        return "shadow_policies", "shadow policies are scored on the prompt: set routing.forward_body: true"
+    if routing.shadow_policies and routing.kv_events is False:
+        return "shadow_policies", "shadow policies are scored on the replicas' KV events: drop routing.kv_events: false"
     body_use = policy_entry(routing.policy).body_use(settings)
     if body_use is not None and not routing.forward_body:
         kwarg, reads = body_use

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from base.contracts import INTERNAL_CREDENTIAL_HEADER
 from routers.core import Decision, ReplicaView, RouteRequest
 from routers.registry import policy_entry
+from routers.shadows import SHADOWS_KEY
 from services.internal_credential import InternalCredentialMiddleware
 from services.router.engine_load_poller import EngineLoadPoller
 from services.router.http_app import build_router_app
@@ -27,8 +28,6 @@ from services.router.settings import RouterSettings, build_policy, build_prefill
 from services.serve_internals import REPLICA_LOGGER, ReplicaEndpoint
 
 logger = logging.getLogger(REPLICA_LOGGER)
-# Where `describe` reports the shadow policies (`routers.shadows.ShadowPolicies.report`).
-SHADOWS_KEY = "shadows"
 
 # Where a target app's (or prefill app's) replica endpoints come from.
 EndpointSource = Callable[[], Awaitable[Sequence[ReplicaEndpoint]]]

@@ -9,7 +9,7 @@ simulator's replicas do not have. Seeds are fixed: the same command sends the sa
 
 Output: a table on stdout and `policies.json` in `--out` with `rows` (`policy_runs.PolicyRow`) and, with kv_aware
 live at `SHADOW_REPLICAS` replicas on each workload, `shadow`: what each policy was predicted to hit beside what
-the engines counted and what that policy measured live on its own row.
+the engines counted and what that policy measured live on its own row (those rows: `shadow_rows`).
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def run_policy_bench(
     workloads: tuple[str, ...] = POLICY_WORKLOADS,
     policies: tuple[str, ...] = BENCH_POLICIES,
     shadow: bool = True,
+    shadow_replicas: int = SHADOW_REPLICAS,
 ) -> dict[str, Any]:
-    """Every row, then the shadow runs; writes `policies.json` into `out` and returns what it wrote."""
+    """Every row, then the shadow runs (at `shadow_replicas`); writes `policies.json` into `out` and returns it."""
     out.mkdir(parents=True, exist_ok=True)
     bench = PolicyBench(model_path, out)
     print(_table([]), flush=True)

@@ -28,10 +28,10 @@ from infra.haproxy.apps import AppRoute
 from infra.haproxy.config import REPLICA_BACKEND, HAProxySettings, is_internal_server
 from infra.haproxy.process import HAProxyProcess
 from infra.haproxy.protection import FrontendProtection
+from routers.shadows import SHADOWS_KEY
 from services.frontend.background_loop import BackgroundLoop
 from services.frontend.haproxy_syncer import AppSources, HAProxySyncer
 from services.replica.sim.fleet import CREDENTIAL_ENV, FLEET_STATE_PATH
-from services.router.runtime import SHADOWS_KEY
 from services.router.settings import RouterSettings
 from services.serve_internals import ReplicaEndpoint
 from sluice.bench.policy_router import DECISIONS_PATH, DESCRIBE_PATH, SIM_DEPLOYMENT
@@ -45,22 +45,31 @@ BODY_BUFFER_BYTES = 1024 * 1024
 
 
 class _Child:
-    """A process this stack started: its first stdout line is its JSON answer; closing its stdin stops it."""
+    """A process this stack started: its first stdout line is its JSON answer (`answered`); closing its stdin stops
+    it. Started before it is needed, so two children import their modules side by side."""
 
-    def __init__(self, module: str, args: list[str], env: dict[str, str], stdin_line: str | None = None) -> None:
+    def __init__(self, module: str, args: list[str], env: dict[str, str]) -> None:
+        self.module = module
         self.process = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
         )
-        assert self.process.stdin is not None and self.process.stdout is not None
-        if stdin_line is not None:
-            self.process.stdin.write(stdin_line.encode() + b"\n")
-            self.process.stdin.flush()
+        self.answer: dict[str, Any] = {}
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line.encode() + b"\n")
+        self.process.stdin.flush()
+
+    def answered(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
         ready, _, _ = select.select([self.process.stdout], [], [], START_TIMEOUT_S)
         line = self.process.stdout.readline() if ready else b""
         if not line:
-            self.stop()
-            raise RuntimeError(f"{module} did not start within {START_TIMEOUT_S:.0f} s (exit {self.process.poll()})")
-        self.answer: dict[str, Any] = json.loads(line)
+            raise RuntimeError(
+                f"{self.module} did not start within {START_TIMEOUT_S:.0f} s (exit {self.process.poll()})"
+            )
+        self.answer = json.loads(line)
+        return self.answer
 
     def stop(self) -> None:
         if self.process.stdin is not None and not self.process.stdin.closed:
@@ -113,11 +122,13 @@ class SimPolicyStack:
             if self.sim_model:
                 args += ["--sim-model", json.dumps(self.sim_model)]
             self.fleet = _Child("services.replica.sim.fleet", args, env)
-            self.replicas = [
-                ReplicaEndpoint(deployment=SIM_DEPLOYMENT, **replica) for replica in self.fleet.answer["replicas"]
-            ]
-            spec = {"settings": self.router_settings.model_dump(mode="json"), "replicas": self.fleet.answer["replicas"]}
-            self.router = _Child("sluice.bench.policy_router", [], env, json.dumps(spec))
+            self.router = _Child("sluice.bench.policy_router", [], env)
+            replicas = self.fleet.answered()["replicas"]
+            self.replicas = [ReplicaEndpoint(deployment=SIM_DEPLOYMENT, **replica) for replica in replicas]
+            self.router.send(
+                json.dumps({"settings": self.router_settings.model_dump(mode="json"), "replicas": replicas})
+            )
+            self.router.answered()
             self._start_haproxy()
         except BaseException:
             self.stop()

@@ -21,6 +21,7 @@ from builders.plan import PlannedModel, StackPlan, build_plan
 from builders.specs import load_spec, parse_spec
 from infra.haproxy.canary import legacy_backend
 from routers.registry import policy_entry, policy_names
+from routers.shadows import SHADOWS_KEY, shadow_lines
 from services.internal_credential import internal_headers
 from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
 from sluice.deploy import registry
@@ -111,6 +112,8 @@ def model_line(model: PlannedModel, routers: dict[str, Any] | None = None) -> st
     report = policy_entry(running["policy"]).report if routers and running["policy"] in policy_names() else None
     if report is not None and routers and routers.get(report.key):
         line += "".join(f"\n    {text}" for text in report.lines(routers[report.key]))
+    if routers and routers.get(SHADOWS_KEY):
+        line += "".join(f"\n    {text}" for text in shadow_lines(routers[SHADOWS_KEY]))
     return line
 
 

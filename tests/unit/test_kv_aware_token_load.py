@@ -32,7 +32,8 @@ def _tokens(body: bytes, read_on: object = None) -> list[int] | None:
 
 
 def _policy(clock: _Clock, tokenize=_tokens) -> KVAware:  # noqa: ANN001
-    policy = KVAware(tokenize)
+    """Prefill and running KV weighed one to one, so the arithmetic reads plainly (the defaults are tested apart)."""
+    policy = KVAware(tokenize, decode_weight=1.0, prefix_weight=1.0)
     policy.block_size = BLOCK
     policy.engine_loads = EngineLoads(clock=clock)
     for view in VIEWS:
@@ -113,6 +114,19 @@ def test_the_prompt_is_read_only_while_the_one_replica_holding_it_has_not_won_ye
     _report(policy, a=40, b=0, c=0)
     _primary(policy, PROMPT, 1)
     assert reads[-1] > 40, "a wins only once more than 40 of its tokens are known to be cached"
+
+
+def test_by_default_a_cached_prefix_is_worth_four_times_its_tokens_and_running_kv_a_quarter() -> None:
+    policy = KVAware(_tokens)
+    policy.block_size = BLOCK
+    policy.engine_loads = EngineLoads(clock=_Clock())
+    for view in VIEWS:
+        policy.sources[view.replica_id] = ReplicaEvents.EVENTS
+    _store(policy, "a", PROMPT)
+    _report(policy, a=4 * 4 * 64 - 4, b=0, c=0)
+    assert _primary(policy, PROMPT, 0) == "a", "1,020 tokens of running KV weigh 255: less than 4 x 64 cached"
+    _report(policy, a=4 * 4 * 64 + 4, b=0, c=0)
+    assert _primary(policy, PROMPT, 1) != "a"
 
 
 def test_the_load_book_counts_waiting_requests_at_the_mean_prompt_and_placements_until_the_next_report() -> None:

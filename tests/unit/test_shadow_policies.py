@@ -5,15 +5,21 @@ the router's metrics; only policies that need neither a prompt nor a ledger may 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from builders.plan import build_plan
+from builders.specs import parse_spec
 from routers.core import ReplicaView, RouteRequest
 from routers.metrics import DECISIONS_TOTAL
 from routers.registry import build_stateless_policy
 from routers.shadows import ShadowPolicies, VirtualCaches, shadow_lines
-from services.router.settings import RouterSettings, build_shadows
+from services.replica.llm_config import LLMAppConfig
+from services.router.settings import RouterAppArgs, RouterSettings, build_shadows
+from topologies.spec import SpecError
 
 BLOCK = 4
 VIEWS = tuple(ReplicaView(replica_id=r, capacity=64) for r in ("a", "b", "c", "d"))
@@ -94,3 +100,41 @@ def test_the_status_lines_name_each_policy_with_its_role() -> None:
     assert lines[0] == "hit ratio the engines report: none yet"
     assert lines[1].startswith("live kv_aware: predicted hit")
     assert [line.split()[0] for line in lines[2:]] == ["shadow", "shadow"]
+
+
+TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
+
+
+def _team(**routing: object) -> dict:
+    data = yaml.safe_load((TEAMS / "local-cpu.yaml").read_text())
+    data["routing"].update(routing)
+    return data
+
+
+def test_a_team_file_with_shadow_policies_gives_its_routers_the_models_files_and_turns_the_events_on() -> None:
+    apps = {
+        app.name: app.args
+        for app in build_plan(
+            parse_spec(_team(forward_body=True, shadow_policies=["round_robin", "consistent_hash"]))
+        ).apps
+    }
+    router = RouterAppArgs.model_validate(apps["platform-local-cpu-router"]).settings
+    llm = LLMAppConfig.model_validate(apps["platform-local-cpu-llm"])
+    assert router.shadow_policies == ["round_robin", "consistent_hash"]
+    assert router.model_path == llm.engine.model
+    assert "kv_events_config" in llm.engine.extra_args
+
+
+@pytest.mark.parametrize(
+    ("routing", "says"),
+    [
+        ({"forward_body": True, "shadow_policies": ["kv_aware"]}, "kv_aware cannot shadow"),
+        ({"shadow_policies": ["round_robin"]}, "set routing.forward_body: true"),
+        ({"forward_body": True, "kv_events": False, "shadow_policies": ["round_robin"]}, "drop routing.kv_events"),
+        ({"forward_body": True, "shadow_policies": ["nearest"]}, "Input should be"),
+    ],
+)
+def test_a_team_file_whose_shadows_cannot_run_is_refused_naming_the_field(routing: dict, says: str) -> None:
+    with pytest.raises(SpecError) as refused:
+        parse_spec(_team(**routing))
+    assert "routing.shadow_policies" in str(refused.value) and says in str(refused.value)

@@ -97,8 +97,10 @@ class SimOpenAIApp:
         prompt = self.tokens(raw)
         if not prompt:
             return _error(400, "no prompt this simulator can render (text prompts and text messages only)")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             return _error(400, "max_tokens must be a positive integer")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         outputs = self.engine.generate(request_id, prompt, max_tokens)
