@@ -106,6 +106,8 @@ def engine_problems(spec: StackBase) -> list[SpecProblem]:
     problems = []
     kind = kind_of(spec)
     for i, model in enumerate(spec.models):  # type: ignore[attr-defined]
+        if model.simulated:
+            continue  # no vLLM runs: nothing for its parser to check
         sides = list(kind.roles(model))
         gpus = all(side.resources.gpus > 0 for _, side in sides) if sides else model.resources.gpus > 0
         roles = [(f"models[{i}].engine", model.engine_config(model.source, gpus=gpus))]

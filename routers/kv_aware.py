@@ -167,7 +167,7 @@ class KVAware(RoutingPolicy):
         chain = PromptChain(self.block_size or 1)
         settled = _Settled(self.index, chain, token_loads, (self.block_size or 0) * self.prefix_weight)
         tokens, reason = self._prompt_tokens(request, settled)
-        keys, matched = self._matched(chain, tokens, replicas, settled)
+        keys, matched, leader = self._matched(chain, tokens, replicas, settled)
         prompt_tokens = len(tokens)
         first = keys[0] if keys else mmh3.hash64(request.request_id, signed=False)[0]
         if token_loads is not None:
@@ -207,7 +207,11 @@ class KVAware(RoutingPolicy):
         if keys and self.sources.get(primary.replica_id) == ReplicaEvents.APPROXIMATE:
             self.routed_prefixes.routed(primary.replica_id, keys)
         estimated_prompt = max(prompt_tokens, len(request.body_prefix) // BODY_BYTES_PER_TOKEN)
-        cached = min(matched[primary.replica_id] * (self.block_size or 0), estimated_prompt)
+        held = matched[primary.replica_id] * (self.block_size or 0)
+        if primary.replica_id == leader:
+            # The walk stopped once this replica led: it holds at least what was walked, likely what was read.
+            held = max(held, prompt_tokens - prompt_tokens % (self.block_size or 1))
+        cached = min(held, estimated_prompt)
         self.engine_loads.placed(primary.replica_id, estimated_prompt, estimated_prompt - cached)
         if token_loads is not None:
             token_loads[primary.replica_id] += estimated_prompt - cached + self.decode_weight * cached
@@ -229,21 +233,23 @@ class KVAware(RoutingPolicy):
 
     def _matched(
         self, chain: PromptChain, tokens: list[int], replicas: list[ReplicaView], settled: _Settled
-    ) -> tuple[list[int], dict[str, int]]:
-        """The chain keys computed and how many leading blocks each replica holds. The walk stops where no replica
-        holds the next block, or where one alone does and the ranking is settled (`_Settled.wins`): its keys past
-        that are never hashed (an 8k-token prompt cached on one replica costs its first blocks, not 512 hashes)."""
+    ) -> tuple[list[int], dict[str, int], str | None]:
+        """The chain keys computed, how many leading blocks each replica holds, and the replica the walk stopped at
+        because it led (None: the walk ran out). The walk stops where no replica holds the next block, or where one
+        alone does and the ranking is settled (`_Settled.blocks_to_lead`): its keys past that are never hashed (an
+        8k-token prompt cached on one replica costs its first blocks, not 512 hashes); that replica's count is then
+        a lower bound."""
         ids = [view.replica_id for view in replicas]
         matched = dict.fromkeys(ids, 0)
         if not tokens:
-            return [], matched
+            return [], matched, None
         if ReplicaEvents.APPROXIMATE in self.sources.values():
             keys = chain.extended(tokens)
             matched = self.index.matched_blocks(keys, ids)
             for replica_id in ids:
                 if self.sources.get(replica_id) == ReplicaEvents.APPROXIMATE:
                     matched[replica_id] = self.routed_prefixes.matched_blocks(keys, replica_id)
-            return keys, matched
+            return keys, matched, None
         alive = set(ids)
         lone, enough = None, 0
         for depth, key in enumerate(chain.walk(tokens), start=1):
@@ -253,7 +259,7 @@ class KVAware(RoutingPolicy):
                     break
                 matched[lone] = depth
                 if depth >= enough:
-                    break
+                    return chain.keys, matched, lone
                 continue
             alive = alive & holders
             if not alive:
@@ -264,8 +270,8 @@ class KVAware(RoutingPolicy):
                 lone = next(iter(alive))
                 enough = settled.blocks_to_lead(lone, depth)
                 if depth >= enough:
-                    break
-        return chain.keys, matched
+                    return chain.keys, matched, lone
+        return chain.keys, matched, None
 
     def _full(self, view: ReplicaView) -> bool:
         """Taking one more would pass the replica's capacity; a lost stream counts as full."""

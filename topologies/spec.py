@@ -9,7 +9,7 @@ every problem at once, each with its field path and what to change.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, field_validator
@@ -32,11 +32,22 @@ TINY_SOURCE = "tiny"
 TINY_MOE_SOURCE = "tiny-moe"
 
 
+# A model's `engine: sim`: the simulator engine stand-in (services/replica/sim/) instead of vLLM, timed from a stated
+# model; for routing experiments at scale, never a served model.
+SIM_ENGINE = "sim"
+
+
 class ModelBase(Section):
     name: str
     source: str
-    engine: EngineArgs = Field(default_factory=dict)
+    # vLLM's engine arguments, or `sim` (the simulator engine stand-in, `SIM_ENGINE`).
+    engine: EngineArgs | Literal["sim"] = Field(default_factory=dict)
     routing: RoutingOverride | None = None
+
+    @property
+    def simulated(self) -> bool:
+        """The replicas run the simulator engine stand-in, not vLLM."""
+        return self.engine == SIM_ENGINE
 
     @field_validator("name")
     @classmethod
@@ -49,7 +60,8 @@ class ModelBase(Section):
         """The engine settings of this model; `model_path`: where its weights are (the source, resolved). On GPUs
         the CPU-only defaults are left to vLLM."""
         unset: dict[str, EngineArgValue | None] = dict.fromkeys(CPU_ONLY_DEFAULTS) if gpus else {}
-        args = {**unset, **self.engine, **(overrides or {})}
+        own = {} if isinstance(self.engine, str) else self.engine
+        args = {**unset, **own, **(overrides or {})}
         named = {k: v for k, v in args.items() if k in EngineConfig.model_fields and k != "extra_args"}
         extra = {k: v for k, v in args.items() if k not in named}
         return EngineConfig(model=model_path, served_model_name=self.name, **named, extra_args=extra)

@@ -35,6 +35,10 @@ class DataParallelStack(StackBase):
 
 
 def _problems(spec: DataParallelStack, index: int, model: DataParallelModel) -> list[SpecProblem]:
+    if model.simulated:
+        return [
+            SpecProblem(f"models[{index}].engine", "the simulator engine has no data parallel ranks: use kind openai")
+        ]
     if model.data_parallel.mode == "ranks" and model.autoscaling:
         message = "data_parallel mode `ranks` is a gang of fixed size: give replicas (gangs), not autoscaling"
         return [SpecProblem(f"models[{index}].autoscaling", message)]

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from base.contracts import SIM_STAND_IN
 from builders.kinds.kind import ModelApps, TopologyKind
 from builders.model_apps import (
     legacy_serve_app,
@@ -60,6 +61,7 @@ def replica_model_apps(
         deployment=llm_deployment(model, routing, gang_size),
         data_parallel=data_parallel,
         fault_injection=spec.staging,
+        engine_stand_in=SIM_STAND_IN if model.simulated else None,
     )
     planned = planned_model(
         spec,

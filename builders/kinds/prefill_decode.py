@@ -59,6 +59,9 @@ class PrefillDecodeStack(StackBase):
 
 def _problems(spec: PrefillDecodeStack, index: int, model: PrefillDecodeModel) -> list[SpecProblem]:
     problems = []
+    if model.simulated:
+        message = "the simulator engine transfers no KV between replicas: use kind openai"
+        problems.append(SpecProblem(f"models[{index}].engine", message))
     if spec.routing.table_decisions:
         problems.append(
             SpecProblem(

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from base.contracts import (
     DEFAULT_DRAIN_GRACE_S,
     DEFAULT_MAX_ONGOING_REQUESTS,
+    SIM_STAND_IN,
     ZERO_COMPUTE_STAND_IN,
     NodeRole,
     node_role_resources,
@@ -203,12 +204,14 @@ class LLMAppConfig(BaseModel):
     deployment: ReplicaDeploymentConfig = Field(default_factory=ReplicaDeploymentConfig)
     data_parallel: DataParallelEngine | None = None
     prefill_decode: PrefillDecodeRole | None = None
-    engine_stand_in: Literal[ZERO_COMPUTE_STAND_IN] | None = Field(
+    engine_stand_in: Literal[ZERO_COMPUTE_STAND_IN, SIM_STAND_IN] | None = Field(
         None,
         description=(
             "Benchmarks only: `zero_compute` answers every completion with `max_tokens` copies of one token without "
-            "running the model (services.replica.zero_compute_engine), behind the same replica app, and names "
-            "itself in every response's `x-serve-engine-stand-in` header. Never set by a team topology."
+            "running the model (services.replica.zero_compute_engine), behind the same replica app; `sim` runs the "
+            "simulator engine (services/replica/sim/: vLLM's prefix cache, KV events and metrics, a stated timing "
+            "model) instead of vLLM, a team file's `engine: sim`. Either names itself in every response's "
+            "`x-serve-engine-stand-in` header."
         ),
     )
 
@@ -221,6 +224,8 @@ class LLMAppConfig(BaseModel):
         # A decode replica needs the prefill replica's KV transfer parameters, which no stand-in produces.
         if self.engine_stand_in is not None and self.prefill_decode is not None:
             raise ValueError("engine_stand_in cannot serve a prefill/decode role")
+        if self.engine_stand_in == SIM_STAND_IN and self.data_parallel is not None:
+            raise ValueError("the simulator engine has no data parallel ranks")
         return self
 
     def rollout_version(self) -> str:

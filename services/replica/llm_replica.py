@@ -19,7 +19,14 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.deployment import Application, Deployment
 
-from base.contracts import ENGINE_LOAD_PATH, FAULT_PATH, KV_EVENTS_PATH, VERSIONS_PATH
+from base.contracts import (
+    ENGINE_LOAD_PATH,
+    FAULT_PATH,
+    KV_EVENTS_PATH,
+    SIM_STAND_IN,
+    VERSIONS_PATH,
+    ZERO_COMPUTE_STAND_IN,
+)
 from base.route_wire import ComponentVersions, KVEventSource, KVEventSources
 from base.runtime import engine_env, free_port
 from routers.ledger_actor import ledger_actor_name
@@ -64,13 +71,24 @@ class LLMReplica:
             rank_args = await self._gang.engine_args()
             engine = engine.model_copy(update={"extra_args": {**engine.extra_args, **rank_args}})
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpu_binding(context.rank.local_rank, 1)
-        self._args = parse_engine_args(engine)
-        self._load = EngineLoadBoard()
-        self._engine = start_engine(self._args, [load_logger_factory(self._load)])
-        self._app = await build_openai_app(self._serving_engine(), self._args)
+        self._engine: Any = None
+        self._sim: Any = None
         self._kv_events_off = False
-        self._app.add_api_route(KV_EVENTS_PATH, self.kv_event_sources, methods=["GET"])
-        self._app.add_api_route(ENGINE_LOAD_PATH, self.engine_load, methods=["GET"])
+        if self._config.engine_stand_in == SIM_STAND_IN:
+            # Imported here: a replica running vLLM never needs the simulator's modules.
+            from services.replica.sim.serve_engine import SimServeEngine
+
+            self._sim = await SimServeEngine.start(
+                engine.model, engine.served_model_name, self.replica_id, os.environ["VLLM_HOST_IP"]
+            )
+            self._app = self._sim.app
+        else:
+            self._args = parse_engine_args(engine)
+            self._load = EngineLoadBoard()
+            self._engine = start_engine(self._args, [load_logger_factory(self._load)])
+            self._app = await build_openai_app(self._serving_engine(), self._args)
+            self._app.add_api_route(KV_EVENTS_PATH, self.kv_event_sources, methods=["GET"])
+            self._app.add_api_route(ENGINE_LOAD_PATH, self.engine_load, methods=["GET"])
         self._app.add_api_route(VERSIONS_PATH, self.versions, methods=["GET"])
         if self._config.fault_injection:
             self._app.add_api_route(FAULT_PATH, self.inject_fault, methods=["POST"], status_code=204)
@@ -116,8 +134,8 @@ class LLMReplica:
         )
 
     def _serving_engine(self) -> Any:
-        """What the app's handlers call: the engine, or the benchmark stand-in wrapped around it."""
-        if self._config.engine_stand_in is None:
+        """What the app's handlers call: the engine, or the zero-compute stand-in wrapped around it."""
+        if self._config.engine_stand_in != ZERO_COMPUTE_STAND_IN:
             return self._engine
         # Imported here: the module imports vLLM, which a driver importing this one must not pay for.
         from services.replica.zero_compute_engine import ZeroComputeEngineStandIn
@@ -150,7 +168,8 @@ class LLMReplica:
         return JSONResponse(ComponentVersions.installed().model_dump(mode="json"))
 
     async def check_health(self) -> None:
-        await self._engine.check_health()
+        if self._engine is not None:
+            await self._engine.check_health()
 
     async def stream(
         self, method: str, path: str, body: bytes, headers: dict[str, str]
@@ -165,6 +184,9 @@ class LLMReplica:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
+        sim = getattr(self, "_sim", None)
+        if sim is not None:
+            sim.shutdown()
         gang = getattr(self, "_gang", None)
         if gang is not None:
             gang.leave()

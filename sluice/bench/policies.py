@@ -21,8 +21,8 @@ from typing import Any
 from base.tiny_model import SERVED_MODEL_NAME
 from loadtests.workloads import PromptMaker
 from routers.prompt_tokens import PromptTokens
-from services.replica.sim.fleet import ANSWER_WORDS
 from services.replica.sim.model import SimModel
+from services.replica.sim.openai_app import ANSWER_WORDS
 from services.router.settings import RouterSettings
 from sluice.bench.policy_runs import PolicyRow, run_once
 from sluice.bench.policy_workloads import (

@@ -74,6 +74,8 @@ class ReplicaHeadersMiddleware:
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 stamped = (_REQUEST_ID, _REPLICA) if self.echo_request_id else (_REPLICA,)
+                if self.engine_stand_in is not None:
+                    stamped = (*stamped, _STAND_IN)  # the simulator's app names itself too: say it once
                 kept = [(k, v) for k, v in message.get("headers", []) if k.lower() not in stamped]
                 kept.append((_REPLICA, self.replica_id))
                 if rank is not None:

@@ -38,13 +38,10 @@ from services.internal_credential import InternalCredentialMiddleware
 from services.replica.sim.engine import SimEngine
 from services.replica.sim.kv_publisher import SimKVPublisher
 from services.replica.sim.model import SimModel
-from services.replica.sim.openai_app import SimOpenAIApp
+from services.replica.sim.openai_app import SimOpenAIApp, answer_tokens
 
 CREDENTIAL_ENV = "SLUICE_SIM_INTERNAL_CREDENTIAL"
 FLEET_STATE_PATH = "/fleet/state"
-# The words the simulated engines answer with, one token each in a byte-level BPE: re-sent as the next turn's
-# history, they tokenize back into the very tokens generated, so a conversation's answer blocks can hit.
-ANSWER_WORDS = (" token",)
 
 
 @dataclass(frozen=True)
@@ -89,11 +86,8 @@ class SimFleet:
         self.kv_events = kv_events
         self.count = replicas
         self.tokens = PromptTokens(model_path)
-        words = [self.tokens.text_tokens(word) for word in ANSWER_WORDS]
-        if any(len(ids) != 1 for ids in words):
-            raise ValueError(f"the answer words {ANSWER_WORDS} are not one token each in {model_path}")
-        self.output_token_ids = [ids[0] for ids in words]
-        self.token_text = {token: self.tokens.decode([token]) for token in self.output_token_ids}
+        self.token_text = answer_tokens(self.tokens)
+        self.output_token_ids = list(self.token_text)
         self.engines: dict[str, SimEngine] = {}
         self.publishers: list[SimKVPublisher] = []
         self.replicas: list[SimReplica] = []

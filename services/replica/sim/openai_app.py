@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from starlette.applications import Starlette
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -35,9 +35,20 @@ from base.route_wire import EngineLoad, EngineLoads, KVEventSource, KVEventSourc
 from routers.prompt_tokens import PromptTokens
 from services.replica.sim.engine import SimEngine
 
+# The words the simulated engines answer with, one token each in a byte-level BPE: re-sent as the next turn's
+# history, they tokenize back into the very tokens generated, so a conversation's answer blocks can hit.
+ANSWER_WORDS = (" token",)
 # A request that names no `max_tokens` gets this many (vLLM's default is the rest of the context: far too long for a
 # simulated campaign).
 DEFAULT_MAX_TOKENS = 16
+
+
+def answer_tokens(tokens: PromptTokens) -> dict[int, str]:
+    """The answer words' token ids and their text, in the served model's tokenizer."""
+    ids = [tokens.text_tokens(word) for word in ANSWER_WORDS]
+    if any(len(word) != 1 for word in ids):
+        raise ValueError(f"the answer words {ANSWER_WORDS} are not one token each in {tokens.model_path}")
+    return {word[0]: tokens.decode(word) for word in ids}
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -64,7 +75,10 @@ class SimOpenAIApp:
         self.kv_source = kv_source
         self._headers = {ENGINE_STAND_IN_HEADER: SIM_STAND_IN, REPLICA_HEADER: replica_id}
         self.token_text = token_text
-        self.app = Starlette(
+        self.app = FastAPI(
+            openapi_url=None,
+            docs_url=None,
+            redoc_url=None,
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completion, methods=["POST"]),
@@ -73,7 +87,7 @@ class SimOpenAIApp:
                 Route(KV_EVENTS_PATH, self.kv_events, methods=["GET"]),
                 Route(ENGINE_LOAD_PATH, self.engine_load, methods=["GET"]),
                 Route(HEALTH_PATH, self.health, methods=["GET"]),
-            ]
+            ],
         )
 
     async def chat(self, request: Request) -> Response:
