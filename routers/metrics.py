@@ -33,6 +33,23 @@ DECISION_SECONDS = Histogram(
     ["app", "policy"],
     buckets=(25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 700e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3),
 )
+# Shadow policies (`routers.shadows`): each policy's predicted prefix hit ratio and pick spread, live or shadow,
+# beside the hit ratio the engines report, as of the router's last scrape.
+PREDICTED_HIT_RATIO = Gauge(
+    "sluice_router_predicted_hit_ratio",
+    "Prefix cache hits each policy's picks were predicted to get (cached over prompt tokens), live or shadow.",
+    ["app", "policy", "role"],
+)
+PICK_SPREAD = Gauge(
+    "sluice_router_pick_spread",
+    "The most picked replica's share of a policy's last picks over the mean share, live or shadow.",
+    ["app", "policy", "role"],
+)
+ENGINE_HIT_RATIO = Gauge(
+    "sluice_router_engine_prefix_hit_ratio",
+    "The target replicas' prefix cache hits over queries (tokens), as their engines report them.",
+    ["app"],
+)
 KV_REPLICAS = Gauge(
     "sluice_router_kv_replicas",
     "A kv_aware router's target replicas by where their scores come from (events, approximate, lost).",

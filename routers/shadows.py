@@ -27,7 +27,7 @@ from routers.core import ReplicaView, RouteRequest, RoutingPolicy
 from routers.engine_load import EngineLoads
 from routers.kv_events import KVEventTarget, ReplicaEvents
 from routers.kv_index import KVBlockIndex, chain_keys
-from routers.metrics import DecisionCounts
+from routers.metrics import ENGINE_HIT_RATIO, PICK_SPREAD, PREDICTED_HIT_RATIO, DecisionCounts
 from routers.prompt_tokens import Tokenize
 
 # The decisions a pick spread is taken over: a few seconds of traffic at 100 requests per second.
@@ -159,6 +159,17 @@ class ShadowPolicies:
             "spread": {name: score.spread(self._replicas) for name, score in self.scores.items()},
             "engine_hit": self.target.engine_loads.prefix_hit_ratio(),
         }
+
+    def refresh_metrics(self, app: str) -> None:
+        """The report as the router's gauges (before its /metrics is read)."""
+        report = self.report()
+        for name, score in self.scores.items():
+            if report["predicted_hit"][name] is not None:
+                PREDICTED_HIT_RATIO.labels(app, name, score.role).set(report["predicted_hit"][name])
+            if report["spread"][name] is not None:
+                PICK_SPREAD.labels(app, name, score.role).set(report["spread"][name])
+        if report["engine_hit"] is not None:
+            ENGINE_HIT_RATIO.labels(app).set(report["engine_hit"])
 
 
 def shadow_lines(report: dict[str, Any]) -> list[str]:

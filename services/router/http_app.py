@@ -68,10 +68,12 @@ def build_router_app(
     replicas: Callable[[], Sequence[ReplicaView]],
     prefill: PrefillChooser | None = None,
     after_decision: Callable[[Sequence[ReplicaView], RouteRequest, Decision], None] | None = None,
+    refresh_metrics: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The router's HTTP app; `replicas()` gives the current views of the target app's replicas, which
     each route call narrows to those its frontend published (`FrontendMembership`). With `prefill`, every reply
-    also names the prefill replica; `after_decision(views, request, decision)` is called once each answer is out."""
+    also names the prefill replica; `after_decision(views, request, decision)` is called once each answer is out;
+    `refresh_metrics()` before /metrics is read (the shadows' gauges)."""
     app = FastAPI(title="sluice router", openapi_url=None, docs_url=None, redoc_url=None)
     routed = ROUTED_TOTAL.labels(settings.target_app, policy.name)
     truncated_bodies = TRUNCATED_TOTAL.labels(settings.target_app)
@@ -160,6 +162,8 @@ def build_router_app(
     async def metrics() -> Response:
         if entry.refresh_metrics is not None:
             await entry.refresh_metrics(policy, settings.target_app)
+        if refresh_metrics is not None:
+            refresh_metrics()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app

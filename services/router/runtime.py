@@ -90,7 +90,9 @@ class RouterRuntime:
             prefill = PrefillChooser(
                 build_prefill_policy(settings, side), self._prefill_replicas.views, side.route_prefix, side.required
             )
-        self.app = build_router_app(settings, policy, self.replicas.views, prefill, self._after_decision)
+        shadows = self.shadows
+        refresh = (lambda: shadows.refresh_metrics(settings.target_app)) if shadows is not None else None
+        self.app = build_router_app(settings, policy, self.replicas.views, prefill, self._after_decision, refresh)
         # Route calls, membership and tables come from the frontend's HAProxy and replica; nobody else's count.
         self.app.add_middleware(InternalCredentialMiddleware, credential=self._credential)
         self.listener = RouteListener(

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from builders.plan import build_plan
 from builders.specs import parse_spec
 from routers.core import ReplicaView, RouteRequest
-from routers.metrics import DECISIONS_TOTAL
+from routers.metrics import DECISIONS_TOTAL, ENGINE_HIT_RATIO, PICK_SPREAD, PREDICTED_HIT_RATIO
 from routers.registry import build_stateless_policy
 from routers.shadows import ShadowPolicies, VirtualCaches, shadow_lines
 from services.replica.llm_config import LLMAppConfig
@@ -138,3 +138,16 @@ def test_a_team_file_whose_shadows_cannot_run_is_refused_naming_the_field(routin
     with pytest.raises(SpecError) as refused:
         parse_spec(_team(**routing))
     assert "routing.shadow_policies" in str(refused.value) and says in str(refused.value)
+
+
+def test_the_shadows_are_on_the_routers_metrics_by_policy_and_role() -> None:
+    shadow = _shadows()
+    prompt = list(range(12))
+    shadow.index.stored("a", ["p", "q", "r"], None, prompt, BLOCK)
+    shadow.observe(VIEWS, _request(prompt, 0), "a")
+    shadow.engine_loads.reported("a", 0, 0, prefix_queries=100, prefix_hits=40)
+    shadow.refresh_metrics("llm")
+    assert PREDICTED_HIT_RATIO.labels("llm", "kv_aware", "live")._value.get() == pytest.approx(8 / 12, abs=1e-3)
+    assert PREDICTED_HIT_RATIO.labels("llm", "round_robin", "shadow")._value.get() == 0.0
+    assert PICK_SPREAD.labels("llm", "consistent_hash", "shadow")._value.get() == 4.0
+    assert ENGINE_HIT_RATIO.labels("llm")._value.get() == 0.4
