@@ -4,8 +4,10 @@ cache-aware policy weighs against a cached prefix (`kv_aware`).
 An engine's load in tokens is the KV its running requests hold (every decode step reads all of it: the decode load)
 plus the prompt tokens it has still to compute (its prefill queue). The engines report both (`base.route_wire.
 EngineLoad`, polled by the router service); vLLM's scheduler statistics count waiting requests but not their tokens,
-so a waiting request there counts as the mean prompt this router placed. A request placed since the last report
-adds its prompt: the blocks cached there join the running KV at once, the rest is prefill to come. Every router of an
+so a waiting request there counts as the mean prompt this router placed. A request placed adds its prompt (the blocks
+cached there join the running KV at once, the rest is prefill to come) until a report shows the engine's load moved
+(it took the request in), or `PLACEMENT_TTL_S` at most. Idle engines report the same to every router, and routers
+that made the same decisions within that window count the same load, so they rank alike. Every router of an
 app reads the same reports, so they agree but for their own placements of the last poll interval.
 
 A report older than `STALE_AFTER_S` is no report: the policy then falls back to in-flight counts.
@@ -14,12 +16,16 @@ A report older than `STALE_AFTER_S` is no report: the policy then falls back to 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 # Ten missed polls (the router asks every `ENGINE_LOAD_POLL_S`): an engine that stopped answering is not taken as
 # idle for long.
 STALE_AFTER_S = 5.0
+# A placement not in any report that moved is counted this long at most: the router's in-flight window
+# (`RouterSettings.forget_after_s`), so two routers that made the same decisions count the same load.
+PLACEMENT_TTL_S = 2.0
 # A waiting request's prompt before this router placed any (vLLM reports waiting requests, not tokens).
 DEFAULT_MEAN_PROMPT_TOKENS = 512
 # Weight of the newest placement in the running mean of placed prompts: about the last 50.
@@ -47,17 +53,27 @@ class TokenLoad:
 
 
 class EngineLoads:
-    """Token load per replica view id: the engines' reports plus this router's placements since each."""
+    """Token load per replica view id: the engines' reports plus this router's placements not yet in them."""
 
-    def __init__(self, stale_after_s: float = STALE_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        stale_after_s: float = STALE_AFTER_S,
+        placement_ttl_s: float = PLACEMENT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.stale_after_s = stale_after_s
+        self.placement_ttl_s = placement_ttl_s
         self._clock = clock
         self._reports: dict[str, ReportedLoad] = {}
-        # Per view: (cached prompt tokens, prompt tokens to compute) placed since its last report.
-        self._placed_since: dict[str, tuple[int, int]] = {}
+        # Placements in the order made: (when, view, its epoch then, cached prompt tokens, prompt tokens to compute);
+        # per view the sums of those of its current epoch (a report that moved begins a new one).
+        self._placements: deque[tuple[float, str, int, int, int]] = deque()
+        self._placed: dict[str, tuple[int, int]] = {}
+        self._epochs: dict[str, int] = {}
         self.mean_prompt_tokens = float(DEFAULT_MEAN_PROMPT_TOKENS)
-        # Counts reports and forgotten views: a load computed from the book at one version holds until the next
-        # (but for placements, which its user adds itself, and staleness: `oldest_report`).
+        # Counts every change but a placement (reports, forgotten views, placements expired): a load computed from
+        # the book at one version holds until the next, its user adding its own placements, and while fresh
+        # (`oldest_report`).
         self.version = 0
 
     def reported(
@@ -70,23 +86,45 @@ class EngineLoads:
         prefix_queries: int = 0,
         prefix_hits: int = 0,
     ) -> None:
-        """A new report from the view's engine: it holds every placement made before it."""
+        """A new report from the view's engine. One whose load moved holds the placements made before it (the
+        engine took them in); one that did not keeps them (they have not arrived, or changed nothing yet)."""
         self.version += 1
-        self._reports[view_id] = ReportedLoad(
+        previous = self._reports.get(view_id)
+        report = ReportedLoad(
             kv_tokens_used, waiting, prefill_tokens_pending, self._clock(), kv_tokens_total, prefix_queries, prefix_hits
         )
-        self._placed_since[view_id] = (0, 0)
+        self._reports[view_id] = report
+        if previous is None or (previous.kv_tokens_used, previous.waiting, previous.prefill_tokens_pending) != (
+            kv_tokens_used,
+            waiting,
+            prefill_tokens_pending,
+        ):
+            self._epochs[view_id] = self._epochs.get(view_id, 0) + 1
+            self._placed.pop(view_id, None)
 
     def placed(self, view_id: str, prompt_tokens: int, prefill_tokens: int) -> None:
         """A request placed on the view: its prompt, of which `prefill_tokens` are not cached there."""
-        kv, prefill = self._placed_since.get(view_id, (0, 0))
-        self._placed_since[view_id] = (kv + prompt_tokens - prefill_tokens, prefill + prefill_tokens)
+        cached = prompt_tokens - prefill_tokens
+        self._placements.append((self._clock(), view_id, self._epochs.get(view_id, 0), cached, prefill_tokens))
+        kv, prefill = self._placed.get(view_id, (0, 0))
+        self._placed[view_id] = (kv + cached, prefill + prefill_tokens)
         self.mean_prompt_tokens += _MEAN_WEIGHT * (prompt_tokens - self.mean_prompt_tokens)
+
+    def expire(self) -> None:
+        """Forget the placements `placement_ttl_s` old: every router of an app forgets the same ones alike."""
+        cutoff = self._clock() - self.placement_ttl_s
+        while self._placements and self._placements[0][0] <= cutoff:
+            _, view_id, epoch, cached, prefill = self._placements.popleft()
+            self.version += 1
+            if epoch == self._epochs.get(view_id, 0) and view_id in self._placed:
+                kv, pending = self._placed[view_id]
+                self._placed[view_id] = (kv - cached, pending - prefill)
 
     def forget(self, view_id: str) -> None:
         self.version += 1
         self._reports.pop(view_id, None)
-        self._placed_since.pop(view_id, None)
+        self._placed.pop(view_id, None)
+        self._epochs[view_id] = self._epochs.get(view_id, 0) + 1
 
     def load(self, view_id: str) -> TokenLoad | None:
         """The view's token load now; None without a fresh report."""
@@ -96,7 +134,7 @@ class EngineLoads:
         pending = report.prefill_tokens_pending
         if pending is None:
             pending = round(report.waiting * self.mean_prompt_tokens)
-        kv, prefill = self._placed_since.get(view_id, (0, 0))
+        kv, prefill = self._placed.get(view_id, (0, 0))
         return TokenLoad(report.kv_tokens_used + kv, pending + prefill)
 
     def oldest_report(self, view_ids: list[str]) -> float | None:

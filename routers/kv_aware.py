@@ -146,6 +146,7 @@ class KVAware(RoutingPolicy):
         every one of them has a fresh report. Kept between decisions while no report came and the replica set is the
         same (this router's placements are added to it as they are made): a decision reads it in O(1)."""
         book = self.engine_loads
+        book.expire()
         kept = self._kept_loads
         if kept is not None and kept[0] == book.version and kept[1] is replicas and book.fresh_since(kept[2]):
             return kept[3]

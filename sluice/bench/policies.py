@@ -108,8 +108,10 @@ def run_policy_bench(
     policies: tuple[str, ...] = BENCH_POLICIES,
     shadow: bool = True,
     shadow_replicas: int = SHADOW_REPLICAS,
+    shadow_policies: tuple[str, ...] = SHADOW_POLICIES,
 ) -> dict[str, Any]:
-    """Every row, then the shadow runs (at `shadow_replicas`); writes `policies.json` into `out` and returns it."""
+    """Every row, then the shadow runs (`shadow_policies` at `shadow_replicas`); writes `policies.json` into `out`
+    and returns it."""
     out.mkdir(parents=True, exist_ok=True)
     bench = PolicyBench(model_path, out)
     print(_table([]), flush=True)

@@ -9,7 +9,7 @@ import json
 from collections import Counter
 
 from routers.core import ReplicaView, RouteRequest
-from routers.engine_load import STALE_AFTER_S, EngineLoads, TokenLoad
+from routers.engine_load import PLACEMENT_TTL_S, STALE_AFTER_S, EngineLoads, TokenLoad
 from routers.kv_aware import KVAware
 from routers.kv_events import ReplicaEvents
 
@@ -141,3 +141,33 @@ def test_the_load_book_counts_waiting_requests_at_the_mean_prompt_and_placements
     assert book.load("a") == TokenLoad(1100, 0), "a report holds every placement made before it"
     clock.now += STALE_AFTER_S + 0.1
     assert book.load("a") is None
+
+
+def test_a_report_that_did_not_move_keeps_the_placements_and_they_expire_after_the_window() -> None:
+    clock = _Clock()
+    book = EngineLoads(clock=clock)
+    book.reported("a", kv_tokens_used=0, waiting=0, prefill_tokens_pending=0)
+    book.placed("a", prompt_tokens=100, prefill_tokens=100)
+    book.reported("a", kv_tokens_used=0, waiting=0, prefill_tokens_pending=0)
+    assert book.load("a") == TokenLoad(0, 100), "the engine has not taken it in yet"
+    clock.now += PLACEMENT_TTL_S + 0.01
+    book.expire()
+    assert book.load("a") == TokenLoad(0, 0)
+
+
+def test_two_routers_polling_at_different_moments_rank_the_same_decisions_alike() -> None:
+    clocks, policies = [_Clock(), _Clock()], []
+    for clock in clocks:
+        policy = _policy(clock)
+        _store(policy, "a", PROMPT)
+        _report(policy, a=0, b=0, c=0)
+        policies.append(policy)
+    rankings: list[list[list[str]]] = [[], []]
+    for n in range(12):
+        for which, policy in enumerate(policies):
+            if (n + which) % 5 == 0:  # each router's poll lands at its own moment: idle engines, the same report
+                _report(policy, a=0, b=0, c=0)
+            request = RouteRequest(request_id=f"r{n}", body_prefix=json.dumps(PROMPT).encode())
+            rankings[which].append([tier[0].replica_id for tier in policy.rank(VIEWS, request)])
+    assert rankings[0] == rankings[1]
+    assert len({ranking[0] for ranking in rankings[0]}) >= 2, "the load spread the prefix: the loads were compared"
