@@ -207,7 +207,9 @@ class KVAware(RoutingPolicy):
                 reason = "match"
         if keys and self.sources.get(primary.replica_id) == ReplicaEvents.APPROXIMATE:
             self.routed_prefixes.routed(primary.replica_id, keys)
-        estimated_prompt = max(prompt_tokens, len(request.body_prefix) // BODY_BYTES_PER_TOKEN)
+        estimated_prompt = prompt_tokens
+        if settled.cut:  # the rest of the prompt was never tokenized: its length from the body's
+            estimated_prompt = max(prompt_tokens, len(request.body_prefix) // BODY_BYTES_PER_TOKEN)
         held = matched[primary.replica_id] * (self.block_size or 0)
         if primary.replica_id == leader:
             # The walk stopped once this replica led: it holds at least what was walked, likely what was read.
@@ -301,6 +303,8 @@ class _Settled:
         self.block_weight = block_weight
         # Per lone holder: the lowest settled cost of every other replica.
         self._best_other: dict[str, float] = {}
+        # Whether `read_on` ended the reading (the prompt's tokens are then only its leading part).
+        self.cut = False
 
     def read_on(self, leading_tokens: Sequence[int]) -> bool:
         keys = self.chain.extended(leading_tokens)
@@ -308,8 +312,11 @@ class _Settled:
             return True
         holders = self.index.holders(keys[-1])
         if len(holders) != 1:
-            return len(holders) >= 2
-        return not self.wins(next(iter(holders)), len(keys))
+            go_on = len(holders) >= 2
+        else:
+            go_on = not self.wins(next(iter(holders)), len(keys))
+        self.cut = not go_on
+        return go_on
 
     def wins(self, holder: str, depth: int) -> bool:
         """Whether the one replica that holds the first `depth` blocks ranks first whatever follows."""

@@ -121,14 +121,15 @@ def run_policy_bench(
         for workload in workloads
         for policy in policies
     ]
-    shadows = []
+    shadows, shadow_rows = [], []
     if shadow:
         for workload in workloads:
-            live_rows = {policy: bench.row(SHADOW_REPLICAS, workload, policy)[0] for policy in SHADOW_POLICIES}
-            row, report = bench.row(SHADOW_REPLICAS, workload, "kv_aware", SHADOW_POLICIES)
+            live_rows = {policy: bench.row(shadow_replicas, workload, policy)[0] for policy in shadow_policies}
+            row, report = bench.row(shadow_replicas, workload, "kv_aware", shadow_policies)
             live_rows["kv_aware"] = row
             shadows.append(shadow_entry(workload, report, live_rows))
-    result = {"rows": [row.as_json() for row in rows], "shadow": shadows}
+            shadow_rows += [row.as_json() for row in live_rows.values()]
+    result = {"rows": [row.as_json() for row in rows], "shadow": shadows, "shadow_rows": shadow_rows}
     (out / "policies.json").write_text(json.dumps(result, indent=2) + "\n")
     print(_table(rows))
     return result
