@@ -119,6 +119,8 @@ class EngineLoad(BaseModel):
     kv_tokens_total: int | None = Field(None, ge=0)
     prefix_cache_queries: int = Field(0, ge=0)
     prefix_cache_hits: int = Field(0, ge=0)
+    # The engine's recent mean time per request, arrival to last token (None before one finished).
+    request_seconds: float | None = Field(None, ge=0)
 
 
 class EngineLoads(BaseModel):

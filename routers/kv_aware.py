@@ -12,15 +12,16 @@ compute and `decode_weight` times the KV its running requests hold (`EngineLoads
 router's placements since). The prompt's length is the same everywhere, so the ranking is by load minus cached
 tokens (Dynamo's KV router weighs prefill and active blocks one to one). A hot prefix stays on the replica that
 caches it until the KV of its requests there outweighs a whole prefill elsewhere, then a second replica warms up:
-load follows the tokens, not the count of requests. A replica at its capacity is never the primary.
+load follows the tokens, not the count of requests. The primary is the cheapest replica not saturated (below).
 
 **In-flight counts** (the fallback): more matched blocks first, then fewer live in-flight requests
-(`live_in_flight`: the open requests its frontends last counted, plus this router's decisions since); the primary is
-the best replica that is not saturated: its live in-flight plus this request would pass both `saturation_factor`
-times the mean (the bound of consistent hashing with bounded loads, Mirrokni et al. 2018) and `saturation_floor`, or
-its capacity.
+(`live_in_flight`: the open requests its frontends last counted, plus this router's decisions since).
 
-Either way ties break by a hash of the prompt's first block and the replica id (the same in every router, and
+Either way the primary is the best-ranked replica that is not saturated: its live in-flight plus this request would
+pass both `saturation_factor` times the mean (the bound of consistent hashing with bounded loads, Mirrokni et al.
+2018) and `saturation_floor`, or its capacity.
+
+Ties break by a hash of the prompt's first block and the replica id (the same in every router, and
 spreading different prompts over equally loaded replicas); fallbacks follow in rank order. A replica whose event
 stream was lost (its publisher went away: it died or restarted) holds nothing and ranks last until its stream is
 back. Reasons: `match`, `approximate_match`, `saturated` (a longer match lost to load), `miss`, `no_index`,
@@ -38,7 +39,7 @@ import mmh3
 from pydantic import Field
 
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
-from routers.engine_load import EngineLoads
+from routers.engine_load import EngineLoads, TokenLoad
 from routers.entry import PolicyContext, PolicyEntry, PolicyReport, PolicySettings
 from routers.kv_events import ReplicaEvents
 from routers.kv_index import KVBlockIndex, PromptChain, RoutedPrefixes
@@ -64,9 +65,11 @@ DEFAULT_DECODE_WEIGHT = 0.25
 # What a token of the request's own prefill weighs against a token of the replica's load. Above 1: a miss is work the
 # whole stack does (and the next requests queue behind), not only this request's wait.
 DEFAULT_PREFIX_WEIGHT = 4.0
-# A prompt whose tokens were read only as far as the ranking needed counts its body's bytes at this many a token
-# (JSON-escaped English through a BPE vocabulary of 32k-128k tokens) when its load is added to the chosen replica.
-BODY_BYTES_PER_TOKEN = 4
+# A prompt whose tokens were read only as far as the ranking needed counts its body's bytes at the bytes per token
+# of the prompts this router read whole (a running mean, the newest weighing `_BYTES_PER_TOKEN_WEIGHT`: about the
+# last 50), starting from this (JSON-escaped English through a BPE vocabulary of 32k-128k tokens).
+BODY_BYTES_PER_TOKEN = 4.0
+_BYTES_PER_TOKEN_WEIGHT = 0.02
 _TIE_SEED = 0x6B76
 
 
@@ -117,8 +120,9 @@ class KVAware(RoutingPolicy):
         self.block_size: int | None = None
         # The engines' token loads, as the router service polls them, and the loads last computed from them.
         self.engine_loads = EngineLoads()
-        self._kept_loads: tuple[int, list[ReplicaView], float, dict[str, float]] | None = None
+        self._kept_loads: _TokenLoads | None = None
         self._tie_keys: dict[str, int] = {}
+        self.body_bytes_per_token = BODY_BYTES_PER_TOKEN
 
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
         self._tie_keys = {replica_id: _tie_key(replica_id) for replica_id in replica_ids}
@@ -141,32 +145,35 @@ class KVAware(RoutingPolicy):
             return view.in_flight + self.tracker.placed_since_sample(view.replica_id)
         return super().live_in_flight(view)
 
-    def token_loads(self, replicas: list[ReplicaView]) -> dict[str, float] | None:
-        """Each replica's token load (prefill to come plus `decode_weight` times its running KV), or None unless
-        every one of them has a fresh report. Kept between decisions while no report came and the replica set is the
-        same (this router's placements are added to it as they are made): a decision reads it in O(1)."""
+    def token_loads(self, replicas: list[ReplicaView]) -> _TokenLoads | None:
+        """Each replica's token load (prefill to come plus `decode_weight` times its running KV), or
+        None unless every one of them has a fresh report. Kept between decisions while the replica set is the same
+        (this router's placements are added to it as they are made, the replicas whose report came or placements
+        expired since are computed anew): a decision pays for what changed, not for every replica."""
         book = self.engine_loads
         book.expire()
+        changed = book.take_changed()
         kept = self._kept_loads
-        if kept is not None and kept[0] == book.version and kept[1] is replicas and book.fresh_since(kept[2]):
-            return kept[3]
+        if kept is not None and kept.version == book.version and kept.replicas is replicas:
+            # Reports only get newer: while the oldest kept is fresh, every one is.
+            if book.fresh_since(kept.oldest) and all(kept.update(r, book.load(r)) for r in changed & kept.costs.keys()):
+                return kept
         ids = [view.replica_id for view in replicas]
         oldest = book.oldest_report(ids)
         if oldest is None or not book.fresh_since(oldest):
             self._kept_loads = None
             return None
-        loads = {}
+        kept = _TokenLoads(book.version, replicas, oldest, self.decode_weight)
         for replica_id in ids:
-            load = book.load(replica_id)
-            assert load is not None
-            loads[replica_id] = load.prefill_tokens + self.decode_weight * load.kv_tokens
-        self._kept_loads = (book.version, replicas, oldest, loads)
-        return loads
+            kept.update(replica_id, book.load(replica_id))
+        self._kept_loads = kept
+        return kept
 
     def _rank(self, replicas: list[ReplicaView], request: RouteRequest) -> tuple[list[list[ReplicaView]], str]:
         token_loads = self.token_loads(replicas)
         chain = PromptChain(self.block_size or 1)
-        settled = _Settled(self.index, chain, token_loads, (self.block_size or 0) * self.prefix_weight)
+        costs_now = token_loads.costs if token_loads is not None else None
+        settled = _Settled(self.index, chain, costs_now, (self.block_size or 0) * self.prefix_weight)
         tokens, reason = self._prompt_tokens(request, settled)
         keys, matched, leader = self._matched(chain, tokens, replicas, settled)
         prompt_tokens = len(tokens)
@@ -174,7 +181,7 @@ class KVAware(RoutingPolicy):
         if token_loads is not None:
             block_size = self.block_size or 0
             weight = self.prefix_weight * block_size
-            costs = {rid: load - matched[rid] * weight for rid, load in token_loads.items()}
+            costs = {rid: load - matched[rid] * weight for rid, load in token_loads.costs.items()}
         else:
             costs = {view.replica_id: self.live_in_flight(view) for view in replicas}
 
@@ -186,15 +193,13 @@ class KVAware(RoutingPolicy):
             return lost_stream, -matched[view.replica_id], costs[view.replica_id], tie ^ first
 
         ranked = sorted(replicas, key=order)
-        if token_loads is not None:
-            primary = next((view for view in ranked if not self._full(view)), ranked[0])
-        else:
-            bound = max(
-                self.saturation_floor, math.ceil(self.saturation_factor * (sum(costs.values()) + 1) / len(replicas))
-            )
-            primary = next(
-                (view for view in ranked if not self._saturated(view, costs[view.replica_id], bound)), ranked[0]
-            )
+        in_flight = costs if token_loads is None else {view.replica_id: self.live_in_flight(view) for view in replicas}
+        bound = max(
+            self.saturation_floor, math.ceil(self.saturation_factor * (sum(in_flight.values()) + 1) / len(replicas))
+        )
+        primary = next(
+            (view for view in ranked if not self._saturated(view, in_flight[view.replica_id], bound)), ranked[0]
+        )
         longest = max(matched.values())
         if reason is None:
             if longest == 0:
@@ -209,15 +214,19 @@ class KVAware(RoutingPolicy):
             self.routed_prefixes.routed(primary.replica_id, keys)
         estimated_prompt = prompt_tokens
         if settled.cut:  # the rest of the prompt was never tokenized: its length from the body's
-            estimated_prompt = max(prompt_tokens, len(request.body_prefix) // BODY_BYTES_PER_TOKEN)
+            estimated_prompt = max(prompt_tokens, round(len(request.body_prefix) / self.body_bytes_per_token))
+        elif prompt_tokens:
+            bytes_per_token = len(request.body_prefix) / prompt_tokens
+            self.body_bytes_per_token += _BYTES_PER_TOKEN_WEIGHT * (bytes_per_token - self.body_bytes_per_token)
         held = matched[primary.replica_id] * (self.block_size or 0)
         if primary.replica_id == leader:
-            # The walk stopped once this replica led: it holds at least what was walked, likely what was read.
-            held = max(held, prompt_tokens - prompt_tokens % (self.block_size or 1))
+            # The walk stopped once this replica alone held the prompt and led: taken as holding all of it (a
+            # conversation's history, a document asked again; what follows is a turn or a question).
+            held = estimated_prompt
         cached = min(held, estimated_prompt)
         self.engine_loads.placed(primary.replica_id, estimated_prompt, estimated_prompt - cached)
         if token_loads is not None:
-            token_loads[primary.replica_id] += estimated_prompt - cached + self.decode_weight * cached
+            token_loads.placed(primary.replica_id, estimated_prompt - cached, cached)
         fallbacks = [view for view in ranked if view is not primary][: self.num_fallback_replicas]
         return [[primary], *([view] for view in fallbacks)], reason
 
@@ -276,13 +285,32 @@ class KVAware(RoutingPolicy):
                     return chain.keys, matched, lone
         return chain.keys, matched, None
 
-    def _full(self, view: ReplicaView) -> bool:
-        """Taking one more would pass the replica's capacity; a lost stream counts as full."""
-        return self.live_in_flight(view) + 1 > view.capacity or self.sources.get(view.replica_id) == ReplicaEvents.LOST
-
     def _saturated(self, view: ReplicaView, load: int, bound: int) -> bool:
         """Taking one more would pass the bound or the replica's capacity; a lost stream counts as saturated."""
         return load + 1 > min(bound, view.capacity) or self.sources.get(view.replica_id) == ReplicaEvents.LOST
+
+
+class _TokenLoads:
+    """The replicas' token loads (`KVAware.token_loads`) as a decision reads them, and what they were computed from
+    (the load book's version, the replica views, the oldest report)."""
+
+    def __init__(self, version: int, replicas: list[ReplicaView], oldest: float, decode_weight: float) -> None:
+        self.version = version
+        self.replicas = replicas
+        self.oldest = oldest
+        self.decode_weight = decode_weight
+        self.costs: dict[str, float] = {}
+
+    def update(self, replica_id: str, load: TokenLoad | None) -> bool:
+        """Take the replica's load as the book has it now; False if it has none (its report went stale)."""
+        if load is None:
+            return False
+        self.costs[replica_id] = load.prefill_tokens + self.decode_weight * load.kv_tokens
+        return True
+
+    def placed(self, replica_id: str, prefill_tokens: int, cached_tokens: int) -> None:
+        """This router placed a request there (the book counts it too: `EngineLoads.placed`)."""
+        self.costs[replica_id] += prefill_tokens + self.decode_weight * cached_tokens
 
 
 class _Settled:

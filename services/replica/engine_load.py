@@ -3,7 +3,8 @@
 vLLM hands every engine step's scheduler statistics to its stat loggers (`StatLoggerBase.record`, in the replica's
 process, whatever runs the engine core); `load_logger_factory` adds one that keeps the newest figures per engine
 rank: requests running and waiting, the KV tokens in use (vLLM reports the share of its blocks in use; times the
-blocks and the block size), the cache's size, and the prefix cache's queries and hits summed over the steps. The
+blocks and the block size), the cache's size, the prefix cache's queries and hits summed over the steps, and the
+recent mean time per request (`RequestSeconds`, from the finished requests' end-to-end latency). The
 prompt tokens still to compute are not among vLLM's statistics: the router estimates them from the waiting requests
 (`routers.engine_load`).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from base.route_wire import EngineLoad, EngineLoads
+from services.replica.request_seconds import RequestSeconds
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,8 +40,12 @@ def load_logger_factory(board: EngineLoadBoard) -> Any:
             # vLLM hands each step's prefix cache counts; the report carries their sums.
             self._queries: dict[int, int] = {}
             self._hits: dict[int, int] = {}
+            self._request_seconds: dict[int, RequestSeconds] = {}
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0):
+            request_seconds = self._request_seconds.setdefault(engine_idx, RequestSeconds())
+            for finished in iteration_stats.finished_requests if iteration_stats is not None else ():
+                request_seconds.finished(finished.e2e_latency)
             if scheduler_stats is None:
                 return
             blocks = self._cache.num_gpu_blocks or 0
@@ -53,6 +59,7 @@ def load_logger_factory(board: EngineLoadBoard) -> Any:
                 kv_tokens_total=blocks * self._cache.block_size or None,
                 prefix_cache_queries=self._queries[engine_idx],
                 prefix_cache_hits=self._hits[engine_idx],
+                request_seconds=request_seconds.value,
             )
 
         def log_engine_initialized(self) -> None:

@@ -69,6 +69,8 @@ class EngineLoadPoller:
                 load.kv_tokens_total,
                 load.prefix_cache_queries,
                 load.prefix_cache_hits,
+                load.running,
+                load.request_seconds,
             )
 
     async def run(self, views: Callable[[], Sequence[ReplicaView]]) -> None:

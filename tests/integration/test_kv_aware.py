@@ -17,7 +17,8 @@ import httpx
 import pytest
 import ray
 
-from base.contracts import FAULT_PATH, REPLICA_HEADER, REQUEST_ID_HEADER
+from base.contracts import ENGINE_LOAD_PATH, FAULT_PATH, REPLICA_HEADER, REQUEST_ID_HEADER
+from base.route_wire import EngineLoads
 from base.waiting import wait_until
 from routers.kv_aware import KV_INDEX_PATH
 from routers.prompt_tokens import PromptTokens
@@ -28,10 +29,7 @@ from tests.support.team_stack import TeamStack, team_stack
 
 pytestmark = pytest.mark.integration
 
-# The part of the routers' 2 s in-flight window a batch of route calls may take: both routers then count the same
-# decisions at each request.
-WINDOW_SHARE = 0.6
-# Requests both routers rank, in batches of 20 (each batch waits for the routers' 2 s in-flight window to empty).
+# Requests both routers rank, one router after the other.
 RANKED_REQUESTS = 100
 WORDS = "ka lo mi na te po su ri ve do ga hu".split()
 
@@ -139,41 +137,44 @@ def _settled(stack: TeamStack) -> list[dict[str, Any]]:
     return wait_until(20, same_and_still, "both routers to hold the same index", poll_s=1.0)
 
 
+def _request_seconds(stack: TeamStack) -> list[float | None]:
+    """Each engine's recent mean time per request, as it reports its load to the routers."""
+    app = stack.plan.models[0].llm_app
+    reports = [
+        EngineLoads.model_validate_json(
+            httpx.get(f"{e.url}/{app}{ENGINE_LOAD_PATH}", timeout=10, headers=internal_headers()).content
+        )
+        for e in _endpoints(app)
+    ]
+    return [rank.request_seconds for report in reports for rank in report.ranks.values()]
+
+
 def test_two_routers_rank_a_hundred_requests_alike(stack: TeamStack) -> None:
     app = stack.plan.models[0].router_app
     rng = random.Random(8)
     systems = [_text(rng, 120) for _ in range(4)]
     with httpx.Client(timeout=120) as client:
-        for system in systems:
-            assert client.post(f"{stack.url}/v1/chat/completions", json=_chat(system, "ka")).status_code == 200
+        for _ in range(2):  # every replica finishes requests, so each engine reports its time per request
+            for system in systems:
+                assert client.post(f"{stack.url}/v1/chat/completions", json=_chat(system, "ka")).status_code == 200
     _settled(stack)
+    seconds = _request_seconds(stack)
+    assert all(s is not None and 0 < s < 5 for s in seconds), seconds
     first, second = _endpoints(app)
     bodies = [_chat(rng.choice(systems) if i % 4 else _text(rng, 60), _text(rng, 6)) for i in range(RANKED_REQUESTS)]
     rankings: list[tuple[list[str], list[str]]] = []
-    took: list[float] = []
-    # In batches well inside the routers' in-flight window (2 s; 20 route calls to each take about 0.3 s here), each
-    # after the window emptied (of the warm-up's decisions too, which one router made): both count the same decisions.
-    # A batch that stalled past `WINDOW_SHARE` of the window is sent again: its oldest decisions might expire in one
-    # router before the other ranks the same request.
-    for batch in range(0, RANKED_REQUESTS, 20):
-        for attempt in range(3):
-            time.sleep(2.2)
-            began = time.monotonic()
-            with httpx.Client(timeout=30) as to_first, httpx.Client(timeout=30) as to_second:
-                pairs = [
-                    (
-                        _route(first, app, bodies[i], f"same-{i}-{attempt}", to_first),
-                        _route(second, app, bodies[i], f"same-{i}-{attempt}", to_second),
-                    )
-                    for i in range(batch, batch + 20)
-                ]
-            if time.monotonic() - began < WINDOW_SHARE * 2.0:
-                break
-        took.append(round(time.monotonic() - began, 2))
-        rankings.extend(pairs)
+    # A router counts its own placements for as long as a request takes on that engine: with that time gone between
+    # two requests, each router ranks on the engines' reports and the index alone, which both routers share.
+    gap_s = 2 * max(s for s in seconds if s is not None) + 0.05
+    with httpx.Client(timeout=30) as to_first, httpx.Client(timeout=30) as to_second:
+        for i, body in enumerate(bodies):
+            time.sleep(gap_s)
+            rankings.append(
+                (_route(first, app, body, f"same-{i}", to_first), _route(second, app, body, f"same-{i}", to_second))
+            )
     differing = [(i, a, b) for i, (a, b) in enumerate(rankings) if a != b][:5]
     reports = [(index["replicas"], index["decisions"]) for index in _indexes(stack)]
-    assert not differing, f"{differing}; batch seconds {took}; routers {reports}"
+    assert not differing, f"{differing}; gap {gap_s:.2f} s; routers {reports}"
     assert len({a[0] for a, _ in rankings}) >= 2, "every request on one replica: the scores were never compared"
 
 

@@ -133,11 +133,11 @@ def test_the_load_book_counts_waiting_requests_at_the_mean_prompt_and_placements
     clock = _Clock()
     book = EngineLoads(clock=clock)
     assert book.load("a") is None
-    book.reported("a", kv_tokens_used=100, waiting=2)
+    book.reported("a", kv_tokens_used=100, waiting=2, running=1)
     assert book.load("a") == TokenLoad(kv_tokens=100, prefill_tokens=2 * 512)
     book.placed("a", prompt_tokens=1000, prefill_tokens=300)
     assert book.load("a") == TokenLoad(100 + 700, round(2 * book.mean_prompt_tokens) + 300)
-    book.reported("a", kv_tokens_used=1100, waiting=0, prefill_tokens_pending=0)
+    book.reported("a", kv_tokens_used=1100, waiting=0, prefill_tokens_pending=0, running=2)
     assert book.load("a") == TokenLoad(1100, 0), "a report holds every placement made before it"
     clock.now += STALE_AFTER_S + 0.1
     assert book.load("a") is None
@@ -153,6 +153,46 @@ def test_a_report_that_did_not_move_keeps_the_placements_and_they_expire_after_t
     clock.now += PLACEMENT_TTL_S + 0.01
     book.expire()
     assert book.load("a") == TokenLoad(0, 0)
+
+
+def test_a_report_whose_engine_was_asked_for_more_prompts_holds_the_placements_though_its_load_reads_the_same() -> None:
+    clock = _Clock()
+    book = EngineLoads(clock=clock)
+    book.reported("a", kv_tokens_used=0, waiting=0, prefill_tokens_pending=0, prefix_queries=500)
+    book.placed("a", prompt_tokens=100, prefill_tokens=100)
+    book.reported("a", kv_tokens_used=0, waiting=0, prefill_tokens_pending=0, prefix_queries=600)
+    assert book.load("a") == TokenLoad(0, 0), "the request came and finished between the two reports"
+
+
+def test_a_placement_counts_for_as_long_as_a_request_takes_on_that_engine() -> None:
+    clock = _Clock()
+    book = EngineLoads(clock=clock)
+    book.reported("a", kv_tokens_used=0, waiting=0, prefill_tokens_pending=0, request_seconds=0.1)
+    book.reported("b", kv_tokens_used=0, waiting=0, prefill_tokens_pending=0)
+    book.placed("a", prompt_tokens=100, prefill_tokens=100)
+    book.placed("b", prompt_tokens=100, prefill_tokens=100)
+    book.take_changed()
+    clock.now += 0.11
+    book.expire()
+    assert book.take_changed() == {"a"}, "only a's placement ran out"
+    assert (book.load("a"), book.load("b")) == (TokenLoad(0, 0), TokenLoad(0, 100))
+    clock.now += PLACEMENT_TTL_S
+    book.expire()
+    assert book.load("b") == TokenLoad(0, 0), "an engine that reported no request time: the window at most"
+
+
+def test_a_replica_holding_its_share_of_requests_is_passed_over_even_with_the_whole_prefix() -> None:
+    policy = KVAware(_tokens, saturation_floor=2)
+    policy.block_size = BLOCK
+    policy.engine_loads = EngineLoads(clock=_Clock())
+    for view in VIEWS:
+        policy.sources[view.replica_id] = ReplicaEvents.EVENTS
+    _store(policy, "a", PROMPT)
+    for replica in ("a", "b", "c"):
+        policy.engine_loads.reported(replica, kv_tokens_used=0, waiting=0, prefill_tokens_pending=0)
+    picks = [_primary(policy, PROMPT, n) for n in range(6)]
+    assert picks[:2] == ["a", "a"], "below the floor the prefix keeps its replica"
+    assert Counter(picks)["a"] <= 3, f"1.5 x the mean in requests at most: {picks}"
 
 
 def test_two_routers_polling_at_different_moments_rank_the_same_decisions_alike() -> None:

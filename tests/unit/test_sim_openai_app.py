@@ -69,6 +69,7 @@ def test_a_whole_answer_and_the_metrics_and_announcements_a_router_reads(client:
     load = EngineLoads.model_validate_json(client.get(ENGINE_LOAD_PATH).content).ranks[0]
     assert load.running == 0 and load.kv_tokens_total == FAST.num_blocks * FAST.block_size
     assert load.prefix_cache_queries > 0
+    assert load.request_seconds is not None and load.request_seconds > 0, "the finished requests' mean time"
 
 
 @pytest.mark.parametrize(

@@ -27,10 +27,12 @@ request: it leaves the queues and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.replica.request_seconds import RequestSeconds
 from services.replica.sim.kv_cache import Block, KVCache
 from services.replica.sim.kv_events_wire import KVCacheEvent
 from services.replica.sim.model import SimModel
@@ -69,6 +71,7 @@ class _Request:
     decoding: bool = False  # sampled since its last admission
     preempted: bool = False
     done: bool = False
+    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def pending(self) -> int:
@@ -98,6 +101,7 @@ class SimEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self.prompt_tokens_total = self.generation_tokens_total = self.requests_finished_total = 0
         self.preemptions_total = 0
+        self.request_seconds = RequestSeconds()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> AsyncIterator[SimOutput]:
         """The request's outputs, one per step that samples a token for it; a request refused raises `ValueError`
@@ -247,6 +251,7 @@ class SimEngine:
             )
             if finished:
                 self.requests_finished_total += 1
+                self.request_seconds.finished(time.monotonic() - request.arrived)
                 self._drop(request)
         self._emit()
 

@@ -166,6 +166,7 @@ class SimOpenAIApp:
             kv_tokens_total=load.num_blocks * load.block_size,
             prefix_cache_queries=self.engine.cache.queries,
             prefix_cache_hits=self.engine.cache.hits,
+            request_seconds=self.engine.request_seconds.value,
         )
         return JSONResponse(EngineLoads(ranks={0: rank}).model_dump(mode="json"))
 
