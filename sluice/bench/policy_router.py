@@ -12,13 +12,10 @@ from a router: the policy, its report, the shadows').
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import socket
 import sys
 
-import uvicorn
 from fastapi import Response
 
 from base.contracts import HEALTH_PATH
@@ -27,6 +24,7 @@ from services.replica.sim.fleet import CREDENTIAL_ENV
 from services.router.runtime import RouterRuntime
 from services.router.settings import RouterSettings
 from services.serve_internals import ReplicaEndpoint
+from services.socket_server import SocketServer, bound_listener, until_told_to_stop
 
 DECISIONS_PATH = "/bench/decisions"
 # The runtime's `describe()`: the policy, its report and the shadows'.
@@ -63,23 +61,12 @@ async def _serve(line: str, credential: str) -> None:
     async def described() -> Response:
         return Response(json.dumps(runtime.describe()), media_type="application/json")
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((LOOPBACK, 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    serving = asyncio.get_running_loop().create_task(server.serve(sockets=[listener]))
-    while not server.started:
-        if serving.done():
-            await serving
-        await asyncio.sleep(0.01)
+    listener = bound_listener(LOOPBACK)
+    server = SocketServer(app, [listener])
+    await server.start()
     print(json.dumps({"port": listener.getsockname()[1], "route_port": route_port}), flush=True)
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_reader(
-        sys.stdin.fileno(), lambda: stop.set() if not sys.stdin.buffer.read1(4096) else None
-    )
-    await stop.wait()
-    server.should_exit = True
-    await serving
+    await until_told_to_stop()
+    await server.stop()
     await runtime.close()
 
 

@@ -16,15 +16,10 @@ queries and hits, in one read (what a benchmark samples; the same figures are on
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
-import socket
-import sys
 from dataclasses import dataclass
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -39,6 +34,7 @@ from services.replica.sim.engine import SimEngine
 from services.replica.sim.kv_publisher import SimKVPublisher
 from services.replica.sim.model import SimModel
 from services.replica.sim.openai_app import SimOpenAIApp, answer_tokens
+from services.socket_server import SocketServer, bound_listener, until_told_to_stop
 
 CREDENTIAL_ENV = "SLUICE_SIM_INTERNAL_CREDENTIAL"
 FLEET_STATE_PATH = "/fleet/state"
@@ -92,8 +88,7 @@ class SimFleet:
         self.publishers: list[SimKVPublisher] = []
         self.replicas: list[SimReplica] = []
         self.control_port: int | None = None
-        self._server: uvicorn.Server | None = None
-        self._serving: asyncio.Task | None = None
+        self._server: SocketServer | None = None
 
     async def start(self) -> list[SimReplica]:
         apps: dict[int, object] = {}
@@ -113,30 +108,18 @@ class SimFleet:
             engine = SimEngine(self.model, publish=publish, output_token_ids=self.output_token_ids)
             self.engines[replica_id] = engine
             app = SimOpenAIApp(engine, self.tokens, self.served_name, replica_id, source, self.token_text).app
-            listener = self._listener()
+            listener = bound_listener(self.host)
             port = listener.getsockname()[1]
             sockets.append(listener)
             apps[port] = InternalCredentialMiddleware(app, self.credential) if self.credential else app
             self.replicas.append(SimReplica(replica_id, self.host, port))
-        control = self._listener()
+        control = bound_listener(self.host)
         self.control_port = control.getsockname()[1]
         sockets.append(control)
         apps[self.control_port] = Starlette(routes=[Route(FLEET_STATE_PATH, self.state, methods=["GET"])])
-        config = uvicorn.Config(_ByPort(apps), log_level="warning", access_log=False, lifespan="on", backlog=4096)
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self._serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=sockets))
-        while not self._server.started:
-            if self._serving.done():
-                await self._serving
-            await asyncio.sleep(0.01)
+        self._server = SocketServer(_ByPort(apps), sockets, lifespan="on", backlog=4096)
+        await self._server.start()
         return self.replicas
-
-    def _listener(self) -> socket.socket:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.host, 0))
-        return listener
 
     async def state(self, request: Request) -> JSONResponse:
         figures = {}
@@ -152,9 +135,7 @@ class SimFleet:
 
     async def close(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-        if self._serving is not None:
-            await self._serving
+            await self._server.stop()
         for publisher in self.publishers:
             publisher.close()
 
@@ -172,11 +153,7 @@ async def _run(args: argparse.Namespace) -> None:
     replicas = await fleet.start()
     answer = {"replicas": [vars(replica) for replica in replicas], "control_port": fleet.control_port}
     print(json.dumps(answer), flush=True)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not sys.stdin.buffer.read1(4096) else None)
-    await stop.wait()
+    await until_told_to_stop()
     await fleet.close()
 
 
