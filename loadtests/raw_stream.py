@@ -10,7 +10,7 @@ closed it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 
 # Connect and each read: a stream that says nothing for this long is a failure.
@@ -30,8 +30,8 @@ class StreamConnection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def _read(self, read: asyncio.Future | object) -> bytes:
-        return await asyncio.wait_for(read, READ_TIMEOUT_S)  # type: ignore[arg-type]
+    async def _read(self, read: Awaitable[bytes]) -> bytes:
+        return await asyncio.wait_for(read, READ_TIMEOUT_S)
 
     async def post(
         self, path: str, body: bytes, headers: Mapping[str, str], response: Response

@@ -342,13 +342,9 @@ class _Settled:
         if len(holders) != 1:
             go_on = len(holders) >= 2
         else:
-            go_on = not self.wins(next(iter(holders)), len(keys))
+            go_on = len(keys) < self.blocks_to_lead(next(iter(holders)), len(keys))
         self.cut = not go_on
         return go_on
-
-    def wins(self, holder: str, depth: int) -> bool:
-        """Whether the one replica that holds the first `depth` blocks ranks first whatever follows."""
-        return depth >= self.blocks_to_lead(holder, depth)
 
     def blocks_to_lead(self, holder: str, depth: int) -> float:
         """How many leading blocks the one replica that holds the first `depth` must hold to rank first whatever
