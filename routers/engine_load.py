@@ -52,10 +52,12 @@ class ReportedLoad:
 
 @dataclass(frozen=True, slots=True)
 class TokenLoad:
-    """A replica's KV tokens held by running requests (the decode load) and prompt tokens it has still to compute."""
+    """A replica's KV tokens held by running requests (the decode load), prompt tokens it has still to compute, and
+    its requests: running and waiting as reported, plus this router's placements still counted."""
 
     kv_tokens: int
     prefill_tokens: int
+    requests: int = 0
 
 
 class EngineLoads:
@@ -72,10 +74,11 @@ class EngineLoads:
         self._clock = clock
         self._reports: dict[str, ReportedLoad] = {}
         # Placements by when they stop counting: (then, order, view, its epoch then, cached prompt tokens, prompt
-        # tokens to compute); per view the sums of those of its current epoch (a report that moved begins a new one).
+        # tokens to compute); per view the sums of those of its current epoch (a report that moved begins a new one)
+        # and how many they are.
         self._placements: list[tuple[float, int, str, int, int, int]] = []
         self._order = itertools.count()
-        self._placed: dict[str, tuple[int, int]] = {}
+        self._placed: dict[str, tuple[int, int, int]] = {}
         self._epochs: dict[str, int] = {}
         self.mean_prompt_tokens = float(DEFAULT_MEAN_PROMPT_TOKENS)
         # The views whose load changed otherwise than by a placement since `take_changed` (reports, expiries).
@@ -124,8 +127,8 @@ class EngineLoads:
             counted_s = min(counted_s, report.request_seconds)
         placement = (self._clock() + counted_s, next(self._order), view_id, self._epochs.get(view_id, 0))
         heapq.heappush(self._placements, (*placement, cached, prefill_tokens))
-        kv, prefill = self._placed.get(view_id, (0, 0))
-        self._placed[view_id] = (kv + cached, prefill + prefill_tokens)
+        kv, prefill, count = self._placed.get(view_id, (0, 0, 0))
+        self._placed[view_id] = (kv + cached, prefill + prefill_tokens, count + 1)
         self.mean_prompt_tokens += _MEAN_WEIGHT * (prompt_tokens - self.mean_prompt_tokens)
 
     def expire(self) -> None:
@@ -134,8 +137,8 @@ class EngineLoads:
         while self._placements and self._placements[0][0] <= now:
             _, _, view_id, epoch, cached, prefill = heapq.heappop(self._placements)
             if epoch == self._epochs.get(view_id, 0) and view_id in self._placed:
-                kv, pending = self._placed[view_id]
-                self._placed[view_id] = (kv - cached, pending - prefill)
+                kv, pending, count = self._placed[view_id]
+                self._placed[view_id] = (kv - cached, pending - prefill, count - 1)
                 self._changed.add(view_id)
 
     def take_changed(self) -> set[str]:
@@ -157,8 +160,8 @@ class EngineLoads:
         pending = report.prefill_tokens_pending
         if pending is None:
             pending = round(report.waiting * self.mean_prompt_tokens)
-        kv, prefill = self._placed.get(view_id, (0, 0))
-        return TokenLoad(report.kv_tokens_used + kv, pending + prefill)
+        kv, prefill, count = self._placed.get(view_id, (0, 0, 0))
+        return TokenLoad(report.kv_tokens_used + kv, pending + prefill, report.running + report.waiting + count)
 
     def report_at(self, view_id: str) -> float | None:
         """When the view's last report came (None: it has none)."""

@@ -17,9 +17,11 @@ load follows the tokens, not the count of requests. The primary is the cheapest 
 **In-flight counts** (the fallback): more matched blocks first, then fewer live in-flight requests
 (`live_in_flight`: the open requests its frontends last counted, plus this router's decisions since).
 
-Either way the primary is the best-ranked replica that is not saturated: its live in-flight plus this request would
-pass both `saturation_factor` times the mean (the bound of consistent hashing with bounded loads, Mirrokni et al.
-2018) and `saturation_floor`, or its capacity.
+Either way the primary is the best-ranked replica that is not saturated: its requests plus this one would pass both
+`saturation_factor` times the mean (the bound of consistent hashing with bounded loads, Mirrokni et al. 2018) and
+`saturation_floor`, or its live in-flight count its capacity. Its requests: on token load the engine's running and
+waiting plus this router's placements still counted (a frontend samples its open requests every quarter second, so a
+client's short requests one after another would count as open at once); in the fallback its live in-flight count.
 
 Ties break by a hash of the prompt's first block and the replica id (the same in every router, and
 spreading different prompts over equally loaded replicas); fallbacks follow in rank order. A replica whose event
@@ -193,10 +195,11 @@ class KVAware(RoutingPolicy):
             return lost_stream, -matched[view.replica_id], costs[view.replica_id], tie ^ first
 
         ranked = sorted(replicas, key=order)
-        in_flight = costs if token_loads is None else {view.replica_id: self.live_in_flight(view) for view in replicas}
-        bound = max(
-            self.saturation_floor, math.ceil(self.saturation_factor * (sum(in_flight.values()) + 1) / len(replicas))
-        )
+        # Requests per replica: the engines' own counts where they report (a frontend samples its open requests every
+        # quarter second, so a client's short requests one after the other would count as open at once).
+        in_flight = costs if token_loads is None else token_loads.requests
+        total = sum(in_flight.values()) if token_loads is None else token_loads.total_requests
+        bound = max(self.saturation_floor, math.ceil(self.saturation_factor * (total + 1) / len(replicas)))
         primary = next(
             (view for view in ranked if not self._saturated(view, in_flight[view.replica_id], bound)), ranked[0]
         )
@@ -285,9 +288,12 @@ class KVAware(RoutingPolicy):
                     return chain.keys, matched, lone
         return chain.keys, matched, None
 
-    def _saturated(self, view: ReplicaView, load: int, bound: int) -> bool:
-        """Taking one more would pass the bound or the replica's capacity; a lost stream counts as saturated."""
-        return load + 1 > min(bound, view.capacity) or self.sources.get(view.replica_id) == ReplicaEvents.LOST
+    def _saturated(self, view: ReplicaView, requests: int, bound: int) -> bool:
+        """Taking one more would pass the bound (`requests`: the replica's, as the ranking counts them) or the
+        replica's capacity (its live in-flight count); a lost stream counts as saturated."""
+        if requests + 1 > bound or self.sources.get(view.replica_id) == ReplicaEvents.LOST:
+            return True
+        return self.live_in_flight(view) + 1 > view.capacity
 
 
 class _TokenLoads:
@@ -300,17 +306,23 @@ class _TokenLoads:
         self.oldest = oldest
         self.decode_weight = decode_weight
         self.costs: dict[str, float] = {}
+        self.requests: dict[str, int] = {}
+        self.total_requests = 0
 
     def update(self, replica_id: str, load: TokenLoad | None) -> bool:
         """Take the replica's load as the book has it now; False if it has none (its report went stale)."""
         if load is None:
             return False
         self.costs[replica_id] = load.prefill_tokens + self.decode_weight * load.kv_tokens
+        self.total_requests += load.requests - self.requests.get(replica_id, 0)
+        self.requests[replica_id] = load.requests
         return True
 
     def placed(self, replica_id: str, prefill_tokens: int, cached_tokens: int) -> None:
         """This router placed a request there (the book counts it too: `EngineLoads.placed`)."""
         self.costs[replica_id] += prefill_tokens + self.decode_weight * cached_tokens
+        self.requests[replica_id] += 1
+        self.total_requests += 1
 
 
 class _Settled:

@@ -134,11 +134,11 @@ def test_the_load_book_counts_waiting_requests_at_the_mean_prompt_and_placements
     book = EngineLoads(clock=clock)
     assert book.load("a") is None
     book.reported("a", kv_tokens_used=100, waiting=2, running=1)
-    assert book.load("a") == TokenLoad(kv_tokens=100, prefill_tokens=2 * 512)
+    assert book.load("a") == TokenLoad(kv_tokens=100, prefill_tokens=2 * 512, requests=3)
     book.placed("a", prompt_tokens=1000, prefill_tokens=300)
-    assert book.load("a") == TokenLoad(100 + 700, round(2 * book.mean_prompt_tokens) + 300)
+    assert book.load("a") == TokenLoad(100 + 700, round(2 * book.mean_prompt_tokens) + 300, requests=4)
     book.reported("a", kv_tokens_used=1100, waiting=0, prefill_tokens_pending=0, running=2)
-    assert book.load("a") == TokenLoad(1100, 0), "a report holds every placement made before it"
+    assert book.load("a") == TokenLoad(1100, 0, 2), "a report holds every placement made before it"
     clock.now += STALE_AFTER_S + 0.1
     assert book.load("a") is None
 
@@ -149,7 +149,7 @@ def test_a_report_that_did_not_move_keeps_the_placements_and_they_expire_after_t
     book.reported("a", kv_tokens_used=0, waiting=0, prefill_tokens_pending=0)
     book.placed("a", prompt_tokens=100, prefill_tokens=100)
     book.reported("a", kv_tokens_used=0, waiting=0, prefill_tokens_pending=0)
-    assert book.load("a") == TokenLoad(0, 100), "the engine has not taken it in yet"
+    assert book.load("a") == TokenLoad(0, 100, 1), "the engine has not taken it in yet"
     clock.now += PLACEMENT_TTL_S + 0.01
     book.expire()
     assert book.load("a") == TokenLoad(0, 0)
@@ -175,7 +175,7 @@ def test_a_placement_counts_for_as_long_as_a_request_takes_on_that_engine() -> N
     clock.now += 0.11
     book.expire()
     assert book.take_changed() == {"a"}, "only a's placement ran out"
-    assert (book.load("a"), book.load("b")) == (TokenLoad(0, 0), TokenLoad(0, 100))
+    assert (book.load("a"), book.load("b")) == (TokenLoad(0, 0), TokenLoad(0, 100, 1))
     clock.now += PLACEMENT_TTL_S
     book.expire()
     assert book.load("b") == TokenLoad(0, 0), "an engine that reported no request time: the window at most"
@@ -193,6 +193,22 @@ def test_a_replica_holding_its_share_of_requests_is_passed_over_even_with_the_wh
     picks = [_primary(policy, PROMPT, n) for n in range(6)]
     assert picks[:2] == ["a", "a"], "below the floor the prefix keeps its replica"
     assert Counter(picks)["a"] <= 3, f"1.5 x the mean in requests at most: {picks}"
+
+
+def test_a_clients_requests_one_after_another_keep_their_replica_however_many() -> None:
+    clock = _Clock()
+    policy = KVAware(_tokens)
+    policy.block_size = BLOCK
+    policy.engine_loads = EngineLoads(clock=clock)
+    for view in VIEWS:
+        policy.sources[view.replica_id] = ReplicaEvents.EVENTS
+        policy.engine_loads.reported(view.replica_id, 0, 0, 0, request_seconds=0.05)
+    _store(policy, "a", PROMPT)
+    picks = []
+    for n in range(8):  # each answered before the next is sent: the engine's request time apart
+        picks.append(_primary(policy, PROMPT, n))
+        clock.now += 0.1
+    assert picks == ["a"] * 8, "finished requests do not count against the replica's share"
 
 
 def test_two_routers_polling_at_different_moments_rank_the_same_decisions_alike() -> None:
