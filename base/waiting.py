@@ -52,10 +52,12 @@ async def async_wait_until(
     logger: logging.Logger,
     log_interval_s: float = WAIT_LOG_INTERVAL_S,
 ) -> T:
-    """`wait_until` on an event loop (a replica's start, a frontend's move): every `log_interval_s` a line in
-    `logger` says how long it has waited for `what`; past `timeout_s` it raises `StartDeadline`."""
+    """`wait_until` on an event loop (a replica's start, a frontend's move): at the first probe that finds nothing,
+    then every `log_interval_s`, a line in `logger` says how long it has waited for `what` (at once, so a deploy
+    that reads the replica's log under a short deadline names the wait); past `timeout_s` it raises
+    `StartDeadline`."""
     started = time.monotonic()
-    next_log = started + log_interval_s
+    next_log = started
     while not _done(value := await probe()):
         now = time.monotonic()
         if now - started >= timeout_s:

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from base.running_mean import RunningMean
+
 # Ten missed polls (the router asks every `ENGINE_LOAD_POLL_S`): an engine that stopped answering is not taken as
 # idle for long.
 STALE_AFTER_S = 5.0
@@ -80,7 +82,7 @@ class EngineLoads:
         self._order = itertools.count()
         self._placed: dict[str, tuple[int, int, int]] = {}
         self._epochs: dict[str, int] = {}
-        self.mean_prompt_tokens = float(DEFAULT_MEAN_PROMPT_TOKENS)
+        self.mean_prompt_tokens = RunningMean(_MEAN_WEIGHT, DEFAULT_MEAN_PROMPT_TOKENS)
         # The views whose load changed otherwise than by a placement since `take_changed` (reports, expiries).
         self._changed: set[str] = set()
         # Counts the views forgotten: a load kept from an older version must be computed anew.
@@ -129,7 +131,7 @@ class EngineLoads:
         heapq.heappush(self._placements, (*placement, cached, prefill_tokens))
         kv, prefill, count = self._placed.get(view_id, (0, 0, 0))
         self._placed[view_id] = (kv + cached, prefill + prefill_tokens, count + 1)
-        self.mean_prompt_tokens += _MEAN_WEIGHT * (prompt_tokens - self.mean_prompt_tokens)
+        self.mean_prompt_tokens.add(prompt_tokens)
 
     def expire(self) -> None:
         """Forget the placements whose time is up: every router of an app forgets the same ones alike."""
@@ -159,7 +161,7 @@ class EngineLoads:
             return None
         pending = report.prefill_tokens_pending
         if pending is None:
-            pending = round(report.waiting * self.mean_prompt_tokens)
+            pending = round(report.waiting * self.mean_prompt_tokens.value)
         kv, prefill, count = self._placed.get(view_id, (0, 0, 0))
         return TokenLoad(report.kv_tokens_used + kv, pending + prefill, report.running + report.waiting + count)
 

@@ -40,6 +40,7 @@ from typing import Any
 import mmh3
 from pydantic import Field
 
+from base.running_mean import RunningMean
 from routers.core import DEFAULT_NUM_FALLBACK_REPLICAS, ReplicaView, RouteRequest, RoutingPolicy
 from routers.engine_load import EngineLoads, TokenLoad
 from routers.entry import PolicyContext, PolicyEntry, PolicyReport, PolicySettings
@@ -124,7 +125,7 @@ class KVAware(RoutingPolicy):
         self.engine_loads = EngineLoads()
         self._kept_loads: _TokenLoads | None = None
         self._tie_keys: dict[str, int] = {}
-        self.body_bytes_per_token = BODY_BYTES_PER_TOKEN
+        self.body_bytes_per_token = RunningMean(_BYTES_PER_TOKEN_WEIGHT, BODY_BYTES_PER_TOKEN)
 
     def on_replicas_changed(self, replica_ids: Sequence[str]) -> None:
         self._tie_keys = {replica_id: _tie_key(replica_id) for replica_id in replica_ids}
@@ -217,10 +218,9 @@ class KVAware(RoutingPolicy):
             self.routed_prefixes.routed(primary.replica_id, keys)
         estimated_prompt = prompt_tokens
         if settled.cut:  # the rest of the prompt was never tokenized: its length from the body's
-            estimated_prompt = max(prompt_tokens, round(len(request.body_prefix) / self.body_bytes_per_token))
+            estimated_prompt = max(prompt_tokens, round(len(request.body_prefix) / self.body_bytes_per_token.value))
         elif prompt_tokens:
-            bytes_per_token = len(request.body_prefix) / prompt_tokens
-            self.body_bytes_per_token += _BYTES_PER_TOKEN_WEIGHT * (bytes_per_token - self.body_bytes_per_token)
+            self.body_bytes_per_token.add(len(request.body_prefix) / prompt_tokens)
         held = matched[primary.replica_id] * (self.block_size or 0)
         if primary.replica_id == leader:
             # The walk stopped once this replica alone held the prompt and led: taken as holding all of it (a

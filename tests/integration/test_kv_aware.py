@@ -17,14 +17,14 @@ import httpx
 import pytest
 import ray
 
-from base.contracts import ENGINE_LOAD_PATH, FAULT_PATH, REPLICA_HEADER, REQUEST_ID_HEADER
-from base.route_wire import EngineLoads
+from base.contracts import FAULT_PATH, REPLICA_HEADER, REQUEST_ID_HEADER
 from base.waiting import wait_until
 from routers.kv_aware import KV_INDEX_PATH
 from routers.prompt_tokens import PromptTokens
 from services.internal_credential import internal_headers
 from services.serve_internals import ReplicaEndpoint, list_replica_endpoints
 from sluice.deploy.status import model_line, routers_report
+from tests.support.engine_warmup import answer_once_on_every_replica
 from tests.support.team_stack import TeamStack, team_stack
 
 pytestmark = pytest.mark.integration
@@ -137,39 +137,21 @@ def _settled(stack: TeamStack) -> list[dict[str, Any]]:
     return wait_until(20, same_and_still, "both routers to hold the same index", poll_s=1.0)
 
 
-def _request_seconds(stack: TeamStack) -> list[float | None]:
-    """Each engine's recent mean time per request, as it reports its load to the routers."""
-    app = stack.plan.models[0].llm_app
-    reports = [
-        EngineLoads.model_validate_json(
-            httpx.get(f"{e.url}/{app}{ENGINE_LOAD_PATH}", timeout=10, headers=internal_headers()).content
-        )
-        for e in _endpoints(app)
-    ]
-    return [rank.request_seconds for report in reports for rank in report.ranks.values()]
-
-
 def test_two_routers_rank_a_hundred_requests_alike(stack: TeamStack) -> None:
     app = stack.plan.models[0].router_app
     rng = random.Random(8)
     systems = [_text(rng, 120) for _ in range(4)]
-    llm_app = stack.plan.models[0].llm_app
     with httpx.Client(timeout=120) as client:
         for system in systems:
             assert client.post(f"{stack.url}/v1/chat/completions", json=_chat(system, "ka")).status_code == 200
-        for replica in _endpoints(llm_app):  # each engine finishes a request, so it reports its time per request
-            direct = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 2}
-            answer = client.post(f"{replica.url}/{llm_app}/v1/completions", json=direct, headers=internal_headers())
-            assert answer.status_code == 200, answer.text
+    seconds = answer_once_on_every_replica(stack.plan.models[0].llm_app)
     _settled(stack)
-    seconds = _request_seconds(stack)
-    assert all(s is not None and 0 < s < 5 for s in seconds), seconds
     first, second = _endpoints(app)
     bodies = [_chat(rng.choice(systems) if i % 4 else _text(rng, 60), _text(rng, 6)) for i in range(RANKED_REQUESTS)]
     rankings: list[tuple[list[str], list[str]]] = []
     # A router counts its own placements for as long as a request takes on that engine: with that time gone between
     # two requests, each router ranks on the engines' reports and the index alone, which both routers share.
-    gap_s = 2 * max(s for s in seconds if s is not None) + 0.05
+    gap_s = 2 * max(seconds) + 0.05
     with httpx.Client(timeout=30) as to_first, httpx.Client(timeout=30) as to_second:
         for i, body in enumerate(bodies):
             time.sleep(gap_s)

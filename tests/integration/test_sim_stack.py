@@ -5,7 +5,6 @@ scored and reported by the router and `sluice status`."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,14 +14,12 @@ import httpx
 import pytest
 from ray import serve
 
-from base.contracts import ENGINE_LOAD_PATH, ENGINE_STAND_IN_HEADER, REPLICA_HEADER, SIM_STAND_IN
-from base.route_wire import EngineLoads
+from base.contracts import ENGINE_STAND_IN_HEADER, REPLICA_HEADER, SIM_STAND_IN
 from base.waiting import wait_until
 from routers.shadows import SHADOWS_KEY
-from services.internal_credential import internal_headers
 from services.router.engine_load_poller import ENGINE_LOAD_POLL_S
-from services.serve_internals import list_replica_endpoints
 from sluice.deploy.status import model_line
+from tests.support.engine_warmup import answer_once_on_every_replica
 from tests.support.team_stack import TeamStack, team_stack
 
 pytestmark = pytest.mark.integration
@@ -48,19 +45,6 @@ def _chat(stack: TeamStack, content: str) -> httpx.Response:
     return httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
 
 
-def _answer_once_on_every_replica(stack: TeamStack) -> None:
-    app = stack.plan.models[0].llm_app
-    body = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "ka"}], "max_tokens": 2}
-    for replica in asyncio.run(list_replica_endpoints(app)):
-        url = f"{replica.url}/{app}/v1/chat/completions"
-        answer = httpx.post(url, json=body, timeout=30, headers=internal_headers())
-        assert answer.status_code == 200, answer.text
-        load = EngineLoads.model_validate_json(
-            httpx.get(f"{replica.url}/{app}{ENGINE_LOAD_PATH}", timeout=10, headers=internal_headers()).content
-        )
-        assert load.ranks[0].request_seconds is not None, load
-
-
 def _described(stack: TeamStack) -> dict[str, Any]:
     return serve.get_app_handle(stack.plan.models[0].router_app).describe.remote().result(timeout_s=10)
 
@@ -77,7 +61,7 @@ def test_a_simulated_stack_answers_as_vllm_would_and_keeps_a_conversation_where_
     )
     # Each engine answers once, so it reports its time per request: the router then counts each request it places
     # for that long, and a client's requests one after another are not taken as open at once.
-    _answer_once_on_every_replica(stack)
+    answer_once_on_every_replica(stack.plan.models[0].llm_app)
     time.sleep(2 * ENGINE_LOAD_POLL_S + 0.1)
     first = _chat(stack, CONVERSATION)
     assert first.status_code == 200 and first.headers[ENGINE_STAND_IN_HEADER] == SIM_STAND_IN

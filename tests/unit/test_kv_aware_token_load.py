@@ -136,7 +136,7 @@ def test_the_load_book_counts_waiting_requests_at_the_mean_prompt_and_placements
     book.reported("a", kv_tokens_used=100, waiting=2, running=1)
     assert book.load("a") == TokenLoad(kv_tokens=100, prefill_tokens=2 * 512, requests=3)
     book.placed("a", prompt_tokens=1000, prefill_tokens=300)
-    assert book.load("a") == TokenLoad(100 + 700, round(2 * book.mean_prompt_tokens) + 300, requests=4)
+    assert book.load("a") == TokenLoad(100 + 700, round(2 * book.mean_prompt_tokens.value) + 300, requests=4)
     book.reported("a", kv_tokens_used=1100, waiting=0, prefill_tokens_pending=0, running=2)
     assert book.load("a") == TokenLoad(1100, 0, 2), "a report holds every placement made before it"
     clock.now += STALE_AFTER_S + 0.1

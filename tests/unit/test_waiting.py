@@ -30,6 +30,19 @@ def test_a_wait_logs_what_it_waits_for_and_gives_up_at_its_deadline(caplog: pyte
     assert any("for the answer" in record.getMessage() for record in caplog.records)
 
 
+def test_a_wait_says_what_it_waits_for_at_its_first_empty_probe(caplog: pytest.LogCaptureFixture) -> None:
+    # A deploy with a 10 s deadline reads the router's log while the router waits: a first line only after
+    # `log_interval_s` (5 s) came too late on a loaded machine.
+    answers = iter([None, None, "ready"])
+
+    async def probe() -> str | None:
+        return next(answers)
+
+    with caplog.at_level(logging.WARNING, logger="t"):
+        asyncio.run(async_wait_until(5, probe, "the answer", 0.001, logging.getLogger("t"), log_interval_s=60))
+    assert [record.getMessage() for record in caplog.records] == ["waiting 0 s so far (deadline 5 s) for the answer"]
+
+
 def test_a_router_without_endpoints_fails_its_start_naming_the_app() -> None:
     async def none_listed() -> list[ReplicaEndpoint]:
         return []
