@@ -29,6 +29,9 @@ MAX_POSITION_EMBEDDINGS = 2048
 # ChatML markers plus the Hermes tool-call tags (vLLM's `hermes` tool parser reads those).
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 EOS_TOKEN = "<|im_end|>"
+# The tool-call parser of those tags: a spec serving the tiny model has tool calling unless it says otherwise
+# (`sluice check` asks a forced tool call).
+TINY_TOOL_CALL_PARSER = "hermes"
 SERVED_MODEL_NAME = "sluice-tiny"
 
 CHATML_TEMPLATE = (

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from base.tiny_model import TINY_TOOL_CALL_PARSER
 from infra.haproxy.models import MODEL_NAME_PATTERN
 from services.replica.llm_config import CPU_ONLY_DEFAULTS, EngineArgValue, EngineConfig
+from services.replica.tool_parsers import AUTO_TOOL_CALL_PARSER, family_tool_call_parser
 from topologies.problems import SpecError, SpecProblem
 from topologies.sections import (
     NAME_PATTERN,
@@ -56,12 +58,34 @@ class ModelBase(Section):
             raise ValueError(f"{value!r} is not a served model name: letters, digits and . _ : / - only")
         return value
 
+    @model_validator(mode="after")
+    def _known_family(self) -> ModelBase:
+        if self.tool_call_parser(self.source) == AUTO_TOOL_CALL_PARSER:
+            raise ValueError(
+                f"engine.tool_call_parser: auto knows no tool-call parser for {self.source!r}: name one of vLLM's "
+                "`--tool-call-parser` choices (llama3_json, hermes, mistral, ...)"
+            )
+        return self
+
+    def tool_call_parser(self, model_path: str, overrides: EngineArgs | None = None) -> str | None:
+        """The engine's tool-call parser: the one the spec names, its family's for `auto` (`auto` itself when the
+        family is unknown), the tiny model's own when the spec says nothing of the tiny model, else None (off)."""
+        own = {} if isinstance(self.engine, str) else self.engine
+        tiny = self.source in (TINY_SOURCE, TINY_MOE_SOURCE)
+        asked = {**own, **(overrides or {})}.get("tool_call_parser", TINY_TOOL_CALL_PARSER if tiny else None)
+        if asked != AUTO_TOOL_CALL_PARSER:
+            return None if asked is None else str(asked)
+        if tiny:
+            return TINY_TOOL_CALL_PARSER
+        return family_tool_call_parser(self.name, self.source, model_path=model_path) or AUTO_TOOL_CALL_PARSER
+
     def engine_config(self, model_path: str, overrides: EngineArgs | None = None, gpus: bool = False) -> EngineConfig:
         """The engine settings of this model; `model_path`: where its weights are (the source, resolved). On GPUs
         the CPU-only defaults are left to vLLM."""
         unset: dict[str, EngineArgValue | None] = dict.fromkeys(CPU_ONLY_DEFAULTS) if gpus else {}
         own = {} if isinstance(self.engine, str) else self.engine
         args = {**unset, **own, **(overrides or {})}
+        args["tool_call_parser"] = self.tool_call_parser(model_path, overrides)
         named = {k: v for k, v in args.items() if k in EngineConfig.model_fields and k != "extra_args"}
         extra = {k: v for k, v in args.items() if k not in named}
         return EngineConfig(model=model_path, served_model_name=self.name, **named, extra_args=extra)

@@ -5,6 +5,7 @@ services/replica/README.md (settings and constants).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,7 +25,9 @@ from routers.registry import validate_settings
 from routers.serve_adapters import request_router_config
 from services.serve_internals import SERVE_SHUTDOWN_BUFFER_S
 
-EngineArgValue = str | int | float | bool
+# A `vllm serve` flag's value: a single value, or a map or list for vLLM's JSON-valued flags (`speculative_config`,
+# `compilation_config`, `override_generation_config`, `lora_modules`, ...), which the command line carries as JSON.
+EngineArgValue = str | int | float | bool | dict[str, Any] | list[Any]
 # The defaults that only suit this machine's CPUs: a replica with GPUs leaves them to vLLM (unless a spec sets them).
 CPU_ONLY_DEFAULTS = ("max_model_len", "max_num_seqs", "dtype", "enforce_eager", "kv_cache_memory_bytes")
 # The LLM deployment's default name. Routers find the deployment's capacity ledger by this name
@@ -51,8 +54,9 @@ class EngineConfig(BaseModel):
     # A small KV cache: the VM's memory node reports ~9 GiB, so vLLM's default does not fit.
     kv_cache_memory_bytes: int | None = Field(64 * 1024 * 1024, gt=0)
     seed: int = 0
-    # Named `tool_choice` needs a tool parser; the tiny model speaks ChatML + Hermes tool tags.
-    tool_call_parser: str | None = "hermes"
+    # Tool calling, only where asked: vLLM's parser of the model's family (a spec's `tool_call_parser`, resolved by
+    # `topologies.spec.ModelBase.engine_config`); None turns tool calling off.
+    tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = True
     # "parameter": tool-call arguments always obey the tool's JSON schema, as if every tool were
     # `strict: true` (vLLM's "auto" only enforces it for tools that ask).
@@ -91,9 +95,16 @@ class EngineConfig(BaseModel):
             if isinstance(value, bool):
                 if value:
                     args.append(f"--{flag}")
+            elif isinstance(value, list):  # a flag that takes several values: each one after it
+                args += [f"--{flag}", *map(_cli_value, value)]
             else:
-                args += [f"--{flag}", str(value)]
+                args += [f"--{flag}", _cli_value(value)]
         return args
+
+
+def _cli_value(value: Any) -> str:
+    """One value on the command line: maps and lists as JSON (what vLLM's parser reads for its JSON flags)."""
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
 
 
 class ReplicaDeploymentConfig(BaseModel):

@@ -53,10 +53,20 @@ def check_engine_args(config: EngineConfig) -> argparse.Namespace:
         with contextlib.redirect_stderr(complaint):
             return parse_engine_args(config)
     except SystemExit:
-        lines = [line for line in complaint.getvalue().splitlines() if line.strip()]
-        raise EngineArgsError(lines[-1].split("error: ", 1)[-1] if lines else "refused") from None
+        raise EngineArgsError(_parser_error(complaint.getvalue())) from None
     except ValueError as error:
         raise EngineArgsError(str(error)) from None
+
+
+def _parser_error(printed: str) -> str:
+    """What argparse printed after its usage, on one line: its `error:` line and what follows it (a JSON flag's
+    pydantic error names the field below it), without pydantic's link to its docs."""
+    lines = printed.splitlines()
+    start = max((i for i, line in enumerate(lines) if "error: " in line), default=None)
+    if start is None:
+        return "refused"
+    said = [lines[start].split("error: ", 1)[1], *lines[start + 1 :]]
+    return "; ".join(line.strip() for line in said if line.strip() and "errors.pydantic.dev" not in line)
 
 
 def start_engine(args: argparse.Namespace, stat_loggers: list | None = None) -> AsyncLLM:

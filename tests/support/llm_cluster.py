@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from base.tiny_model import TINY_TOOL_CALL_PARSER
 from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.serve_internals import ReplicaEndpoint
 from sluice.bench.stack_harness import DirectStreamSpec, DirectStreamStack
@@ -35,6 +36,8 @@ def deploy_llm_app(
 
     from services.replica.llm_replica import llm_application
 
+    # The tiny model's tool calling, as a spec serving it has (the forced tool call tests ask one).
+    engine = {"tool_call_parser": TINY_TOOL_CALL_PARSER, **engine}
     config = LLMAppConfig(engine=EngineConfig(model=str(model), **engine), deployment=deployment)
     serve.run(llm_application(config), name=name, route_prefix=route_prefix, blocking=False)
     return config

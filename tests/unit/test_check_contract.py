@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
+import httpx
 import pytest
 
-from sluice.deploy.check.contract import ContractBroken, stream_outcome, streamed_tool_arguments
+from sluice.deploy.check.contract import ContractBroken, api_contract, stream_outcome, streamed_tool_arguments
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
@@ -62,3 +64,23 @@ def test_a_streamed_tool_calls_fragments_join_into_its_arguments() -> None:
     chunks.pop(2)
     with pytest.raises(ContractBroken, match="not JSON"):
         streamed_tool_arguments(chunks)
+
+
+def _without_tool_calling(request: httpx.Request) -> httpx.Response:
+    """A model served without a tool-call parser: vLLM answers chat, and refuses a named tool choice."""
+    body = json.loads(request.content)
+    if "tool_choice" in body:
+        return httpx.Response(400, json={"error": {"message": "requires --tool-call-parser to be set"}})
+    if body.get("stream"):
+        events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in _stream()) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=events.encode())
+    message = {"role": "assistant", "content": "ka lo mi"}
+    return httpx.Response(200, json={"choices": [{"message": message, "finish_reason": "length"}], "usage": USAGE})
+
+
+def test_the_contract_asks_a_forced_tool_call_only_of_a_model_with_tool_calling() -> None:
+    with httpx.Client(transport=httpx.MockTransport(_without_tool_calling)) as client:
+        ok, detail = api_contract(client, "http://stack", "m", tool_calls=False)
+        assert ok is True and "no tool call: the spec asks no tool calling" in detail, detail
+        ok, detail = api_contract(client, "http://stack", "m", tool_calls=True)
+        assert ok is False and "got 400" in detail, detail

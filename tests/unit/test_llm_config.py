@@ -2,7 +2,13 @@ import pytest
 from pydantic import ValidationError
 
 from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
-from services.replica.vllm_app import MissingModelFolder, parse_engine_args, require_model_folder
+from services.replica.vllm_app import (
+    EngineArgsError,
+    MissingModelFolder,
+    check_engine_args,
+    parse_engine_args,
+    require_model_folder,
+)
 
 
 def test_cli_args_render_named_and_extra_flags() -> None:
@@ -12,7 +18,7 @@ def test_cli_args_render_named_and_extra_flags() -> None:
     assert args[args.index("--max-model-len") + 1] == "512"
     assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
     assert "--enforce-eager" in args
-    assert args[args.index("--tool-call-parser") + 1] == "hermes"
+    assert "--tool-call-parser" not in args and "--enable-auto-tool-choice" not in args, "tool calling only if asked"
 
 
 def test_false_flags_are_omitted() -> None:
@@ -27,7 +33,7 @@ def test_vllm_parser_accepts_the_settings() -> None:
     assert args.model == "/m"
     assert args.kv_cache_memory_bytes == 1 << 26
     assert args.enforce_eager is True
-    assert args.tool_call_parser == "hermes"
+    assert args.tool_call_parser is None
 
 
 def test_vllm_rejects_an_unknown_engine_flag() -> None:
@@ -114,3 +120,22 @@ def test_a_weights_folder_this_node_lacks_is_refused_naming_it(tmp_path) -> None
         require_model_folder(EngineConfig(model=str(missing)))
     require_model_folder(EngineConfig(model=str(tmp_path)))
     require_model_folder(EngineConfig(model="meta-llama/Llama-3.1-8B-Instruct"))  # a Hub id: vLLM downloads it
+
+
+def test_vllms_json_valued_flags_take_maps_and_lists_and_its_parser_checks_them() -> None:
+    extra = {
+        "override_generation_config": {"temperature": 0.5},
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+        "enable_lora": True,
+        "lora_modules": [{"name": "a", "path": "/l/a"}, "b=/l/b"],
+    }
+    args = check_engine_args(EngineConfig(model="/m", extra_args=extra))
+    assert args.override_generation_config == {"temperature": 0.5}
+    assert args.speculative_config["num_speculative_tokens"] == 3
+    assert [(module.name, module.path) for module in args.lora_modules] == [("a", "/l/a"), ("b", "/l/b")]
+    # vLLM's own complaint, on one line and naming the field.
+    with pytest.raises(
+        EngineArgsError, match=r"--compilation-config.*CompilationConfig; level; Unexpected keyword"
+    ) as e:
+        check_engine_args(EngineConfig(model="/m", extra_args={"compilation_config": {"level": 0}}))
+    assert "\n" not in str(e.value) and "pydantic.dev" not in str(e.value)

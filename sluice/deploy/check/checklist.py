@@ -257,7 +257,9 @@ def run_checks(
         else:
             needs_spec = (SERVER_MAP, SERVED_IS_CHOSEN, FAULT_INJECTION)
             items += [skipped(n, n, NEEDS_SPEC_REASON, NEEDS_SPEC_ENABLED_BY) for n in needs_spec]
-        record(API_CONTRACT, api_contract, client, base, model)
+        first = spec.models[0] if spec is not None else None  # type: ignore[attr-defined]
+        tool_calls = first is None or first.tool_call_parser(first.source) is not None
+        record(API_CONTRACT, api_contract, client, base, model, tool_calls)
         record(DISCONNECT, check_items.disconnect_frees_engine, client, base, model, metrics_urls)
         if plan is not None:
             staging = spec is not None and spec.staging

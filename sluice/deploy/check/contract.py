@@ -2,7 +2,8 @@
 
 The same greedy chat request streamed and not: the same text, finish_reason and usage. The stream's order: the
 assistant's role in the first chunk, the finish_reason on the last chunk with a choice, usage alone in the last chunk,
-then `[DONE]`. A forced tool call, streamed: its argument fragments join into JSON that fits the tool's schema.
+then `[DONE]`. A forced tool call, streamed, where the model has tool calling (vLLM refuses a named tool choice
+without a tool-call parser): its argument fragments join into JSON that fits the tool's schema.
 """
 
 from __future__ import annotations
@@ -72,21 +73,24 @@ def streamed_tool_arguments(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         raise ContractBroken(f"the streamed tool call's arguments are not JSON ({error})") from None
 
 
-def api_contract(client: httpx.Client, base: str, model: str) -> Result:
+def api_contract(client: httpx.Client, base: str, model: str, tool_calls: bool = True) -> Result:
+    """`tool_calls`: whether the model has tool calling (its spec's `engine.tool_call_parser`)."""
     try:
         body = chat(model)
         streamed = stream_outcome(_streamed(client, base, body))
         whole = whole_outcome(client, base, body)
         if streamed != whole:
             return False, f"streamed {streamed} but not streamed {whole} (text, finish_reason, usage)"
-        arguments = streamed_tool_arguments(_streamed(client, base, forced_tool_call(model)))
-        jsonschema.validate(arguments, WEATHER_SCHEMA)
+        arguments = streamed_tool_arguments(_streamed(client, base, forced_tool_call(model))) if tool_calls else None
+        if arguments is not None:
+            jsonschema.validate(arguments, WEATHER_SCHEMA)
     except ContractBroken as broken:
         return False, str(broken)
     except jsonschema.ValidationError as error:
         return False, f"the streamed tool call's arguments miss the tool's schema: {error.message}"
     text, finish, usage = streamed
+    tools = f"streamed forced tool call {arguments}" if tool_calls else "no tool call: the spec asks no tool calling"
     return True, (
         f"streamed = not streamed ({len(text)} chars, finish_reason {finish}, usage {usage}); role first, usage last, "
-        f"[DONE]; streamed forced tool call {arguments}"
+        f"[DONE]; {tools}"
     )
