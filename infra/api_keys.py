@@ -14,7 +14,9 @@ import re
 import secrets
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, model_validator
+
+from base.spec_config import SPEC_SECTION_CONFIG
 
 HASH_PREFIX = "sha256:"
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -30,10 +32,12 @@ class ApiKeySource(BaseModel):
     """Where a stack's key hashes come from: exactly one of a file (re-read while running: rotation needs no
     reload) or an environment variable (read when the frontend starts)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = SPEC_SECTION_CONFIG
 
     file: Path | None = None
+    """A key file of hashes (`sluice api-key new`), re-read while running: rotation needs no reload."""
     env: str | None = None
+    """An environment variable holding the key hashes, read when the frontend starts."""
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ApiKeySource:

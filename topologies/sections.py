@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from base.contracts import (
     DEFAULT_MAX_ONGOING_REQUESTS,
@@ -15,6 +15,7 @@ from base.contracts import (
     ROUTE_TIMEOUT_S_DEFAULT,
     SESSION_HEADER_DEFAULT,
 )
+from base.spec_config import SPEC_SECTION_CONFIG
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
 from infra.haproxy.protection import FrontendProtection
 from infra.haproxy.tls import FrontendTLS
@@ -36,16 +37,18 @@ NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = SPEC_SECTION_CONFIG
 
 
 class Resources(Section):
     """What one replica (or one rank, or one role replica) asks Ray for."""
 
     cpus: float = Field(1.0, ge=0)
+    """CPUs each replica (or rank, or role replica) asks Ray for."""
     gpus: float = Field(0.0, ge=0)
-    # Ray's accelerator type (e.g. "H100", "A10G"); only meaningful with GPUs.
+    """GPUs each replica asks Ray for; 0 runs vLLM on CPUs with this machine's CPU defaults."""
     accelerator_type: str | None = None
+    """Ray's accelerator type (e.g. "H100", "A10G"); only meaningful with GPUs."""
 
     @model_validator(mode="after")
     def _accelerator_needs_gpus(self) -> Resources:
@@ -56,8 +59,11 @@ class Resources(Section):
 
 class Autoscaling(Section):
     min_replicas: int = Field(1, ge=0)
+    """Replicas Serve keeps at the least (the stack waits for these at deploy)."""
     max_replicas: int = Field(ge=1)
+    """Replicas Serve may scale up to."""
     target_ongoing_requests: float = Field(DEFAULT_MAX_ONGOING_REQUESTS / 2, gt=0)
+    """Requests in flight per replica Serve's autoscaler aims at; at most `max_ongoing_requests`."""
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
@@ -73,9 +79,13 @@ class Scaling(Section):
     """How many replicas, fixed or autoscaled, and what each asks for."""
 
     replicas: int | None = Field(None, ge=1)
+    """A fixed replica count (1 when neither this nor `autoscaling` is given)."""
     autoscaling: Autoscaling | None = None
+    """Serve's autoscaling (`min_replicas`, `max_replicas`, `target_ongoing_requests`) instead of a fixed count."""
     max_ongoing_requests: int = Field(DEFAULT_MAX_ONGOING_REQUESTS, ge=1)
+    """Each replica's capacity: requests in flight at once before the router passes it over."""
     resources: Resources = Resources()
+    """What each replica asks Ray for (`cpus`, `gpus`, `accelerator_type`)."""
 
     @model_validator(mode="after")
     def _one_way_to_scale(self) -> Scaling:
@@ -97,32 +107,40 @@ class RoutingOverride(Section):
     """Per-model routing: any field left out keeps the stack's value."""
 
     policy: PolicyName | None = None
+    """This model's routing policy instead of the stack's."""
     policy_kwargs: dict[str, Any] | None = None
+    """Its policy's settings (a new policy starts from none of the stack's)."""
     route_timeout_s: float | None = Field(None, gt=0, le=60)
+    """This model's route call deadline instead of the stack's."""
 
 
 class Routing(Section):
     """How the frontend routes a stack's requests (a stack default; models may override policy and timeout)."""
 
     policy: PolicyName = DEFAULT_POLICY
+    """The routing policy that picks each request's replica (docs/policies.md)."""
     policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """The policy's settings (docs/policies.md lists each policy's)."""
     session_header: str = SESSION_HEADER_DEFAULT
-    # closed: a request the router could not place gets 503 with a reason; open: it is load-balanced instead.
+    """The request header that keeps a session on one replica."""
     fail_mode: Literal["closed", "open"] = "closed"
-    # Send the request body (up to body_buffer_bytes) to the router: body-aware policies and multi-model stacks.
+    """closed: a request the router could not place gets 503 with a reason; open: it is load-balanced instead."""
     forward_body: bool = False
+    """Send the request body (up to body_buffer_bytes) to the router: body-aware policies and multi-model stacks."""
     body_buffer_bytes: int = Field(BODY_BUFFER_BYTES_DEFAULT, ge=1024, le=64 * 1024 * 1024)
+    """How much of the body the frontend buffers and forwards to the router (`forward_body`)."""
     route_timeout_s: float = Field(ROUTE_TIMEOUT_S_DEFAULT, gt=0, le=60)
-    # The replicas publish vLLM's KV events: None, when the policy scores by them (kv_aware); true keeps them on
-    # under any policy (comparing policies on the same replicas), false turns them off (kv_aware then approximates).
+    """The route call's deadline in seconds; past it the request fails as `fail_mode` says."""
     kv_events: bool | None = None
-    # The frontend ranks each request from the routers' table (a rotation, a hash ring) with no route call, where the
-    # policy is a function of the replica set and the request's headers (docs/data-plane.md, table decisions).
+    """The replicas publish vLLM's KV events: None, when the policy scores by them (kv_aware); true keeps them on under
+    any policy (comparing policies on the same replicas), false turns them off (kv_aware then approximates)."""
     table_decisions: bool = False
-    # Policies each router also runs on every request without acting on it: what each would have hit and how it
-    # would have spread the load, beside the live policy's (`sluice status`; routers/README.md, shadow policies).
-    # They read the prompt (routing.forward_body) and the replicas' KV events (turned on for them).
+    """The frontend ranks each request from the routers' table (a rotation, a hash ring) with no route call, where the
+    policy is a function of the replica set and the request's headers (docs/data-plane.md, table decisions)."""
     shadow_policies: list[PolicyName] = Field(default_factory=list)
+    """Policies each router also runs on every request without acting on it: what each would have hit and how it would
+    have spread the load, beside the live policy's (`sluice status`; routers/README.md, shadow policies). They read
+    the prompt (routing.forward_body) and the replicas' KV events (turned on for them)."""
 
     @field_validator("session_header")
     @classmethod
@@ -182,14 +200,18 @@ class Frontend(Section):
     """The stack's HAProxy: where it listens, how many routers it asks, and how it protects the replicas."""
 
     port: int = Field(HAPROXY_PORT_DEFAULT, ge=1, le=65535)
+    """HAProxy's public port (the OpenAI API)."""
     metrics_port: int = Field(HAPROXY_PROMETHEUS_PORT_DEFAULT, ge=1, le=65535)
+    """HAProxy's Prometheus and stats port."""
     routers: int = Field(1, ge=1)
+    """Router replicas of each model's router app."""
     protection: FrontendProtection = FrontendProtection()
-    # TLS on `port` (docs/data-plane.md, TLS at the frontend); None: plain HTTP.
+    """Timeouts, size limits, API keys and per-client limits, enforced before any route call."""
     tls: FrontendTLS | None = None
-    # The platform (topologies/platform.py) whose frontend serves this stack's models: the stack's own HAProxy then
-    # listens on loopback ports of its own choosing, and keys, TLS and the public port are the platform's.
+    """TLS on `port` (docs/data-plane.md, TLS at the frontend); None: plain HTTP."""
     platform: str | None = None
+    """The platform (topologies/platform.py) whose frontend serves this stack's models: the stack's own HAProxy then
+    listens on loopback ports of its own choosing, and keys, TLS and the public port are the platform's."""
 
     @model_validator(mode="after")
     def _attached_has_no_public_side(self) -> Frontend:
@@ -248,11 +270,16 @@ class Ingress(Section):
     ingress."""
 
     mode: Literal["direct", "legacy", "both"] = "direct"
+    """`direct` (HAProxy to the replicas' own ports), `legacy` (the retained Serve ingress: the rollback) or `both` (a
+    canary)."""
     canary_weight: int = Field(10, ge=0, le=100)
+    """With `both`: the share of sessions (percent) on the direct path."""
     legacy_replicas: int = Field(1, ge=1)
-    # How long a path that lost its traffic may take to finish its streams before they are listed.
+    """Replicas of the legacy ingress app."""
     drain_deadline_s: float = Field(DRAIN_DEADLINE_S_DEFAULT, gt=0)
+    """How long a path that lost its traffic may take to finish its streams before they are listed."""
     abort: AbortCriteria = AbortCriteria()
+    """When a canary rolls itself back: the thresholds the direct path must stay under."""
 
     @property
     def retains_legacy(self) -> bool:

@@ -41,10 +41,16 @@ SIM_ENGINE = "sim"
 
 class ModelBase(Section):
     name: str
+    """The served model name clients ask for (`model` in a request)."""
     source: str
+    """Where the weights come from: a folder (absolute path), a Hugging Face Hub id, or `tiny` (sluice's generated
+    model)."""
     # vLLM's engine arguments, or `sim` (the simulator engine stand-in, `SIM_ENGINE`).
     engine: EngineArgs | Literal["sim"] = Field(default_factory=dict)
+    """vLLM's engine arguments (checked by vLLM's own parser; JSON-valued ones as YAML maps or lists;
+    `tool_call_parser`: a parser or `auto`), or `sim`: the simulator engine stand-in."""
     routing: RoutingOverride | None = None
+    """This model's policy, its settings or its route timeout, over the stack's `routing`."""
 
     @property
     def simulated(self) -> bool:
@@ -93,12 +99,17 @@ class ModelBase(Section):
 
 class StackBase(Section):
     team: str
+    """The team that owns the stack (a lower-case identifier); apps are named `<team>-<name>-...`."""
     name: str
+    """The stack's name within its team (a lower-case identifier)."""
     routing: Routing = Routing()
+    """How the frontend routes requests: the policy and its settings, timeouts, the session header."""
     frontend: Frontend = Frontend()
+    """The frontend: HAProxy's ports, the router replicas, protection, TLS, or a platform to attach to."""
     ingress: Ingress = Ingress()
-    # A staging stack's routers accept fault injection (`sluice check` makes one fail on purpose).
+    """Which path serves: direct, the legacy ingress, or both as a canary."""
     staging: bool = False
+    """A staging stack's routers accept fault injection (`sluice check` makes one fail on purpose)."""
 
     @field_validator("team", "name")
     @classmethod

@@ -22,16 +22,21 @@ NAME = "data_parallel"
 
 class DataParallel(Section):
     mode: Literal["in_engine", "ranks"]
+    """`in_engine`: one engine runs `size` ranks; `ranks`: each rank its own replica, scheduled as a gang."""
     size: int = Field(ge=2, le=64)
+    """Data-parallel ranks per replica (or per gang)."""
 
 
 class DataParallelModel(OpenAIModel):
     data_parallel: DataParallel
+    """vLLM data parallelism: `mode` and `size`."""
 
 
 class DataParallelStack(StackBase):
     kind: Literal["data_parallel"]
+    """The topology kind: `data_parallel` (vLLM data parallelism per replica)."""
     models: list[DataParallelModel] = Field(min_length=1)
+    """The served models, each with its data-parallel ranks."""
 
 
 def _problems(spec: DataParallelStack, index: int, model: DataParallelModel) -> list[SpecProblem]:

@@ -38,7 +38,9 @@ class OpenAIModel(ModelBase, Scaling):
 
 class OpenAIStack(StackBase):
     kind: Literal["openai"]
+    """The topology kind: `openai` (plain OpenAI-compatible replicas)."""
     models: list[OpenAIModel] = Field(min_length=1)
+    """The served models, each with its own replicas and router app."""
 
 
 def replica_model_apps(

@@ -31,30 +31,40 @@ class Role(Scaling):
     """One side of a prefill/decode pair: its replicas, resources, engine overrides and policy."""
 
     engine: EngineArgs = Field(default_factory=dict)
+    """Engine arguments of this role over the model's `engine`."""
     routing: RoutingOverride | None = None
+    """This role's policy, settings or route timeout over the model's."""
 
 
 class KVTransfer(Section):
     connector: Literal["NixlConnector", "ExampleConnector"] = "NixlConnector"
+    """vLLM's KV connector between prefill and decode."""
     buffer_device: Literal["cpu", "cuda"] = "cpu"
-    # How long prefill keeps transferred blocks for decode to read (vLLM's default of 30 s ran out under load).
+    """Where the connector stages KV blocks (`cpu` or `cuda`)."""
     lease_s: float = Field(120.0, gt=0)
+    """How long prefill keeps transferred blocks for decode to read (vLLM's default of 30 s ran out under load)."""
     extra_config: dict[str, Any] = Field(default_factory=dict)
+    """Further `kv_connector_extra_config` for vLLM."""
 
 
 class PrefillDecodeModel(ModelBase):
     prefill: Role
+    """The prefill role: its scaling, resources, engine and routing overrides."""
     decode: Role
+    """The decode role (the replicas clients stream from): its scaling, resources, engine and routing overrides."""
     kv_transfer: KVTransfer = KVTransfer()
-    # When prefill fails: a clear error (default), or prefill on the decode replica (marked in a header).
+    """How KV moves from prefill to decode (the connector)."""
     local_prefill_fallback: bool = False
-    # How long a decode replica waits for its prefill call before it counts as failed.
+    """When prefill fails: a clear error (default), or prefill on the decode replica (marked in a header)."""
     prefill_timeout_s: float = Field(60.0, gt=0)
+    """How long a decode replica waits for its prefill call before it counts as failed."""
 
 
 class PrefillDecodeStack(StackBase):
     kind: Literal["prefill_decode"]
+    """The topology kind: `prefill_decode` (prefill and decode replicas, KV transferred between them)."""
     models: list[PrefillDecodeModel] = Field(min_length=1)
+    """The served models, each with a prefill and a decode role."""
 
 
 def _problems(spec: PrefillDecodeStack, index: int, model: PrefillDecodeModel) -> list[SpecProblem]:

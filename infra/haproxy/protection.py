@@ -8,7 +8,7 @@ rules in the order HAProxy applies them: infra/haproxy/README.md (protection of 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from base.contracts import (
     AUTHORIZATION_HEADER,
@@ -30,6 +30,7 @@ from base.contracts import (
     RETRY_AFTER_HEADER,
     SERVE_REASON_HEADER,
 )
+from base.spec_config import SPEC_SECTION_CONFIG
 from infra.api_keys import ApiKeySource
 from infra.haproxy.formatting import counter_table_lines, haproxy_time, openai_error_body
 
@@ -53,13 +54,16 @@ CONCURRENCY_RETRY_AFTER_S = 1
 class ClientLimits(BaseModel):
     """Per-client limits at the frontend (None: no limit)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = SPEC_SECTION_CONFIG
 
     max_concurrent_requests: int | None = Field(None, ge=1)
+    """Requests one client may have in flight at once (429 past it; none unless set)."""
     max_requests_per_window: int | None = Field(None, ge=1)
+    """Requests one client may send per `window_s` (429 with Retry-After past it; none unless set)."""
     window_s: int = Field(10, ge=1, le=3600)
-    # Clients tracked at once; the least recently seen are evicted beyond it.
+    """The rate window of `max_requests_per_window`, in seconds."""
     table_size: int = Field(100_000, ge=100)
+    """Clients tracked at once; the least recently seen are evicted beyond it."""
 
     @property
     def enabled(self) -> bool:
@@ -69,14 +73,20 @@ class ClientLimits(BaseModel):
 class FrontendProtection(BaseModel):
     """A stack's frontend limits; the defaults fit chat requests with room to spare."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = SPEC_SECTION_CONFIG
 
     request_timeout_s: float = Field(REQUEST_TIMEOUT_S_DEFAULT, gt=0, le=600)
+    """How long a client may take to send its headers and body (408 past it)."""
     max_body_bytes: int = Field(MAX_BODY_BYTES_DEFAULT, ge=1024, le=256 * 1024 * 1024)
+    """The largest request body (413 past it)."""
     max_header_bytes: int = Field(MAX_HEADER_BYTES_DEFAULT, ge=1024, le=1024 * 1024)
+    """The largest request headers (431 past it)."""
     max_url_bytes: int = Field(MAX_URL_BYTES_DEFAULT, ge=256, le=1024 * 1024)
+    """The longest request URL (414 past it)."""
     client_limits: ClientLimits = ClientLimits()
+    """Per-client limits on concurrency and rate (off unless set)."""
     api_keys: ApiKeySource | None = None
+    """Where the team's API key hashes come from (`file` or `env`; off unless set)."""
 
     @model_validator(mode="after")
     def _window_fits_the_table(self) -> FrontendProtection:

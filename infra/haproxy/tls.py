@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from base.spec_config import SPEC_SECTION_CONFIG
 
 ALPN = "h2,http/1.1"
 _PRIVATE_KEY_MARK = "PRIVATE KEY-----"
@@ -24,15 +26,16 @@ class FrontendTLS(BaseModel):
     """`frontend.tls` of a spec: where the certificate and key are, whether clients must present one, and whether a
     plain-HTTP port stays open beside TLS."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = SPEC_SECTION_CONFIG
 
-    # The certificate (with its chain) in PEM; its private key too, unless `key_file` names the key.
     cert_file: Path
+    """The certificate (with its chain) in PEM; its private key too, unless `key_file` names the key."""
     key_file: Path | None = None
-    # mTLS: a client must present a certificate this CA (PEM) signed.
+    """The private key in PEM, when not in `cert_file`."""
     client_ca_file: Path | None = None
-    # A plain-HTTP port kept open beside TLS (None: TLS only). A request with an API key is refused there.
+    """mTLS: a client must present a certificate this CA (PEM) signed."""
     plain_port: int | None = Field(None, ge=1, le=65535)
+    """A plain-HTTP port kept open beside TLS (None: TLS only). A request with an API key is refused there."""
 
     def pem(self) -> str:
         """The certificate and its key as the one PEM HAProxy loads; TLSError naming the file that is unusable."""

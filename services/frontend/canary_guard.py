@@ -15,20 +15,26 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from base.contracts import CANARY_CRITERIA, DIRECT_PATH, LEGACY_PATH, REASON_INJECTED_FAULT
 from base.quantiles import quantile
+from base.spec_config import SPEC_SECTION_CONFIG
 
 
 class AbortCriteria(BaseModel):
     """When a canary rolls back by itself: any threshold the direct path goes over, within `window_s`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = SPEC_SECTION_CONFIG
 
     max_503_ratio: float = Field(0.05, ge=0, le=1)
+    """The direct path's share of 503 answers that rolls the canary back."""
     max_ttft_p99_s: float = Field(10.0, gt=0)
+    """The direct path's time to first token (p99, seconds) that rolls the canary back."""
     max_stream_error_ratio: float = Field(0.02, ge=0, le=1)
-    # The busiest replica's share of the path's requests over the mean share (1.0 is perfect balance).
+    """The direct path's share of streams that end in error that rolls the canary back."""
     max_replica_imbalance: float = Field(4.0, ge=1)
+    """The busiest replica's share of the path's requests over the mean share (1.0 is perfect balance)."""
     min_requests: int = Field(20, ge=1)
+    """Requests the direct path must have served in the window before any threshold counts."""
     window_s: float = Field(60.0, gt=0)
+    """The window (seconds) the thresholds are measured over."""
 
     def threshold(self, criterion: str) -> float:
         return {

@@ -252,3 +252,14 @@ def test_the_spec_reference_lists_every_key() -> None:
     section = page[page.index("## Spec reference") : page.index("## Ray's direct streaming")]
     documented = {word for token in re.findall(r"`([^`]+)`", section) for word in re.split(r"[.\[\] ]+", token)}
     assert _schema_keys(topology_json_schema()) - documented == set()
+
+
+def test_the_schema_describes_every_field_for_an_editor() -> None:
+    # Each field's docstring in its model is its description (`base.spec_config`): an editor shows it beside the key.
+    fields = [
+        (name, key, prop)
+        for name, model in topology_json_schema()["$defs"].items()
+        for key, prop in model.get("properties", {}).items()
+    ]
+    assert len(fields) >= 100
+    assert [f"{name}.{key}" for name, key, prop in fields if not prop.get("description")] == []
