@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from base.runtime import LOOPBACK, free_port
 from loadtests.metrics import SLO, Summary, summarize
@@ -35,6 +45,8 @@ LOCUST_HTML = "locust.html"
 STOP_TIMEOUT_S = 30
 # Locust's own default port for a master's workers.
 LOCUST_MASTER_PORT = 5557
+# What a campaign's summary and report say of a header's value: an API key is no figure to keep in a report.
+HIDDEN_HEADER_VALUE = "(set)"
 
 
 class RemoteMaster(BaseModel):
@@ -79,6 +91,8 @@ class Campaign(BaseModel):
     slo: SLO = SLO()
     gates: dict[str, float] = Field(default_factory=dict)
     seed: int = 0
+    # Headers every request carries (`--api-key`, `--header`); written out by name only, never their values.
+    headers: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("workload")
     @classmethod
@@ -101,6 +115,10 @@ class Campaign(BaseModel):
         if self.workers and self.master is not None:
             raise ValueError("local workers (--workers) and a master for remote ones (--master) exclude each other")
         return self
+
+    @field_serializer("headers")
+    def _header_names(self, headers: dict[str, str]) -> dict[str, str]:
+        return dict.fromkeys(headers, HIDDEN_HEADER_VALUE)
 
     @property
     def worker_count(self) -> int:
@@ -143,8 +161,14 @@ def breaches(verdicts: list[GateVerdict]) -> list[str]:
     return [f"{v.name}: measured {v.measured:.4g}, limit {v.limit:.4g}" for v in verdicts if not v.held]
 
 
-def _served_model(target: str) -> str:
-    return httpx.get(f"{target}/v1/models", timeout=30).json()["data"][0]["id"]
+def _served_model(campaign: Campaign) -> str:
+    models = httpx.get(f"{campaign.target}/v1/models", timeout=30, headers=campaign.headers)
+    return models.json()["data"][0]["id"]
+
+
+def locust_env(campaign: Campaign) -> dict[str, str]:
+    """The environment of the campaign's Locust processes: the headers go there, not on their command lines."""
+    return {**os.environ, "SLUICE_LOAD_HEADERS": json.dumps(campaign.headers)}
 
 
 def locust_options(campaign: Campaign, rows_dir: Path) -> list[str]:
@@ -187,16 +211,19 @@ def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
     ]
     timeout = campaign.duration_s + 2 * STOP_TIMEOUT_S + 60
     if not campaign.worker_count:
-        subprocess.run([*locust, *run, "--run-time", f"{campaign.duration_s:g}s"], timeout=timeout, check=False)
+        env = locust_env(campaign)
+        subprocess.run(
+            [*locust, *run, "--run-time", f"{campaign.duration_s:g}s"], timeout=timeout, check=False, env=env
+        )
         return _rows(rows_dir)
     # A master ends the run itself (the locustfile): it waits for every worker's rows, which --run-time would not.
     master = campaign.master or RemoteMaster(port=free_port(LOOPBACK), expect_workers=campaign.workers, wait_s=60)
     listen = ["--master-bind-host", master.bind_host, "--master-bind-port", str(master.port)]
     wait = ["--expect-workers", str(master.expect_workers), "--expect-workers-max-wait", f"{master.wait_s:g}"]
-    processes = [subprocess.Popen([*locust, *run, "--master", *listen, *wait])]
+    processes = [subprocess.Popen([*locust, *run, "--master", *listen, *wait], env=locust_env(campaign))]
     if campaign.master is None:
         worker = [*locust, "--worker", "--master-host", master.bind_host, "--master-port", str(master.port)]
-        processes += [subprocess.Popen(worker) for _ in range(campaign.workers)]
+        processes += [subprocess.Popen(worker, env=locust_env(campaign)) for _ in range(campaign.workers)]
     try:
         processes[0].wait(timeout=master.wait_s + timeout)
         for process in processes[1:]:
@@ -220,7 +247,7 @@ def _rows(rows_dir: Path) -> list[StreamRow]:
 def run(campaign: Campaign) -> tuple[Summary, list[str]]:
     """The campaign, its files in `campaign.out`; (summary, breached gates)."""
     if campaign.model is None:
-        campaign = campaign.model_copy(update={"model": _served_model(campaign.target)})
+        campaign = campaign.model_copy(update={"model": _served_model(campaign)})
     campaign.out.mkdir(parents=True, exist_ok=True)
     rows = run_locust(campaign, campaign.out / "rows")
     rows.sort(key=lambda r: r.sent_at)

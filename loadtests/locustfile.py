@@ -13,8 +13,10 @@ a worker has sent them). Closed and open loop, and why: loadtests/README.md.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,10 @@ from base import sse
 from loadtests.sse_timing import CSV_FIELDS, StreamOutput, StreamRow, record_stream
 from loadtests.workloads import PromptMaker, Request, Workload
 
-# Each setting: its type and default (the `SLUICE_LOAD_<NAME>` variable overrides the default).
-OPTIONS: dict[str, tuple[type, str]] = {
+# Each setting: how its text is read and its default (the `SLUICE_LOAD_<NAME>` variable overrides the default).
+# `headers` (a JSON object: an API key among them) comes only from the environment the campaign sets, never the
+# command line, where any process on the machine could read it.
+OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "workload": (str, "short_long"),
     "model": (str, "sluice-tiny"),
     "tokenizer": (str, ""),
@@ -38,6 +42,7 @@ OPTIONS: dict[str, tuple[type, str]] = {
     "duration_s": (float, "60"),
     "session_header": (str, "x-session-id"),
     "seed": (int, "0"),
+    "headers": (json.loads, "{}"),
 }
 ROWS_MESSAGE = "sluice_rows"
 STOP_MESSAGE = "sluice_stop"
@@ -177,7 +182,7 @@ class StreamingUser(HttpUser):
             row.reusable_tokens = self.conversation.answered(output)
 
     def stream(self, request: Request, planned: float | None) -> tuple[StreamRow, StreamOutput]:
-        headers = {"accept-encoding": "identity"}
+        headers = {**SETTINGS["headers"], "accept-encoding": "identity"}
         if SETTINGS["session_header"] and request.send_session:  # empty, or not sent: header-less traffic
             headers[SETTINGS["session_header"]] = request.session
         # The request is built before the clock starts: TTFT counts the wire and the server, not JSON encoding.

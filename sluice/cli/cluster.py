@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from base.runtime import COMPATIBLE_RAY_START
+from sluice.cli.request_headers import add_header_options, request_headers
 from sluice.deploy.errors import UsageError
 from topologies import EMBEDDED_SPEC
 
@@ -36,7 +37,8 @@ def _on_cluster(args: argparse.Namespace) -> int:
         if args.command == "status":
             return status.status(args.target, args.address, as_json=args.json)
         spec = args.file or str(EMBEDDED_SPEC)
-        return check(spec, None, args.address, args.json, args.allow_skip, _expected(args), args.ca_file)
+        headers = request_headers(args)
+        return check(spec, None, args.address, args.json, args.allow_skip, _expected(args), args.ca_file, headers)
     except PreflightError as error:
         print(error, file=sys.stderr)
         return PREFLIGHT_EXIT_CODE
@@ -58,9 +60,10 @@ def _check(args: argparse.Namespace) -> int:
         allowed_skips(args.allow_skip)  # before anything connects
     except ValueError as error:
         raise UsageError(str(error)) from None
+    headers = request_headers(args)  # before anything connects too
     if args.target is None:
         return _on_cluster(args)
-    return check(None, args.target, args.address, args.json, args.allow_skip, _expected(args), args.ca_file)
+    return check(None, args.target, args.address, args.json, args.allow_skip, _expected(args), args.ca_file, headers)
 
 
 def register(commands: Any) -> None:
@@ -125,6 +128,7 @@ def register(commands: Any) -> None:
     check.add_argument("--expect-ray", metavar="VERSION", help="the Ray version every replica and this CLI must run")
     check.add_argument("--expect-vllm", metavar="VERSION", help="the vLLM version every replica and this CLI must run")
     check.add_argument("--ca-file", help="the CA an https frontend's certificate is checked against (default: system)")
+    add_header_options(check)
     check.set_defaults(func=_check)
     for command in (deploy, status, down, canary, rollback, check):
         command.add_argument("--address", default="auto", help="the Ray cluster (default: RAY_ADDRESS, else local)")

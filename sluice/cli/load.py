@@ -12,9 +12,13 @@ from typing import Any
 from base.runtime import default_model_dir
 from loadtests.campaign import LOCUST_MASTER_PORT
 from loadtests.workloads import WORKLOADS
+from sluice.cli.request_headers import add_header_options, request_headers
 from sluice.deploy.errors import Unreachable, UsageError, require_url, served_models
 from sluice.deploy.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from topologies import EMBEDDED_SPEC
+
+# `sluice load compare A B`: not a workload, two runs to set side by side (`loadtests.compare`).
+COMPARE = "compare"
 
 
 def _gates(args: argparse.Namespace) -> dict[str, float]:
@@ -84,6 +88,7 @@ def _campaign(args: argparse.Namespace) -> Any:
             model=args.model,
             slo=SLO(**_slo_limits(args)),
             gates=_gates(args),
+            headers=request_headers(args),
         )
     except ValidationError as error:
         problems = "; ".join(
@@ -97,10 +102,14 @@ def _load(args: argparse.Namespace) -> int:
     """`sluice load WORKLOAD --target URL`: a Locust campaign; exit 1 when a gate is breached."""
     from loadtests.campaign import run
 
+    if args.workload == COMPARE:
+        return _compare(args)
+    if args.runs:
+        raise UsageError(f"unexpected {' '.join(args.runs)!r}: only `sluice load compare A B` takes runs")
     if args.workload == "routing":
         return _routing_suite(args)
     campaign = _campaign(args)
-    models = served_models(campaign.target)
+    models = served_models(campaign.target, headers=campaign.headers)
     if campaign.model is None:
         if not models:
             raise Unreachable(f"the target {campaign.target} serves no model")
@@ -110,6 +119,20 @@ def _load(args: argparse.Namespace) -> int:
     for breach in breached:
         print(f"gate breached: {breach}", file=sys.stderr)
     return EXIT_FAILED if breached else EXIT_OK
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """`sluice load compare A B`: two runs' summaries side by side, B over A."""
+    from loadtests.compare import CompareError, comparison_lines, read_summary
+
+    if len(args.runs) != 2:
+        raise UsageError("sluice load compare takes two runs: their folders (or summary.json files)")
+    try:
+        first, second = (read_summary(Path(run)) for run in args.runs)
+    except CompareError as error:
+        raise UsageError(str(error)) from None
+    print("\n".join(comparison_lines(*args.runs, first, second)))
+    return EXIT_OK
 
 
 def _load_worker(args: argparse.Namespace) -> int:
@@ -157,7 +180,8 @@ def _replay(args: argparse.Namespace) -> int:
 
 def register(commands: Any) -> None:
     load = commands.add_parser("load", help="a Locust load campaign against a frontend (rows, summary, report)")
-    load.add_argument("workload", help=f"{', '.join(WORKLOADS)}, or the suite routing")
+    load.add_argument("workload", help=f"{', '.join(WORKLOADS)}, the suite routing, or {COMPARE} A B")
+    load.add_argument("runs", nargs="*", help=f"{COMPARE}: two runs' folders (or their summary.json)")
     load.add_argument(
         "--target", "--base-url", help="the frontend's base URL, e.g. http://127.0.0.1:8000 (not for routing)"
     )
@@ -189,6 +213,7 @@ def register(commands: Any) -> None:
     load.add_argument(
         "--goodput", nargs="+", default=[], metavar="NAME:MS", help="vLLM's form of the SLOs, e.g. ttft:200 tpot:50"
     )
+    add_header_options(load)
     load.set_defaults(func=_load)
 
     worker = commands.add_parser("load-worker", help="a Locust worker of a `sluice load --master` campaign")

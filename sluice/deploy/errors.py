@@ -19,13 +19,16 @@ class Unreachable(Exception):
     """Something the command needs does not answer (a frontend, a Docker engine): exit `EXIT_UNREACHABLE`."""
 
 
-def served_models(target: str, verify: ssl.SSLContext | bool = True) -> list[str]:
+def served_models(
+    target: str, verify: ssl.SSLContext | bool = True, headers: dict[str, str] | None = None
+) -> list[str]:
     """The ids of the models the target's OpenAI API lists; `Unreachable` when it cannot be reached or does not
-    answer its model list. `verify`: what an https target's certificate is checked against."""
+    answer its model list. `verify`: what an https target's certificate is checked against; `headers`: what the
+    request carries (a keyed stack's API key)."""
     import httpx
 
     try:
-        response = httpx.get(f"{target}/v1/models", timeout=TARGET_PROBE_TIMEOUT_S, verify=verify)
+        response = httpx.get(f"{target}/v1/models", timeout=TARGET_PROBE_TIMEOUT_S, verify=verify, headers=headers)
     except httpx.HTTPError as error:
         problem = f"{type(error).__name__}: {error}"
     else:
@@ -36,6 +39,8 @@ def served_models(target: str, verify: ssl.SSLContext | bool = True) -> list[str
                 problem = "GET /v1/models answered no OpenAI model list"
         else:
             problem = f"GET /v1/models answered {response.status_code}"
+            if response.status_code == 401:
+                problem += " (a keyed stack: give its key, --api-key)"
     raise Unreachable(f"the target {target} cannot be reached: {problem}")
 
 

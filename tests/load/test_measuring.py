@@ -173,3 +173,40 @@ def test_a_worker_without_a_master_stops_at_its_timeout() -> None:
         cwd=ROOT,
     )
     assert result.returncode == EXIT_INCOMPLETE and "no campaign ended within 3 s" in result.stderr
+
+
+def test_a_keyed_target_is_loaded_with_its_key_and_the_key_is_kept_out_of_the_files(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    process, url = start("--api-key", "sk-load")
+    tokenizer = str(tiny_model_dir / "tokenizer.json")
+    load = _sluice("load", "short_long", "--target", url, "--users", "1", "--tokenizer", tokenizer)
+    try:
+        refused = subprocess.run([*load, "--duration", "2"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        keyed = [*load, "--duration", "3", "--out", str(tmp_path), "--api-key", "sk-load", "--header", "x-team=alpha"]
+        result = subprocess.run(keyed, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+    assert refused.returncode == 3 and "answered 401 (a keyed stack: give its key, --api-key)" in refused.stderr
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["completed"] >= 3 and saved["failed"] == 0, "every request carried the key"
+    assert saved["campaign"]["headers"] == {"authorization": "(set)", "x-team": "(set)"}
+    written = "".join(path.read_text(errors="replace") for path in tmp_path.rglob("*") if path.is_file())
+    assert "sk-load" not in written, "the key is in no file the campaign wrote"
+
+
+def test_check_carries_the_key_to_a_keyed_target() -> None:
+    process, url = start("--api-key", "sk-check")
+    check = _sluice("check", "--target", url, "--json")
+    try:
+        refused = subprocess.run(check, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        keyed = subprocess.run([*check, "--api-key", "sk-check"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+    assert refused.returncode == 3 and "--api-key" in refused.stderr
+    # Past the model list, the checklist ran: its stream carried the key (this server is no model: other items fail).
+    items = {item["item"]: item for item in json.loads(keyed.stdout)["items"]}
+    assert items["direct streaming"]["ok"] is True, items["direct streaming"]

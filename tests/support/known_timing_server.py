@@ -73,6 +73,15 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ar
     fields = {k.lower(): v for k, _, v in (h.partition(": ") for h in lines[1:])}
     length = int(fields.get("content-length", 0))
     await reader.readexactly(length)
+    if args.api_key is not None and fields.get("authorization") != f"Bearer {args.api_key}":
+        body = json.dumps({"error": {"message": "invalid api key", "type": "invalid_api_key"}}).encode()
+        writer.write(
+            b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        return
     if method == "GET":
         body = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
         writer.write(
@@ -117,5 +126,6 @@ if __name__ == "__main__":
     parser.add_argument("--gap-ms", type=float, default=GAP_MS)
     parser.add_argument("--tokens", type=int, default=TOKENS)
     parser.add_argument("--merge", type=int, default=1)
+    parser.add_argument("--api-key", help="answer 401 to a request without `Authorization: Bearer KEY`")
     parser.add_argument("--record", help="append when each stream's events left (JSONL, perf_counter) to this file")
     asyncio.run(main(parser.parse_args()))

@@ -98,7 +98,7 @@ class _Frontend:
 
 def test_with_target_the_items_that_need_the_spec_are_skipped_naming_the_spec_file(monkeypatch) -> None:
     @contextmanager
-    def fake_client(verify: object = True) -> Iterator[httpx.Client]:
+    def fake_client(verify: object = True, headers: object = None) -> Iterator[httpx.Client]:
         with httpx.Client(transport=httpx.MockTransport(_Frontend())) as client:
             yield client
 

@@ -205,6 +205,7 @@ def run_checks(
     allow_skip: Iterable[str] = (),
     expected_versions: dict[str, str] | None = None,
     verify: ssl.SSLContext | bool = True,
+    headers: dict[str, str] | None = None,
 ) -> list[Item]:
     items: list[Item] = []
     allowed = allowed_skips(allow_skip)
@@ -220,7 +221,7 @@ def run_checks(
             ok, detail = False, f"{type(error).__name__}: {error}"
         items.append(skipped(name, label, detail, ENABLED_BY[name]) if ok is None else Item(label, ok, detail))
 
-    with check_client(verify) as client:
+    with check_client(verify, headers) as client:
         model = plan.models[0].name if plan else client.get(f"{base}/v1/models").json()["data"][0]["id"]
         frontend = handle = replica_apps = None
         metrics_urls = [f"{base}/metrics"]
@@ -325,18 +326,21 @@ def check(
     allow_skip: Iterable[str] = (),
     expected_versions: dict[str, str] | None = None,
     ca_file: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> int:
     """Run the checklist and print it; the exit code. ValueError (before anything runs) for an unknown
     `allow_skip` item. `expected_versions`: `ray` / `vllm` -> the version every replica (and this CLI) must run.
-    `ca_file`: the CA an https frontend's certificate is checked against (default: the system's)."""
+    `ca_file`: the CA an https frontend's certificate is checked against (default: the system's). `headers`: what
+    every request to the frontend carries (a keyed stack's API key)."""
     allowed = allowed_skips(allow_skip)
     verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
     if target is not None:
         target = require_url("--target", target)
-        served_models(target, verify)
-        return report(run_checks(None, None, target, allowed, expected_versions, verify), as_json)
+        served_models(target, verify, headers)
+        return report(run_checks(None, None, target, allowed, expected_versions, verify, headers), as_json)
     from sluice.deploy.apply import connect, frontend_url, plan_of
 
     spec, plan = plan_of(path)
     connect(address)
-    return report(run_checks(spec, plan, frontend_url(plan), allowed, expected_versions, verify), as_json)
+    checked = run_checks(spec, plan, frontend_url(plan), allowed, expected_versions, verify, headers)
+    return report(checked, as_json)

@@ -150,7 +150,8 @@ def timeout_cleanup(client: httpx.Client, base: str, model: str, metrics_urls: l
 
 
 @contextmanager
-def check_client(verify: ssl.SSLContext | bool = True) -> Iterator[httpx.Client]:
-    """The checklist's client; `verify`: what an https frontend's certificate is checked against."""
-    with httpx.Client(timeout=TIMEOUT_S, verify=verify) as client:
+def check_client(verify: ssl.SSLContext | bool = True, headers: dict[str, str] | None = None) -> Iterator[httpx.Client]:
+    """The checklist's client; `verify`: what an https frontend's certificate is checked against; `headers`: what
+    every request carries (`--api-key`, `--header`)."""
+    with httpx.Client(timeout=TIMEOUT_S, verify=verify, headers=headers) as client:
         yield client
