@@ -15,7 +15,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
 MAKEFILE = (ROOT / "Makefile").read_text()
 DOCKERFILE = ROOT / "infra" / "images" / "Dockerfile"
 # What only load tests, benchmarks, stacks in containers and tests use: no serving process may need them.
@@ -118,3 +119,41 @@ print("\\n".join(failed))
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "", result.stdout
+
+
+def _installed_closure(requirements: list[Requirement]) -> set[str]:
+    """The distributions these requirements install, with what each of them requires (its extras aside)."""
+    from importlib import metadata
+
+    found: set[str] = set()
+    pending = [canonicalize_name(requirement.name) for requirement in requirements]
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        found.add(name)
+        for line in metadata.requires(name) or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                pending.append(canonicalize_name(requirement.name))
+    return found
+
+
+def test_the_load_extra_installs_every_package_loadtests_imports() -> None:
+    import ast
+    from importlib import metadata
+
+    first_party = {name.rstrip("*") for name in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
+    imported = set()
+    for path in (ROOT / "loadtests").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            imported |= {name.split(".")[0] for name in names}
+    third_party = imported - set(sys.stdlib_module_names) - first_party
+    assert {"locust", "tokenizers"} <= third_party
+    distributions = metadata.packages_distributions()
+    installed = _installed_closure(_requirements("load"))
+    missing = {m for m in third_party if not {canonicalize_name(d) for d in distributions[m]} & installed}
+    assert missing == set(), f"sluice[load] lacks what loadtests/ imports: {missing}"
