@@ -9,10 +9,7 @@ cached there join the running KV at once, the rest is prefill to come) until a r
 (its load moved, or its prefix cache was asked for more prompts), or for as long as a request there takes (the
 engine's recent mean, `EngineLoad.request_seconds`), `PLACEMENT_TTL_S` at most: a report comes every half second,
 and a conversation's turns of a tenth of a second each would otherwise count five times on the replica that holds
-it. A report's own requests count for as long as a request there takes, too: a report half a second old from an
-engine whose requests take a tenth of a second shows requests long finished (a closed-loop client's turns would
-otherwise count on the report and as placements at once, and spill its conversation). Idle engines report the same
-to every router, and routers that made the same decisions within that window
+it. Idle engines report the same to every router, and routers that made the same decisions within that window
 count the same load, so they rank alike. Every router of an app reads the same reports, so they agree but for
 their own placements of the last poll interval.
 
@@ -86,9 +83,6 @@ class EngineLoads:
         self._placed: dict[str, tuple[int, int, int]] = {}
         self._epochs: dict[str, int] = {}
         self.mean_prompt_tokens = RunningMean(_MEAN_WEIGHT, DEFAULT_MEAN_PROMPT_TOKENS)
-        # When reports stop counting their requests: (then, view, when the report came); the views whose report did.
-        self._report_lapses: list[tuple[float, str, float]] = []
-        self._lapsed: set[str] = set()
         # The views whose load changed otherwise than by a placement since `take_changed` (reports, expiries).
         self._changed: set[str] = set()
         # Counts the views forgotten: a load kept from an older version must be computed anew.
@@ -122,9 +116,6 @@ class EngineLoads:
         )
         self._reports[view_id] = report
         self._changed.add(view_id)
-        self._lapsed.discard(view_id)
-        if request_seconds is not None:
-            heapq.heappush(self._report_lapses, (report.at + request_seconds, view_id, report.at))
         if previous is None or _moved(previous, report):
             self._epochs[view_id] = self._epochs.get(view_id, 0) + 1
             self._placed.pop(view_id, None)
@@ -143,14 +134,8 @@ class EngineLoads:
         self.mean_prompt_tokens.add(prompt_tokens)
 
     def expire(self) -> None:
-        """Forget the placements whose time is up (every router of an app forgets the same ones alike), and the
-        requests of reports older than a request's time there."""
+        """Forget the placements whose time is up: every router of an app forgets the same ones alike."""
         now = self._clock()
-        while self._report_lapses and self._report_lapses[0][0] <= now:
-            _, view_id, at = heapq.heappop(self._report_lapses)
-            if self.report_at(view_id) == at:
-                self._lapsed.add(view_id)
-                self._changed.add(view_id)
         while self._placements and self._placements[0][0] <= now:
             _, _, view_id, epoch, cached, prefill = heapq.heappop(self._placements)
             if epoch == self._epochs.get(view_id, 0) and view_id in self._placed:
@@ -167,21 +152,17 @@ class EngineLoads:
         self.version += 1
         self._reports.pop(view_id, None)
         self._placed.pop(view_id, None)
-        self._lapsed.discard(view_id)
         self._epochs[view_id] = self._epochs.get(view_id, 0) + 1
 
     def load(self, view_id: str) -> TokenLoad | None:
-        """The view's token load now; None without a fresh report. A report older than a request's time there counts
-        none of its requests (they have finished), only the placements since."""
+        """The view's token load now; None without a fresh report."""
         report = self._reports.get(view_id)
         if report is None or self._clock() - report.at > self.stale_after_s:
             return None
-        kv, prefill, count = self._placed.get(view_id, (0, 0, 0))
-        if view_id in self._lapsed:
-            return TokenLoad(kv, prefill, count)
         pending = report.prefill_tokens_pending
         if pending is None:
             pending = round(report.waiting * self.mean_prompt_tokens.value)
+        kv, prefill, count = self._placed.get(view_id, (0, 0, 0))
         return TokenLoad(report.kv_tokens_used + kv, pending + prefill, report.running + report.waiting + count)
 
     def report_at(self, view_id: str) -> float | None:

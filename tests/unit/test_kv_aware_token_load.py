@@ -164,26 +164,6 @@ def test_a_report_whose_engine_was_asked_for_more_prompts_holds_the_placements_t
     assert book.load("a") == TokenLoad(0, 0), "the request came and finished between the two reports"
 
 
-def test_a_reports_requests_count_for_as_long_as_a_request_takes_on_that_engine() -> None:
-    # A report comes every half second; a closed-loop client's next turn found its last one still counted on the
-    # report beside its placement, and spilled at the replica's share of requests.
-    clock = _Clock()
-    book = EngineLoads(clock=clock)
-    book.reported("a", kv_tokens_used=800, waiting=1, prefill_tokens_pending=300, running=2, request_seconds=0.1)
-    book.reported("b", kv_tokens_used=800, waiting=1, prefill_tokens_pending=300, running=2)
-    clock.now += 0.05
-    book.placed("a", prompt_tokens=100, prefill_tokens=40)
-    book.expire()
-    assert book.load("a") == TokenLoad(800 + 60, 300 + 40, requests=4)
-    clock.now += 0.06
-    book.expire()
-    assert book.load("a") == TokenLoad(60, 40, requests=1), "the reported requests finished; the placement did not"
-    assert book.load("b") == TokenLoad(800, 300, requests=3), "without a request time the report counts till the next"
-    assert book.take_changed() == {"a", "b"}
-    book.reported("a", kv_tokens_used=800, waiting=1, prefill_tokens_pending=300, running=2, request_seconds=0.1)
-    assert book.load("a") == TokenLoad(800 + 60, 300 + 40, requests=4), "a new report counts again"
-
-
 def test_a_placement_counts_for_as_long_as_a_request_takes_on_that_engine() -> None:
     clock = _Clock()
     book = EngineLoads(clock=clock)
