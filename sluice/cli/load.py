@@ -62,16 +62,21 @@ def _campaign(args: argparse.Namespace) -> Any:
 
     from loadtests.campaign import Campaign
     from loadtests.metrics import SLO
+    from loadtests.tokenizer_source import TokenizerError, checked_tokenizer
 
     if not args.target:
         raise UsageError("--target is required for a workload campaign")
     target = require_url("--target", args.target)
     try:
+        tokenizer = checked_tokenizer(args.tokenizer or str(default_model_dir() / "tokenizer.json"))
+    except TokenizerError as error:
+        raise UsageError(str(error)) from None
+    try:
         return Campaign(
             workload=args.workload,
             target=target,
             out=Path(args.out or f"load-{args.workload}"),
-            tokenizer=Path(args.tokenizer or default_model_dir() / "tokenizer.json"),
+            tokenizer=tokenizer,
             duration_s=args.duration,
             users=args.users,
             rate=args.rate,
@@ -204,7 +209,10 @@ def register(commands: Any) -> None:
     load.add_argument("--master-port", type=int, default=LOCUST_MASTER_PORT, help="--master: the port workers reach")
     load.add_argument("--out", help="the output folder (default: load-<workload>)")
     load.add_argument("--model", help="the served model (default: the target's first)")
-    load.add_argument("--tokenizer", help="the served model's tokenizer.json (default: the tiny model's)")
+    load.add_argument(
+        "--tokenizer",
+        help="the served model's tokenizer: a tokenizer.json, its model folder or a Hub id (default: the tiny model's)",
+    )
     load.add_argument("--spec", help="a stack's spec: its ingress.abort criteria become gates; routing: the stack")
     load.add_argument("--gate", action="append", default=[], metavar="NAME=LIMIT", help="e.g. ttft_p99_ms=500")
     load.add_argument("--slo-ttft-ms", type=float, help="goodput SLO: TTFT")
