@@ -62,21 +62,16 @@ def _campaign(args: argparse.Namespace) -> Any:
 
     from loadtests.campaign import Campaign
     from loadtests.metrics import SLO
-    from loadtests.tokenizer_source import TokenizerError, checked_tokenizer
 
     if not args.target:
         raise UsageError("--target is required for a workload campaign")
     target = require_url("--target", args.target)
     try:
-        tokenizer = checked_tokenizer(args.tokenizer or str(default_model_dir() / "tokenizer.json"))
-    except TokenizerError as error:
-        raise UsageError(str(error)) from None
-    try:
         return Campaign(
             workload=args.workload,
             target=target,
             out=Path(args.out or f"load-{args.workload}"),
-            tokenizer=tokenizer,
+            tokenizer=Path(args.tokenizer or default_model_dir() / "tokenizer.json"),
             duration_s=args.duration,
             users=args.users,
             rate=args.rate,
@@ -113,8 +108,14 @@ def _load(args: argparse.Namespace) -> int:
         raise UsageError(f"unexpected {' '.join(args.runs)!r}: only `sluice load compare A B` takes runs")
     if args.workload == "routing":
         return _routing_suite(args)
+    from loadtests.tokenizer_source import TokenizerError, checked_tokenizer
+
     campaign = _campaign(args)
     models = served_models(campaign.target, headers=campaign.headers)
+    try:  # the last check before any load: the prompts' tokenizer
+        campaign = campaign.model_copy(update={"tokenizer": checked_tokenizer(str(campaign.tokenizer))})
+    except TokenizerError as error:
+        raise UsageError(str(error)) from None
     if campaign.model is None:
         if not models:
             raise Unreachable(f"the target {campaign.target} serves no model")

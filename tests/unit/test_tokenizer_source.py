@@ -10,6 +10,7 @@ import huggingface_hub
 import pytest
 
 from loadtests.tokenizer_source import TokenizerError, checked_tokenizer
+from tests.support.known_timing_server import start
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,8 +51,13 @@ def test_what_cannot_make_prompts_is_refused_naming_why(tmp_path: Path) -> None:
         checked_tokenizer(str(tmp_path))
 
 
-def test_the_load_command_refuses_a_bad_tokenizer_before_it_connects(tmp_path: Path) -> None:
-    # Port 9 (discard) on loopback: nothing answers, and nothing is asked before the tokenizer is checked.
-    load = [sys.executable, "-m", "sluice.cli.main", "load", "mixed", "--target", "http://127.0.0.1:9"]
-    result = subprocess.run([*load, "--tokenizer", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+def test_the_load_command_refuses_a_bad_tokenizer_before_any_load(tmp_path: Path) -> None:
+    server, url = start()
+    try:
+        load = [sys.executable, "-m", "sluice.cli.main", "load", "mixed", "--target", url, "--out", str(tmp_path / "o")]
+        result = subprocess.run([*load, "--tokenizer", str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
     assert result.returncode == 2 and "the folder holds no tokenizer.json" in result.stderr, result.stderr
+    assert not (tmp_path / "o").exists(), "nothing ran"
