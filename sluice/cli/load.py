@@ -112,14 +112,14 @@ def _load(args: argparse.Namespace) -> int:
 
     campaign = _campaign(args)
     models = served_models(campaign.target, headers=campaign.headers)
-    try:  # the last check before any load: the prompts' tokenizer
-        campaign = campaign.model_copy(update={"tokenizer": checked_tokenizer(str(campaign.tokenizer))})
-    except TokenizerError as error:
-        raise UsageError(str(error)) from None
     if campaign.model is None:
         if not models:
             raise Unreachable(f"the target {campaign.target} serves no model")
         campaign = campaign.model_copy(update={"model": models[0]})
+    try:  # the last check before any load: the prompts' tokenizer
+        campaign = campaign.model_copy(update={"tokenizer": checked_tokenizer(str(campaign.tokenizer))})
+    except TokenizerError as error:
+        raise UsageError(str(error)) from None
     summary, breached = run(campaign)
     print(f"{summary.ok}/{summary.requests} requests ok; rows, summary.json and report.html in {campaign.out}")
     for breach in breached:
