@@ -30,11 +30,12 @@ from pydantic import (
 )
 
 from base.runtime import LOOPBACK, free_port
+from loadtests.lengths import Lengths
 from loadtests.metrics import SLO, Summary, summarize
 from loadtests.report import GateVerdict, write_report
 from loadtests.sse_timing import StreamRow, write_rows
 from loadtests.vllm_result import vllm_result
-from loadtests.workloads import WORKLOADS
+from loadtests.workloads import WORKLOADS, arrival_rate
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 GATES = ("ttft_p99_ms", "tpot_p99_ms", "itl_p99_ms", "e2el_p99_ms", "error_ratio", "ratio_503", "min_goodput")
@@ -82,7 +83,8 @@ class Campaign(BaseModel):
     tokenizer: Path
     duration_s: LoadSeconds = 60.0
     users: int = Field(8, ge=1)
-    rate: float = Field(4.0, gt=0)
+    # Requests per second, opening the loop of any workload; None: the workload's own loop (`arrival_rate`).
+    rate: float | None = Field(None, gt=0, allow_inf_nan=False)
     burstiness: float = Field(1.0, gt=0)
     workers: int = Field(0, ge=0)
     master: RemoteMaster | None = None
@@ -93,6 +95,9 @@ class Campaign(BaseModel):
     seed: int = 0
     # Headers every request carries (`--api-key`, `--header`); written out by name only, never their values.
     headers: dict[str, str] = Field(default_factory=dict)
+    lengths: Lengths = Lengths()
+    # Prompts from a file (`loadtests.dataset`); a remote worker reads it at the same path on its machine.
+    dataset: Path | None = None
 
     @field_validator("workload")
     @classmethod
@@ -123,6 +128,11 @@ class Campaign(BaseModel):
     @property
     def worker_count(self) -> int:
         return self.master.expect_workers if self.master is not None else self.workers
+
+    @property
+    def arrival_rate(self) -> float | None:
+        """Requests per second of an open loop; None for a closed one."""
+        return arrival_rate(self.workload, self.rate)
 
 
 def gates_from_spec(path: Path) -> dict[str, float]:
@@ -173,16 +183,19 @@ def locust_env(campaign: Campaign) -> dict[str, str]:
 
 def locust_options(campaign: Campaign, rows_dir: Path) -> list[str]:
     """The campaign's settings as the locustfile's options (a master sends them to its workers)."""
+    rate = campaign.arrival_rate
     settings = {
         "workload": campaign.workload,
         "model": campaign.model,
         "tokenizer": campaign.tokenizer,
         "rows_dir": rows_dir,
-        "rate": campaign.rate / max(campaign.worker_count, 1),
+        "rate": "" if rate is None else rate / max(campaign.worker_count, 1),
         "burstiness": campaign.burstiness,
         "duration_s": campaign.duration_s,
         "session_header": campaign.session_header,
         "seed": campaign.seed,
+        "lengths": campaign.lengths.model_dump_json(),
+        "dataset": campaign.dataset or "",
     }
     # `=`: an empty session header is a value, not a missing one.
     return [f"--sluice-{name.replace('_', '-')}={value}" for name, value in settings.items()]
@@ -252,7 +265,7 @@ def run(campaign: Campaign) -> tuple[Summary, list[str]]:
     rows = run_locust(campaign, campaign.out / "rows")
     rows.sort(key=lambda r: r.sent_at)
     write_rows(campaign.out / "rows.csv", rows)
-    open_loop = campaign.workload in ("bursts", "step")
+    open_loop = campaign.arrival_rate is not None
     summary = summarize(rows, campaign.slo, open_loop=open_loop)
     verdicts = gate_verdicts(summary, campaign.gates)
     breached = breaches(verdicts)
@@ -261,7 +274,7 @@ def run(campaign: Campaign) -> tuple[Summary, list[str]]:
         rows,
         model=str(campaign.model),
         tokenizer=str(campaign.tokenizer),
-        request_rate=campaign.rate if open_loop else None,
+        request_rate=campaign.arrival_rate,
         burstiness=campaign.burstiness,
         max_concurrency=None if open_loop else campaign.users,
         slo_given=campaign.slo != SLO(),

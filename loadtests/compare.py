@@ -37,6 +37,9 @@ def read_summary(run: Path) -> dict[str, Any]:
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise CompareError(f"{run}: no campaign summary ({error})") from None
+    if isinstance(summary, dict) and "steps" in summary:
+        folders = ", ".join(str(path.parent / step["folder"]) for step in summary["steps"])
+        raise CompareError(f"{path}: a rate sweep's summary; compare two of its steps' folders: {folders}")
     if not isinstance(summary, dict) or "completed" not in summary:
         raise CompareError(f"{path}: not a `sluice load` summary (no `completed`)")
     return summary

@@ -26,8 +26,16 @@ from locust import HttpUser, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
 from base import sse
+from loadtests.dataset import read_dataset
+from loadtests.lengths import Lengths
 from loadtests.sse_timing import CSV_FIELDS, StreamOutput, StreamRow, record_stream
 from loadtests.workloads import PromptMaker, Request, Workload
+
+
+def _optional_rate(text: str) -> float | None:
+    """An open loop's rate, or none (empty): the workload's own loop."""
+    return float(text) if text else None
+
 
 # Each setting: how its text is read and its default (the `SLUICE_LOAD_<NAME>` variable overrides the default).
 # `headers` (a JSON object: an API key among them) comes only from the environment the campaign sets, never the
@@ -37,11 +45,14 @@ OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "model": (str, "sluice-tiny"),
     "tokenizer": (str, ""),
     "rows_dir": (str, "."),
-    "rate": (float, "4"),
+    "rate": (_optional_rate, ""),
     "burstiness": (float, "1"),
     "duration_s": (float, "60"),
     "session_header": (str, "x-session-id"),
     "seed": (int, "0"),
+    # `Lengths` as JSON: a master sends its workers the options' values as they are (msgpack: no pydantic models).
+    "lengths": (str, "{}"),
+    "dataset": (str, ""),
     "headers": (json.loads, "{}"),
 }
 ROWS_MESSAGE = "sluice_rows"
@@ -90,6 +101,7 @@ def workload() -> Workload:
     global _workload
     if _workload is None:
         prompts = PromptMaker(Path(SETTINGS["tokenizer"]), seed=SETTINGS["seed"] + os.getpid())
+        dataset = read_dataset(Path(SETTINGS["dataset"]), prompts.count) if SETTINGS["dataset"] else ()
         _workload = Workload(
             SETTINGS["workload"],
             SETTINGS["model"],
@@ -99,6 +111,8 @@ def workload() -> Workload:
             duration_s=SETTINGS["duration_s"],
             seed=SETTINGS["seed"] + os.getpid(),
             prefix_seed=SETTINGS["seed"],  # the system prompts every process of the campaign shares
+            lengths=Lengths.model_validate_json(SETTINGS["lengths"]),
+            dataset=dataset,
         )
     return _workload
 

@@ -1,7 +1,8 @@
 """A campaign's HTML report: the summary table and plots drawn from the raw rows (PNG files beside the HTML).
 
 Plots: latency CDFs (TTFT, E2EL, time to headers), the ITL histogram, per-replica load, throughput and errors over
-time, and, for the routing suite, the prefix-cache hit rate per policy.
+time, and, for the routing suite, the prefix-cache hit rate per policy. A rate sweep's report (`write_sweep_report`)
+has a row per step, latency and throughput over the rates, and each step's own latency CDF and throughput plot.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import html
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -16,6 +18,8 @@ from loadtests.metrics import Summary
 from loadtests.sse_timing import StreamRow
 
 BUCKET_S = 1.0
+# A sweep step's own plots, shown again in the sweep's report.
+STEP_PLOTS = ("latency_cdf.png", "throughput_errors.png")
 
 
 def _pyplot():  # type: ignore[no-untyped-def]
@@ -145,6 +149,53 @@ def write_report(
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
         f"<h1>{html.escape(title)}</h1>{''.join(sections)}{images}</body></html>"
+    )
+    path = out / "report.html"
+    path.write_text(page)
+    return path
+
+
+def sweep_curves(steps: Sequence[Mapping[str, Any]], out: Path) -> Path:
+    """TTFT (median, p99) and end-to-end p99 over the rates, and the throughput each rate reached."""
+    plt = _pyplot()
+    fig, latency = plt.subplots(figsize=(7, 4))
+    rates = [step["rate"] for step in steps]
+    for key, label in (("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"), ("p99_e2el_ms", "E2EL p99")):
+        latency.plot(rates, [step.get(key) or float("nan") for step in steps], marker="o", label=label)
+    latency.set_xlabel("request rate (requests / s)")
+    latency.set_ylabel("ms")
+    latency.legend(loc="upper left")
+    throughput = latency.twinx()
+    throughput.plot(rates, [step.get("request_throughput") or 0.0 for step in steps], "k--", marker="s")
+    throughput.set_ylabel("completed requests / s (dashed)")
+    return _save(plt, fig, out / "sweep.png")
+
+
+def write_sweep_report(title: str, steps: Sequence[Mapping[str, Any]], out: Path) -> Path:
+    """`report.html` of a rate sweep in `out`: a row per step (linking its own report), the curves over the rates,
+    then each step's latency CDF and throughput plot (its own files, under its folder)."""
+    figures = [key for key in steps[0] if key not in ("rate", "folder", "breached")] if steps else []
+
+    def cell(value: object) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else "-" if value is None else str(value)
+
+    rows = [
+        [f"{step['rate']:g}", *(cell(step.get(key)) for key in figures), "; ".join(step["breached"]) or "held"]
+        for step in steps
+    ]
+    table = _table(rows, ("rate", *figures, "gates"))
+    curves = sweep_curves(steps, out)
+    figures_html = [f'<figure><img src="{curves.name}" alt="sweep"><figcaption>over the rates</figcaption></figure>']
+    for step in steps:
+        folder = html.escape(step["folder"])
+        figures_html.append(f'<h2>rate {step["rate"]:g}: <a href="{folder}/report.html">its report</a></h2>')
+        figures_html += [
+            f'<figure><img src="{folder}/{plot}" alt="{plot}"><figcaption>{folder}: {plot}</figcaption></figure>'
+            for plot in STEP_PLOTS
+        ]
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+        f"<h1>{html.escape(title)}</h1><h2>Steps</h2>{table}{''.join(figures_html)}</body></html>"
     )
     path = out / "report.html"
     path.write_text(page)

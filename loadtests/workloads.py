@@ -3,19 +3,23 @@
 `short_long`, `long_short`, `mixed` (closed loop), `bursts`, `step` (open loop), `multi_turn` (growing shared
 prefixes, one session header per conversation), `shared_prefix` (a few long system prompts shared by every user, no
 session header) and `hot_prefix` (the same, one system prompt a session taking a third of the traffic). Prompt lengths
-are exact in tokens of the served model's tokenizer. Each workload's shape: loadtests/README.md (workloads).
+are exact in tokens of the served model's tokenizer. A rate given opens any workload's loop (arrivals at that rate,
+as `vllm bench serve --request-rate`); lengths given (`loadtests.lengths`) or a dataset's prompts
+(`loadtests.dataset`) replace the workload's own. Each workload's shape: loadtests/README.md (workloads).
 """
 
 from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from loadtests.dataset import DatasetPrompt
+from loadtests.lengths import Lengths
 from loadtests.sse_timing import StreamOutput
 
 WORKLOADS = ("short_long", "long_short", "mixed", "bursts", "step", "multi_turn", "shared_prefix", "hot_prefix")
@@ -23,6 +27,11 @@ SHORT_PROMPT, LONG_DECODE = 16, 256
 LONG_PROMPT, SHORT_DECODE = 512, 8
 TURN_PROMPT, TURN_DECODE = 48, 32
 STEP_FACTORS = (1.0, 4.0, 1.0)
+# Open loop without a rate given; their decodes are shorter, so a sender keeps its schedule.
+OPEN_LOOP_WORKLOADS = ("bursts", "step")
+DEFAULT_RATE, OPEN_DECODE = 4.0, 64
+# Each workload's own lengths, exact.
+WORKLOAD_LENGTHS = Lengths()
 # shared_prefix, hot_prefix: system prompt + question + answer stay well inside the tiny model's 1,024-token context,
 # and 384 is a whole number of 16- and 32-token KV blocks, so a perfect cache can hold every system-prompt token.
 SHARED_PREFIX_WORKLOADS = ("shared_prefix", "hot_prefix")
@@ -30,6 +39,14 @@ SYSTEM_PROMPTS, SYSTEM_PROMPT_TOKENS = 4, 384
 QUESTION_PROMPT, ANSWER_DECODE = 32, 32
 # hot_prefix: the share of requests on the first system prompt, one session (the rest spread over the others).
 HOT_SHARE = 1 / 3
+
+
+def arrival_rate(workload: str, rate: float | None) -> float | None:
+    """A campaign's requests per second, or None for a closed loop: a rate given opens any workload's loop, and
+    `bursts` and `step` are open at `DEFAULT_RATE` without one."""
+    if rate is None and workload in OPEN_LOOP_WORKLOADS:
+        return DEFAULT_RATE
+    return rate
 
 
 class PromptMaker:
@@ -112,38 +129,47 @@ class Workload:
         name: str,
         model: str,
         prompts: PromptMaker,
-        rate: float = 4.0,
+        rate: float | None = None,
         burstiness: float = 1.0,
         duration_s: float = 60.0,
         turns: int = 4,
         seed: int = 0,
         system_prompts: int = SYSTEM_PROMPTS,
         prefix_seed: int = 0,
+        lengths: Lengths = WORKLOAD_LENGTHS,
+        dataset: Sequence[DatasetPrompt] = (),
     ) -> None:
         if name not in WORKLOADS:
             raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
         if name == "hot_prefix" and system_prompts < 2:
             raise ValueError("hot_prefix needs at least two system prompts: a hot one and the rest")
         self.name, self.model, self.prompts = name, model, prompts
-        self.rate, self.burstiness, self.duration_s, self.turns = rate, burstiness, duration_s, turns
+        self.rate = arrival_rate(name, rate)
+        self.burstiness, self.duration_s, self.turns = burstiness, duration_s, turns
         self.random = random.Random(seed)
         self.system_prompt_count, self.prefix_seed = system_prompts, prefix_seed
-        self._sessions = 0
+        self.lengths = lengths
+        # A dataset's prompts in an order of this process's own, taken in turn and again from the start.
+        self.dataset = list(dataset)
+        self.random.shuffle(self.dataset)
+        self._sessions = self._dataset_drawn = 0
 
     @property
     def loop(self) -> Literal["open", "closed"]:
-        return "open" if self.name in ("bursts", "step") else "closed"
+        return "closed" if self.rate is None else "open"
 
     def arrivals(self) -> Iterator[float]:
-        """Planned send offsets (s) within the duration: gamma gaps (`bursts`) or a Poisson step (`step`)."""
+        """Planned send offsets (s) within the duration: a Poisson step (`step`), else gamma gaps (shape
+        `burstiness`, 1 = Poisson)."""
+        assert self.rate is not None, "a closed loop plans no arrivals"
         at = 0.0
         while True:
-            if self.name == "bursts":
-                shape = self.burstiness
-                at += self.random.gammavariate(shape, 1.0 / (self.rate * shape))
-            else:
+            if self.name == "step":
                 third = min(int(at / (self.duration_s / 3)), 2)
                 at += self.random.expovariate(self.rate * STEP_FACTORS[third])
+            else:
+                shape = self.burstiness
+                at += self.random.gammavariate(shape, 1.0 / (self.rate * shape))
             if at >= self.duration_s:
                 return
             yield at
@@ -152,10 +178,21 @@ class Workload:
         self._sessions += 1
         return f"{self.name}-{self.random.getrandbits(48):012x}-{self._sessions}"
 
-    def _completion(self, prompt_tokens: int, max_tokens: int) -> Request:
+    def _prompt_and_answer(self, prompt_tokens: int, answer_tokens: int) -> tuple[str, int]:
+        """The next prompt's text and its answer's length: the dataset's next prompt when there is a dataset, else
+        a prompt of an exact token count; lengths as `self.lengths` says."""
+        if self.dataset:
+            entry = self.dataset[self._dataset_drawn % len(self.dataset)]
+            self._dataset_drawn += 1
+            return entry.prompt, self.lengths.output_tokens(answer_tokens, self.random, entry.output_len)
+        prompt = self.prompts.prompt(self.lengths.prompt_tokens(prompt_tokens, self.random))
+        return prompt, self.lengths.output_tokens(answer_tokens, self.random)
+
+    def _completion(self, prompt_tokens: int, answer_tokens: int) -> Request:
+        prompt, max_tokens = self._prompt_and_answer(prompt_tokens, answer_tokens)
         body = {
             "model": self.model,
-            "prompt": self.prompts.prompt(prompt_tokens),
+            "prompt": prompt,
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -178,13 +215,14 @@ class Workload:
         else:
             index = self.random.randrange(1 if hot else 0, len(self.system_prompts))
         key = f"prompt{index}-seed{self.prefix_seed}"
+        question, max_tokens = self._prompt_and_answer(QUESTION_PROMPT, ANSWER_DECODE)
         body = {
             "model": self.model,
             "messages": [
                 {"role": "system", "content": self.system_prompts[index]},
-                {"role": "user", "content": self.prompts.prompt(QUESTION_PROMPT)},
+                {"role": "user", "content": question},
             ],
-            "max_tokens": ANSWER_DECODE,
+            "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -199,12 +237,13 @@ class Workload:
             return self._shared_prefix()
         if self.name == "multi_turn":
             assert conversation is not None
-            conversation.messages.append({"role": "user", "content": self.prompts.prompt(TURN_PROMPT)})
+            turn, max_tokens = self._prompt_and_answer(TURN_PROMPT, TURN_DECODE)
+            conversation.messages.append({"role": "user", "content": turn})
             conversation.turns_left -= 1
             body = {
                 "model": self.model,
                 "messages": list(conversation.messages),
-                "max_tokens": TURN_DECODE,
+                "max_tokens": max_tokens,
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -213,8 +252,10 @@ class Workload:
             }
             return Request("/v1/chat/completions", body, conversation.session)
         short = self.name == "short_long" or (self.name != "long_short" and self.random.random() < 0.5)
-        if short or self.name in ("bursts", "step"):
-            return self._completion(SHORT_PROMPT, LONG_DECODE if self.loop == "closed" else 64)
+        if self.name in OPEN_LOOP_WORKLOADS:
+            return self._completion(SHORT_PROMPT, OPEN_DECODE)
+        if short:
+            return self._completion(SHORT_PROMPT, LONG_DECODE)
         return self._completion(LONG_PROMPT, SHORT_DECODE)
 
     def new_conversation(self) -> Conversation:

@@ -56,16 +56,35 @@ def _slo_limits(args: argparse.Namespace) -> dict[str, float | None]:
     return limits
 
 
+def _rates(args: argparse.Namespace) -> list[float]:
+    """`--rate`: none (each workload's own loop), one rate, or a sweep's rates."""
+    from loadtests.sweep import parse_rates
+
+    if args.rate is None:
+        return []
+    try:
+        return parse_rates(args.rate)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def _campaign(args: argparse.Namespace) -> Any:
     """The campaign the arguments describe, every value checked before any load is sent."""
     from pydantic import ValidationError
 
     from loadtests.campaign import Campaign
+    from loadtests.dataset import DatasetError, read_dataset
     from loadtests.metrics import SLO
 
     if not args.target:
         raise UsageError("--target is required for a workload campaign")
     target = require_url("--target", args.target)
+    rates = _rates(args)
+    if args.dataset:
+        try:
+            read_dataset(Path(args.dataset))
+        except DatasetError as error:
+            raise UsageError(str(error)) from None
     try:
         return Campaign(
             workload=args.workload,
@@ -74,7 +93,7 @@ def _campaign(args: argparse.Namespace) -> Any:
             tokenizer=Path(args.tokenizer or default_model_dir() / "tokenizer.json"),
             duration_s=args.duration,
             users=args.users,
-            rate=args.rate,
+            rate=rates[0] if rates else None,
             burstiness=args.burstiness,
             workers=args.workers,
             master={
@@ -89,6 +108,8 @@ def _campaign(args: argparse.Namespace) -> Any:
             slo=SLO(**_slo_limits(args)),
             gates=_gates(args),
             headers=request_headers(args),
+            lengths={"input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio},
+            dataset=Path(args.dataset).resolve() if args.dataset else None,
         )
     except ValidationError as error:
         problems = "; ".join(
@@ -99,8 +120,10 @@ def _campaign(args: argparse.Namespace) -> Any:
 
 
 def _load(args: argparse.Namespace) -> int:
-    """`sluice load WORKLOAD --target URL`: a Locust campaign; exit 1 when a gate is breached."""
+    """`sluice load WORKLOAD --target URL`: a Locust campaign, or a sweep of them (`--rate 2,4`); exit 1 when a gate
+    is breached."""
     from loadtests.campaign import run
+    from loadtests.sweep import run_sweep
 
     if args.workload == COMPARE:
         return _compare(args)
@@ -120,8 +143,14 @@ def _load(args: argparse.Namespace) -> int:
         campaign = campaign.model_copy(update={"tokenizer": checked_tokenizer(str(campaign.tokenizer))})
     except TokenizerError as error:
         raise UsageError(str(error)) from None
-    summary, breached = run(campaign)
-    print(f"{summary.ok}/{summary.requests} requests ok; rows, summary.json and report.html in {campaign.out}")
+    rates = _rates(args)
+    if len(rates) > 1:
+        steps, breached = run_sweep(campaign, rates)
+        ok = ", ".join(f"{step['rate']:g}/s: {step['completed']} ok, {step['failed']} failed" for step in steps)
+        print(f"{ok}; each step's folder, and the sweep's summary.json and report.html, in {campaign.out}")
+    else:
+        summary, breached = run(campaign)
+        print(f"{summary.ok}/{summary.requests} requests ok; rows, summary.json and report.html in {campaign.out}")
     for breach in breached:
         print(f"gate breached: {breach}", file=sys.stderr)
     return EXIT_FAILED if breached else EXIT_OK
@@ -195,9 +224,22 @@ def register(commands: Any) -> None:
     load.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     load.add_argument("--users", type=int, default=8, help="concurrent users (closed loop; open loop: senders)")
     load.add_argument(
-        "--rate", "--request-rate", type=float, default=4.0, help="open loop (bursts, step): requests per second"
+        "--rate",
+        "--request-rate",
+        help="requests per second, opening any workload's loop (bursts and step: 4 without it); "
+        "several, e.g. 2,4,8: a sweep, one campaign per rate and one report",
     )
-    load.add_argument("--burstiness", type=float, default=1.0, help="bursts: the gamma shape (1 = Poisson)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="open loop: the gamma shape (1 = Poisson)")
+    load.add_argument("--input-len", type=int, help="prompt tokens of every request (default: the workload's)")
+    load.add_argument(
+        "--output-len", type=int, help="output tokens of every request (default: the dataset's, else the workload's)"
+    )
+    load.add_argument(
+        "--range-ratio", type=float, default=0.0, help="each length drawn uniformly from [n(1-r), n(1+r)] (vLLM's)"
+    )
+    load.add_argument(
+        "--dataset", help="prompts from a file: a ShareGPT JSON, or JSON Lines of {prompt, output_len (optional)}"
+    )
     load.add_argument("--workers", type=int, default=0, help="Locust workers under a master (0: one process)")
     load.add_argument(
         "--master", action="store_true", help="a Locust master for workers on other machines (sluice load-worker)"

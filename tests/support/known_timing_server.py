@@ -4,8 +4,9 @@ Every POST streams `tokens` completion tokens: the first event `ttft_ms` after t
 `gap_ms`; with `merge` > 1 each event carries that many tokens (what a proxy merging chunks would show). A final
 event carries `usage`, then `[DONE]`. `GET /v1/models` names one model. Run: `python -m
 tests.support.known_timing_server
---port P [--ttft-ms 50] [--gap-ms 20] [--tokens 16] [--merge 1]`; it binds 127.0.0.1 only. `start(*flags)` runs one
-as a subprocess of a test and returns it once it listens.
+--port P [--ttft-ms 50] [--gap-ms 20] [--tokens 16] [--merge 1] [--record FILE]`; it binds 127.0.0.1 only; with
+`--record` it appends, per stream, when each event left and the request's prompt and max_tokens. `start(*flags)` runs
+one as a subprocess of a test and returns it once it listens.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ar
     method = lines[0].split(" ")[0]
     fields = {k.lower(): v for k, _, v in (h.partition(": ") for h in lines[1:])}
     length = int(fields.get("content-length", 0))
-    await reader.readexactly(length)
+    request = await reader.readexactly(length)
     if args.api_key is not None and fields.get("authorization") != f"Bearer {args.api_key}":
         body = json.dumps({"error": {"message": "invalid api key", "type": "invalid_api_key"}}).encode()
         writer.write(
@@ -105,9 +106,12 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ar
         sent.append(time.perf_counter())
         await writer.drain()
     if args.record:
-        # When each event actually left, by session: the truth a client's measures are held to.
+        # When each event actually left, by session: the truth a client's measures are held to; and what it asked.
+        asked = json.loads(request)
+        seen = {"session": fields.get("x-session-id", ""), "sent_at": sent}
+        seen |= {"prompt": asked.get("prompt"), "max_tokens": asked.get("max_tokens")}
         with open(args.record, "a") as record:
-            record.write(json.dumps({"session": fields.get("x-session-id", ""), "sent_at": sent}) + "\n")
+            record.write(json.dumps(seen) + "\n")
     usage = {"prompt_tokens": 16, "completion_tokens": args.tokens, "total_tokens": 16 + args.tokens}
     writer.write(_chunk(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n") + b"0\r\n\r\n")
     await writer.drain()

@@ -41,3 +41,14 @@ def test_the_command_prints_both_runs_and_refuses_a_folder_without_a_summary(tmp
     with pytest.raises(CompareError, match="not a `sluice load` summary"):
         (tmp_path / "other.json").write_text("{}")
         read_summary(tmp_path / "other.json")
+
+
+def test_a_sweeps_summary_is_refused_naming_its_steps_folders(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    steps = [{"rate": 2.0, "folder": "rate-2"}, {"rate": 4.0, "folder": "rate-4"}]
+    (sweep / "summary.json").write_text(json.dumps({"rates": [2.0, 4.0], "steps": steps}))
+    with pytest.raises(
+        CompareError, match=f"a rate sweep's summary; compare two of its steps' folders: {sweep}/rate-2"
+    ):
+        read_summary(sweep)
