@@ -21,6 +21,7 @@ import secrets
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from base.contracts import HEALTH_PATH, INTERNAL_CREDENTIAL_HEADER, REASON_INTERNAL_CREDENTIAL, SERVE_REASON_HEADER
+from base.openai_error import openai_error
 
 CREDENTIAL_KEY = b"sluice-internal-credential"
 CREDENTIAL_BYTES = 32
@@ -71,15 +72,8 @@ class InternalCredentialMiddleware:
         if scope["type"] != "http" or is_probe(scope["method"], scope["path"]) or self._carries(scope):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
-            {
-                "error": {
-                    "message": "this port serves the stack's frontend only: send the request to the frontend",
-                    "type": "forbidden",
-                    "code": 403,
-                }
-            }
-        ).encode()
+        message = "this port serves the stack's frontend only: send the request to the frontend"
+        body = json.dumps(openai_error(message, 403)).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

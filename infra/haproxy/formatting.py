@@ -1,31 +1,21 @@
 """How values are written in the rendered HAProxy config: times, the body of every error the frontend answers
-itself (OpenAI's error shape, so a client's OpenAI SDK parses it; infra/haproxy/README.md), and the stick tables
-that count requests by a reason for sluice's frontend counters.
+itself (`base.openai_error`: the OpenAI error shape vLLM's errors have, so a client's OpenAI SDK parses it;
+infra/haproxy/README.md), and the stick tables that count requests by a reason for sluice's frontend counters.
 """
 
 from __future__ import annotations
 
-# OpenAI's error types by status; anything else is a server error.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    408: "invalid_request_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    414: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    503: "service_unavailable",
-}
+import json
+
+from base.openai_error import openai_error
 
 
 def openai_error_body(message: str, status: int) -> str:
-    """`{"error": {...}}` for `status`; `message` may hold HAProxy log-format expressions but no quote of either
-    kind (the body is rendered inside single quotes and is JSON)."""
+    """`base.openai_error`'s body for `status` as JSON text; `message` may hold HAProxy log-format expressions but no
+    quote of either kind (the body is rendered inside single quotes)."""
     if "'" in message or '"' in message:
         raise ValueError(f"an error message may not hold quotes: {message!r}")
-    kind = ERROR_TYPES.get(status, "server_error")
-    return '{"error": {"message": "' + message + '", "type": "' + kind + '", "code": ' + str(status) + "}}"
+    return json.dumps(openai_error(message, status))
 
 
 def haproxy_time(seconds: float) -> str:

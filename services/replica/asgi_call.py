@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from base.contracts import SERVE_REASON_HEADER
-from infra.haproxy.formatting import ERROR_TYPES
+from base.openai_error import openai_error
 from services.replica.middleware.replica_headers import ASGIApp, Message, Receive, Scope, Send
 
 
@@ -39,8 +39,7 @@ async def send_openai_error(
     send: Send, status: int, reason: str, message: str, extra: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     """An OpenAI-style JSON error with `x-serve-reason: <reason>` (and `extra` headers)."""
-    error = {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "code": status}
-    body = json.dumps({"error": error}).encode()
+    body = json.dumps(openai_error(message, status)).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

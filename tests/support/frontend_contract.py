@@ -18,6 +18,9 @@ import httpx
 
 from base.contracts import PLATFORM_REASONS, PROTECTION_REASONS, REPLICA_HEADER, SERVE_REASON_HEADER
 
+# vLLM's `ErrorInfo` fields (tests/unit/test_openai_error.py holds them to vLLM's own model).
+OPENAI_ERROR_FIELDS = {"message", "type", "param", "code"}
+
 _frontend_ports: set[int] = set()
 _platform_ports: set[int] = set()
 checked = {"responses": 0}
@@ -57,6 +60,7 @@ def assert_frontend_error(status: int, headers: Mapping[str, str], body: bytes, 
     assert headers.get("content-type") == "application/json"
     error = json.loads(body)["error"]
     assert error["code"] == expected_status and error["type"] and error["message"].startswith("sluice")
+    assert set(error) == OPENAI_ERROR_FIELDS, f"not the OpenAI error shape vLLM's errors have: {error}"
 
 
 def assert_refused(response: httpx.Response, expected_status: int) -> None:
