@@ -4,14 +4,15 @@ over persistent, pipelined connections, its arguments and the transaction variab
 Both ends come from here: `infra.haproxy.spoe` renders the message's arguments and the variables HAProxy may set,
 the Lua action reads the variables by these names, and `services.router.route_listener` reads the arguments and
 writes the variables. The values are those of the HTTP route call (`RouteReply` / `RouteRefusal`), flat: the
-fallbacks joined by `FALLBACK_SEPARATOR` (no replica id contains it), absent fields left unset.
+fallbacks joined by `FALLBACK_SEPARATOR` (no replica id contains it), absent fields left unset. A tracing frontend
+adds the request's `traceparent` argument and registers the `traceparent` variable (`TRACE_VAR`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from base.contracts import BODY_TRUNCATED_HEADER, FRONTEND_HEADER, REQUEST_ID_HEADER
+from base.contracts import BODY_TRUNCATED_HEADER, FRONTEND_HEADER, REQUEST_ID_HEADER, TRACEPARENT_HEADER
 from base.route_wire import RouteRefusal, RouteReply
 
 # The SPOE message (and its group) the frontend sends for every routed request.
@@ -23,11 +24,14 @@ ERROR_VAR = "error"
 STATUS_VAR = "status"
 REASON_VAR = "reason"
 REPLY_VARS = tuple(RouteReply.model_fields)
+# Set only by a tracing router, so registered (and its argument sent) only by a tracing frontend.
+TRACE_VAR = "traceparent"
 ANSWER_VARS = (STATUS_VAR, REASON_VAR, *REPLY_VARS)
+assert TRACE_VAR in REPLY_VARS
 FALLBACK_SEPARATOR = ","
 # Message arguments: the route call's headers by their names, then the forwarded body.
 BODY_ARG = "body"
-HEADER_ARGS = (FRONTEND_HEADER, REQUEST_ID_HEADER, BODY_TRUNCATED_HEADER)
+HEADER_ARGS = (FRONTEND_HEADER, REQUEST_ID_HEADER, BODY_TRUNCATED_HEADER, TRACEPARENT_HEADER)
 
 Answer = RouteReply | RouteRefusal
 
@@ -43,6 +47,7 @@ def answer_variables(status: int, answer: Answer) -> dict[str, str | int | None]
         "capacity_token": answer.capacity_token,
         "prefill_replica_id": answer.prefill_replica_id,
         "prefill_url": answer.prefill_url,
+        TRACE_VAR: answer.traceparent,
     }
 
 

@@ -17,6 +17,9 @@ CHOSEN_REPLICA_HEADER = "x-serve-chosen-replica"
 SESSION_HEADER_DEFAULT = "x-session-id"
 CAPACITY_TOKEN_HEADER = "x-sluice-capacity-token"
 BODY_TRUNCATED_HEADER = "x-body-truncated"
+# W3C trace context (docs/stacks.md, Tracing): a client's is handed to the router's decision; the router's
+# span's replaces it on the forwarded request, so the replica's and vLLM's spans join the same trace.
+TRACEPARENT_HEADER = "traceparent"
 # On HAProxy's HTTP route call: the milliseconds left of its route timeout, which the router answers within (a
 # capacity wait ends there with its own reason rather than HAProxy's `router_unreachable`).
 ROUTE_BUDGET_HEADER = "x-sluice-route-budget-ms"

@@ -26,10 +26,15 @@ class RouteReply(BaseModel):
     capacity_token: str | None = None
     prefill_replica_id: str | None = None
     prefill_url: str | None = None
+    # A tracing router's decision span (`base.tracing`): the frontend forwards the request with this `traceparent`.
+    traceparent: str | None = None
 
     def wire_json(self) -> str:
-        """The reply as sent: the prefill fields only when a prefill replica is named."""
-        absent = {"prefill_replica_id", "prefill_url"} if self.prefill_replica_id is None else None
+        """The reply as sent: the prefill fields only when a prefill replica is named, `traceparent` only when
+        traced."""
+        absent = {"prefill_replica_id", "prefill_url"} if self.prefill_replica_id is None else set()
+        if self.traceparent is None:
+            absent.add("traceparent")
         return self.model_dump_json(exclude=absent)
 
 

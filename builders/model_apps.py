@@ -142,5 +142,6 @@ def router_settings(
         policy_kwargs=routing.policy_kwargs,
         session_header=routing.session_header,
         shadow_policies=routing.shadow_policies,
+        tracing=spec.observability.tracing,
         **extra,
     )

@@ -78,6 +78,7 @@ def build_plan(spec: StackBase, spans_nodes: bool = False) -> StackPlan:
         "tls": frontend.tls.model_dump(mode="json") if frontend.tls else None,
         "staging_server_timeout_s": STAGING_SERVER_TIMEOUT_S if spec.staging else None,
         "attached": frontend.attached,
+        "tracing": spec.observability.tracing.enabled,
     }
     served = [
         ServedApp(llm_app=model.llm_app, router_app=model.router_app, legacy_app=model.legacy_app) for model in models

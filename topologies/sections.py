@@ -16,6 +16,7 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.spec_config import SPEC_SECTION_CONFIG
+from base.tracing import Tracing
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, session_header_name
 from infra.haproxy.protection import FrontendProtection
 from infra.haproxy.tls import FrontendTLS
@@ -291,6 +292,14 @@ class Ingress(Section):
 
     def config(self) -> IngressConfig:
         return IngressConfig(direct_weight=self.direct_weight, abort=self.abort, drain_deadline_s=self.drain_deadline_s)
+
+
+class Observability(Section):
+    """What the stack tells beyond its metrics: traces across the path (docs/stacks.md, Tracing)."""
+
+    tracing: Tracing = Tracing()
+    """Traces of requests across the frontend's route call, the router's decision, the replica and vLLM, sent to an
+    OTLP/gRPC receiver (`otlp_endpoint`, `sample_ratio`); off unless `otlp_endpoint` is given."""
 
 
 EngineArgs = dict[str, EngineArgValue]

@@ -24,6 +24,7 @@ from topologies.sections import (
     EngineArgs,
     Frontend,
     Ingress,
+    Observability,
     Routing,
     RoutingOverride,
     Section,
@@ -110,6 +111,8 @@ class StackBase(Section):
     """Which path serves: direct, the legacy ingress, or both as a canary."""
     staging: bool = False
     """A staging stack's routers accept fault injection (`sluice check` makes one fail on purpose)."""
+    observability: Observability = Observability()
+    """Traces across the path (`tracing`); off by default."""
 
     @field_validator("team", "name")
     @classmethod

@@ -64,6 +64,7 @@ def replica_model_apps(
         data_parallel=data_parallel,
         fault_injection=spec.staging,
         engine_stand_in=SIM_STAND_IN if model.simulated else None,
+        tracing=spec.observability.tracing,
     )
     planned = planned_model(
         spec,

@@ -132,6 +132,7 @@ def _model_apps(spec: StackBase, index: int, model: PrefillDecodeModel, stem: st
         engine=_role_engine(model, "prefill"),
         deployment=parts.llm_deployment(model.prefill, prefill_routing),
         prefill_decode=PrefillDecodeRole(role="prefill"),
+        tracing=spec.observability.tracing,
     )
     decode = LLMAppConfig(
         engine=parts.with_kv_events(_role_engine(model, "decode"), decode_routing),
@@ -142,6 +143,7 @@ def _model_apps(spec: StackBase, index: int, model: PrefillDecodeModel, stem: st
             prefill_timeout_s=model.prefill_timeout_s,
             prefill_app=prefill_app,
         ),
+        tracing=spec.observability.tracing,
     )
     target = PrefillTarget(
         app=prefill_app,

@@ -59,6 +59,8 @@ LUA_TOKEN_PATTERN = "^[%w%-_.:~+/=]+$"
 LUA_REASON_PATTERN = "^[a-z0-9_]+$"
 # An http URL: host, port, then an optional route prefix.
 LUA_URL_PATTERN = "^http://[%w%-.]+:%d+[/%w%-_.]*$"
+# A `traceparent` the router answered: version 00, the trace id, its span's id, the flags (W3C trace context).
+LUA_TRACEPARENT_PATTERN = "^00%-%x+%-%x+%-%x%x$"
 MAX_ID_LENGTH = 256
 # Unix socket paths must fit `sun_path` (108 bytes on Linux, including the NUL).
 MAX_SOCKET_PATH_BYTES = 103
@@ -94,6 +96,9 @@ class HAProxySettings(HAProxyBaseSettings):
     direct_weight: int = Field(DIRECT_WEIGHT_MAX, ge=0, le=DIRECT_WEIGHT_MAX)
     # A stack attached to a platform: the platform's tenant and usage headers pass (with the internal credential).
     attached: bool = False
+    # The routers trace their decisions (`base.tracing`): each route call carries the request's `traceparent`, and
+    # the one the router answers (its decision's span) replaces it on the forwarded request. False: neither.
+    tracing: bool = False
     # The cluster's internal credential, set on every request forwarded past the frontend and on every route call
     # (services/internal_credential.py); None: none is set (HAProxy in front of stand-ins). Private: never printed.
     internal_credential: SecretStr | None = None

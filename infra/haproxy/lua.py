@@ -52,6 +52,7 @@ from base.contracts import (
     TABLE_REFRESH_S,
     TABLE_RING,
     TABLE_ROTATION,
+    TRACEPARENT_HEADER,
 )
 from base.route_wire import RouteRefusal, RouteReply, RouteTable
 from infra.haproxy.canary import (
@@ -71,6 +72,7 @@ from infra.haproxy.config import (
     LUA_REPLICA_ID_PATTERN,
     LUA_RETRY_ACTION,
     LUA_TOKEN_PATTERN,
+    LUA_TRACEPARENT_PATTERN,
     LUA_URL_PATTERN,
     MAX_ID_LENGTH,
     UNROUTED_TABLE,
@@ -236,6 +238,9 @@ def render_lua(settings: HAProxySettings) -> str:
         capacity_token_header=_lua_str(CAPACITY_TOKEN_HEADER),
         prefill_replica_header=_lua_str(PREFILL_REPLICA_HEADER),
         prefill_url_header=_lua_str(PREFILL_URL_HEADER),
+        tracing="true" if settings.tracing else "false",
+        traceparent_header=_lua_str(TRACEPARENT_HEADER),
+        traceparent_pattern=_lua_str(LUA_TRACEPARENT_PATTERN),
         ranked_header_lua=_lua_str(RANKED_HEADER),
         data_parallel_rank_header=_lua_str(DATA_PARALLEL_RANK_HEADER),
         rank_separator_pattern=_lua_str("%" + RANK_SEPARATOR),
@@ -297,6 +302,7 @@ def render_lua(settings: HAProxySettings) -> str:
         field_capacity_token=_wire_field(RouteReply, "capacity_token"),
         field_prefill_replica_id=_wire_field(RouteReply, "prefill_replica_id"),
         field_prefill_url=_wire_field(RouteReply, "prefill_url"),
+        field_traceparent=_wire_field(RouteReply, agent_wire.TRACE_VAR),
         action_name=_lua_str(LUA_ACTION),
         reply_action_name=_lua_str(LUA_REPLY_ACTION),
         var_ask_agent=_lua_str(VAR_ASK_AGENT),
@@ -311,6 +317,7 @@ def render_lua(settings: HAProxySettings) -> str:
         agent_capacity_token_var=_lua_str(agent_var(_agent_field("capacity_token"))),
         agent_prefill_replica_id_var=_lua_str(agent_var(_agent_field("prefill_replica_id"))),
         agent_prefill_url_var=_lua_str(agent_var(_agent_field("prefill_url"))),
+        agent_traceparent_var=_lua_str(agent_var(_agent_field(agent_wire.TRACE_VAR))),
         agent_fallback_pattern=_lua_str(f"[^{agent_wire.FALLBACK_SEPARATOR}]+"),
         retry_action_name=_lua_str(LUA_RETRY_ACTION),
         metrics_service_name=_lua_str(LUA_METRICS_SERVICE),

@@ -6,13 +6,14 @@ request (its forwarded body and truncation in variables) and names the app in `V
 sends that app's message; the reply action then reads the variables the agent set (`base.agent_wire`) or the
 error HAProxy set. An app whose agents' backend has no usable server (routers that have not told their agent's port
 yet, or stand-ins that speak only HTTP), or no router UP at Serve's port (the operator's switch: maintenance there
-takes the app off its agents too), is routed with the HTTP route call instead. Why: infra/haproxy/README.md.
+takes the app off its agents too), is routed with the HTTP route call instead. A tracing frontend also hands the
+request's `traceparent` to the agent and registers the variable of the one it answers. Why: infra/haproxy/README.md.
 """
 
 from __future__ import annotations
 
 from base import agent_wire
-from base.contracts import BODY_TRUNCATED_HEADER, FRONTEND_HEADER, REQUEST_ID_HEADER
+from base.contracts import BODY_TRUNCATED_HEADER, FRONTEND_HEADER, REQUEST_ID_HEADER, TRACEPARENT_HEADER
 from infra.haproxy.canary import health_check_lines
 from infra.haproxy.config import HAProxySettings
 from infra.haproxy.formatting import counter_table_lines, haproxy_time
@@ -62,7 +63,8 @@ def render_spoe(settings: HAProxySettings) -> str:
     """The SPOE file: a scope per app, each with its agent, message and group."""
     lines = ["# Rendered by infra/haproxy/spoe.py from base/agent_wire.py: do not edit by hand."]
     timeout = haproxy_time(agent_timeout_s(settings.route_timeout_s))
-    variables = " ".join((agent_wire.ERROR_VAR, *agent_wire.ANSWER_VARS))
+    answers = [name for name in agent_wire.ANSWER_VARS if settings.tracing or name != agent_wire.TRACE_VAR]
+    variables = " ".join((agent_wire.ERROR_VAR, *answers))
     for index, app in enumerate(settings.apps):
         arguments = [
             f"{FRONTEND_HEADER}=str({settings.frontend_id})",
@@ -71,6 +73,8 @@ def render_spoe(settings: HAProxySettings) -> str:
             f"{app.session_header}=req.fhdr({app.session_header})",
             f"{agent_wire.BODY_ARG}=var({VAR_AGENT_BODY})",
         ]
+        if settings.tracing:
+            arguments.append(f"{TRACEPARENT_HEADER}=req.fhdr({TRACEPARENT_HEADER})")
         lines += [
             "",
             f"[{engine(index)}]",

@@ -21,6 +21,7 @@ from base.contracts import (
 from base.rollout import config_version
 from base.runtime import DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
 from base.tiny_model import SERVED_MODEL_NAME
+from base.tracing import Tracing
 from routers.registry import validate_settings
 from routers.serve_adapters import request_router_config
 from services.serve_internals import SERVE_SHUTDOWN_BUFFER_S
@@ -229,6 +230,9 @@ class LLMAppConfig(BaseModel):
     # Staging stacks only: `POST <prefix>/internal/fault {"kv_events": "off"}` makes the replica announce no KV event
     # publisher (routers then score it by what they sent it), `"on"` undoes it.
     fault_injection: bool = False
+    # Each request a span (`services.replica.middleware.tracing`) and vLLM's own spans under it, sent to the stack's
+    # OTLP receiver; off by default.
+    tracing: Tracing = Field(default_factory=Tracing)
 
     @model_validator(mode="after")
     def _stand_in_alone(self) -> LLMAppConfig:
@@ -246,3 +250,10 @@ class LLMAppConfig(BaseModel):
         other change rolls the replicas."""
         in_place = {"num_replicas", "handle_policy", "handle_policy_kwargs"}
         return config_version(self.model_dump(mode="json", exclude={"deployment": in_place}))
+
+    def traced_engine(self) -> EngineConfig:
+        """The engine's settings, with vLLM's own tracing to the stack's receiver when tracing is on."""
+        if not self.tracing.enabled:
+            return self.engine
+        extra = {**self.engine.extra_args, "otlp_traces_endpoint": self.tracing.url}
+        return self.engine.model_copy(update={"extra_args": extra})

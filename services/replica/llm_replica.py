@@ -29,6 +29,7 @@ from base.contracts import (
 )
 from base.route_wire import ComponentVersions, KVEventSource, KVEventSources
 from base.runtime import engine_env, free_port
+from base.tracing import ENGINE_SERVICE, REPLICA_SERVICE, ProcessTracer
 from routers.ledger_actor import ledger_actor_name
 from services.internal_credential import InternalCredentialMiddleware, internal_credential, internal_headers
 from services.replica.asgi_call import ResponseStart, stream_asgi
@@ -38,6 +39,7 @@ from services.replica.middleware.capacity_release import CapacityReleaseMiddlewa
 from services.replica.middleware.disconnect_on_cancel import DisconnectOnCancelMiddleware
 from services.replica.middleware.remote_prefill import RemotePrefillMiddleware
 from services.replica.middleware.replica_headers import ReplicaHeadersMiddleware
+from services.replica.middleware.tracing import TracingMiddleware
 from services.replica.middleware.usage_report import UsageReportMiddleware
 from services.replica.prefill_endpoints import KnownPrefillURLs
 from services.replica.rank_gang import RankGang
@@ -56,7 +58,12 @@ class LLMReplica:
         require_model_folder(self._config.engine)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        engine = self._config.engine
+        engine = self._config.traced_engine()
+        tracing = self._config.tracing
+        self._tracer = ProcessTracer(tracing, REPLICA_SERVICE) if tracing.enabled else None
+        if tracing.enabled:
+            # vLLM's tracer (OpenTelemetry's default provider, in this process and its engine's) reads these.
+            os.environ.update(tracing.engine_env(ENGINE_SERVICE))
         self._prefill_client: httpx.AsyncClient | None = None
         self._gang: RankGang | None = None
         # vLLM advertises this address to its peers (KV transfer, ranks): the node's, loopback on one machine.
@@ -93,8 +100,8 @@ class LLMReplica:
         if self._config.fault_injection:
             self._app.add_api_route(FAULT_PATH, self.inject_fault, methods=["POST"], status_code=204)
         # vLLM's build_app builds its middleware stack eagerly; clear it so Starlette rebuilds it lazily with ours
-        # outermost: the internal credential, the cancel-to-disconnect, the headers stamp, the usage report, the
-        # capacity release, the remote prefill, then vLLM's.
+        # outermost: the internal credential, the request's span (when tracing), the cancel-to-disconnect, the headers
+        # stamp, the usage report, the capacity release, the remote prefill, then vLLM's.
         self._app.middleware_stack = None
         role = self._config.prefill_decode
         if role is not None and role.role == "decode":
@@ -126,6 +133,8 @@ class LLMReplica:
             engine_stand_in=stand_in,
         )
         self._app.add_middleware(DisconnectOnCancelMiddleware)
+        if self._tracer is not None:
+            self._app.add_middleware(TracingMiddleware, tracer=self._tracer.tracer, replica_id=self.replica_id)
         # A request that did not come through the frontend reaches nothing.
         self._internal = internal_headers()
         self._app.add_middleware(InternalCredentialMiddleware, credential=internal_credential())
@@ -190,6 +199,9 @@ class LLMReplica:
         gang = getattr(self, "_gang", None)
         if gang is not None:
             gang.leave()
+        tracer = getattr(self, "_tracer", None)
+        if tracer is not None:
+            tracer.shutdown()
 
 
 def kv_side_channel_env() -> dict[str, str]:

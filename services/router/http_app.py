@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import ValidationError
 
@@ -24,6 +25,7 @@ from base.contracts import (
     FRONTEND_HEADER,
     MEMBERSHIP_PATH,
     REASON_INJECTED_FAULT,
+    REASON_ROUTER_ERROR,
     ROUTE_PATH,
     ROUTE_TABLE_PATH,
 )
@@ -36,6 +38,7 @@ from services.router.membership import FrontendMembership
 from services.router.prefill_side import PrefillChooser, PrefillPick
 from services.router.route_listener import ROUTE_LISTENER_PATH
 from services.router.route_request import route_request_from
+from services.router.route_span import RouteSpans
 from services.router.route_table import table_answer
 from services.router.settings import RouterSettings
 
@@ -62,6 +65,13 @@ def route_reply(decision: Decision, prefill: PrefillPick | None = None) -> Route
     )
 
 
+def refused(span: Span | None, views: Sequence[ReplicaView] | None, status: int, reason: str) -> tuple[int, Answer]:
+    """A refusal's status and answer, its span (if traced) ended with the reason."""
+    if span is not None:
+        RouteSpans.refused(span, views, reason)
+    return status, RouteRefusal(reason=reason)
+
+
 def build_router_app(
     settings: RouterSettings,
     policy: RoutingPolicy,
@@ -69,11 +79,12 @@ def build_router_app(
     prefill: PrefillChooser | None = None,
     after_decision: Callable[[Sequence[ReplicaView], RouteRequest, Decision], None] | None = None,
     refresh_metrics: Callable[[], None] | None = None,
+    spans: RouteSpans | None = None,
 ) -> FastAPI:
     """The router's HTTP app; `replicas()` gives the current views of the target app's replicas, which
     each route call narrows to those its frontend published (`FrontendMembership`). With `prefill`, every reply
     also names the prefill replica; `after_decision(views, request, decision)` is called once each answer is out;
-    `refresh_metrics()` before /metrics is read (the shadows' gauges)."""
+    `refresh_metrics()` before /metrics is read (the shadows' gauges); with `spans`, each decision is a span."""
     app = FastAPI(title="sluice router", openapi_url=None, docs_url=None, redoc_url=None)
     routed = ROUTED_TOTAL.labels(settings.target_app, policy.name)
     truncated_bodies = TRUNCATED_TOTAL.labels(settings.target_app)
@@ -83,24 +94,31 @@ def build_router_app(
 
     async def answer(headers: Mapping[str, str], body: bytes) -> tuple[int, Answer]:
         """A route call's status and answer (the route endpoint's, as JSON, and the route agent's, as variables)."""
+        span = spans.start(headers) if spans is not None else None
         if fault.active():
-            return 500, RouteRefusal(reason=REASON_INJECTED_FAULT)
+            return refused(span, None, 500, REASON_INJECTED_FAULT)
         route_request = route_request_from(headers, body, settings.session_header)
         if route_request.body_truncated:
             truncated_bodies.inc()
         frontend = headers.get(FRONTEND_HEADER) or None
+        views: Sequence[ReplicaView] | None = None
         try:
             prefill_replica = prefill.choose(route_request) if prefill is not None else None
             views = membership.routable(replicas(), frontend)
             decision = await policy.decide(views, route_request)
         except NoReplicaAvailable as refusal:
             REFUSED_TOTAL.labels(settings.target_app, policy.name, refusal.reason).inc()
-            return 503, RouteRefusal(reason=refusal.reason)
+            return refused(span, views, 503, refusal.reason)
+        except BaseException:  # a failed or cancelled decision: its span still ends
+            if span is not None:
+                RouteSpans.refused(span, views, REASON_ROUTER_ERROR)
+            raise
         routed.inc()
         if after_decision is not None:
             # After the answer is on its way: what follows the decision (the shadows) never delays it.
             asyncio.get_running_loop().call_soon(after_decision, views, route_request, decision)
-        return 200, route_reply(decision, prefill_replica)
+        reply = route_reply(decision, prefill_replica)
+        return 200, reply if span is None else RouteSpans.picked(span, views, decision, reply)
 
     app.state.answer_route = answer
     app.state.route_listener_port = None

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from base.contracts import INTERNAL_CREDENTIAL_HEADER
+from base.tracing import ROUTER_SERVICE, ProcessTracer
 from routers.core import Decision, ReplicaView, RouteRequest
 from routers.registry import policy_entry
 from routers.shadows import SHADOWS_KEY
@@ -24,6 +25,7 @@ from services.router.kv_subscriber import KVEventSubscriber
 from services.router.live_replicas import LiveReplicas
 from services.router.prefill_side import PrefillChooser
 from services.router.route_listener import DecisionObserver, RouteListener
+from services.router.route_span import RouteSpans
 from services.router.settings import RouterSettings, build_policy, build_prefill_policy, build_shadows
 from services.serve_internals import REPLICA_LOGGER, ReplicaEndpoint
 
@@ -59,6 +61,7 @@ class RouterRuntime:
         self.engine_loads: EngineLoadPoller | None = None
         self.app: FastAPI | None = None
         self.listener: RouteListener | None = None
+        self.tracer = ProcessTracer(settings.tracing, ROUTER_SERVICE) if settings.tracing.enabled else None
 
     async def start(self, host: str) -> int:
         """Start everything once the target replicas are known; returns the route agent's port on `host`."""
@@ -92,7 +95,10 @@ class RouterRuntime:
             )
         shadows = self.shadows
         refresh = (lambda: shadows.refresh_metrics(settings.target_app)) if shadows is not None else None
-        self.app = build_router_app(settings, policy, self.replicas.views, prefill, self._after_decision, refresh)
+        spans = RouteSpans(self.tracer.tracer, settings.target_app, policy.name) if self.tracer is not None else None
+        self.app = build_router_app(
+            settings, policy, self.replicas.views, prefill, self._after_decision, refresh, spans
+        )
         # Route calls, membership and tables come from the frontend's HAProxy and replica; nobody else's count.
         self.app.add_middleware(InternalCredentialMiddleware, credential=self._credential)
         self.listener = RouteListener(
@@ -141,3 +147,10 @@ class RouterRuntime:
             await self.kv_events.close()
         if self.engine_loads is not None:
             await self.engine_loads.close()
+        self.stop_tracing()
+
+    def stop_tracing(self) -> None:
+        """Send the decisions' spans still batched, and stop tracing."""
+        if self.tracer is not None:
+            self.tracer.shutdown()
+            self.tracer = None

@@ -67,6 +67,8 @@ class RouterReplica:
         runtime = getattr(self, "_runtime", None)
         if runtime is not None and runtime.listener is not None:
             runtime.listener.close()
+        if runtime is not None:
+            runtime.stop_tracing()
 
 
 def router_application(

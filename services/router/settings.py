@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from base.contracts import DEFAULT_MAX_ONGOING_REQUESTS, SESSION_HEADER_DEFAULT, NodeRole
+from base.tracing import Tracing
 from routers.capacity_ledger import LedgerClient
 from routers.core import InFlightTracker, RoutingPolicy
 from routers.entry import PolicyContext
@@ -94,6 +95,8 @@ class RouterSettings(PolicyChoice):
     # is cancelled, so a capacity wait gives its grant back instead of holding a token no request carries. None: no
     # bound (a router no frontend's agent calls).
     agent_deadline_s: float | None = Field(None, gt=0)
+    # Each decision a span (`services.router.route_span`), sent to the stack's OTLP receiver; off by default.
+    tracing: Tracing = Tracing()
 
     @field_validator("session_header")
     @classmethod

@@ -66,6 +66,7 @@ LUA_CONSTANTS = {
     "PREFILL_REPLICA_HEADER": contracts.PREFILL_REPLICA_HEADER,
     "PREFILL_URL_HEADER": contracts.PREFILL_URL_HEADER,
     "DATA_PARALLEL_RANK_HEADER": contracts.DATA_PARALLEL_RANK_HEADER,
+    "TRACEPARENT_HEADER": contracts.TRACEPARENT_HEADER,
     "ROUTE_PATH": contracts.ROUTE_PATH,
     "REASON_REPLICA_UNAVAILABLE": contracts.REASON_REPLICA_UNAVAILABLE,
     **{f"FAIL_CLOSED_REASONS[{i}]": reason for i, reason in enumerate(contracts.FAIL_CLOSED_REASONS)},
@@ -339,18 +340,23 @@ def test_a_staging_frontend_lets_a_request_ask_for_a_short_server_timeout(tmp_pa
     assert "Configuration file is valid" in check_config(staging)
 
 
-def test_each_app_asks_its_own_route_agents_with_the_wire_from_agent_wire(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tracing", [False, True])
+def test_each_app_asks_its_own_route_agents_with_the_wire_from_agent_wire(tmp_path: Path, tracing: bool) -> None:
     apps = [AppRoute(name="a", model="m-a"), AppRoute(name="b", model="m-b", session_header="x-conv")]
-    s = HAProxySettings(workdir=tmp_path, apps=apps, port=18000, prometheus_port=18404, route_timeout_s=3.0)
+    s = HAProxySettings(
+        workdir=tmp_path, apps=apps, port=18000, prometheus_port=18404, route_timeout_s=3.0, tracing=tracing
+    )
     spoe, config = render_spoe(s), render_config(s)
+    # Only a tracing frontend hands the request's traceparent to the agent and reads the one it answers.
+    untraced = set() if tracing else {agent_wire.TRACE_VAR}
     scopes = spoe.split("\n[")[1:]
     assert len(scopes) == 2
     for index, (scope, app) in enumerate(zip(scopes, apps, strict=True)):
         assert f"use-backend {agent_backend(index)}" in scope and "timeout processing 1500ms" in scope
         registered = re.search(r"register-var-names (.*)", scope).group(1).split()  # type: ignore[union-attr]
-        assert set(registered) == {agent_wire.ERROR_VAR, *agent_wire.ANSWER_VARS}
+        assert set(registered) == {agent_wire.ERROR_VAR, *agent_wire.ANSWER_VARS} - untraced
         arguments = dict(a.split("=", 1) for a in re.search(r"args (.*)", scope).group(1).split())  # type: ignore[union-attr]
-        assert set(arguments) == {*agent_wire.HEADER_ARGS, app.session_header, agent_wire.BODY_ARG}
+        assert set(arguments) == {*agent_wire.HEADER_ARGS, app.session_header, agent_wire.BODY_ARG} - untraced
         assert arguments[app.session_header] == f"req.fhdr({app.session_header})"
         assert f"filter spoe engine sluice_route_{index} config {s.spoe_path}" in config
         assert (

@@ -25,6 +25,7 @@ from base.contracts import (
     REASON_PREFILL_UNROUTED,
     REQUEST_ID_HEADER,
     SERVED_PREFILL_HEADER,
+    TRACEPARENT_HEADER,
 )
 from services.replica.asgi_call import call_with_body, read_body, route_path, send_openai_error
 from services.replica.middleware.replica_headers import ASGIApp, Message, Receive, Scope, Send
@@ -184,9 +185,11 @@ class RemotePrefillMiddleware:
         if not await self.prefill_urls.known(prefill_replica, prefill_url):
             raise PrefillFailed(REASON_PREFILL_UNROUTED, f"{prefill_replica} is no prefill replica of this model")
         headers = {"content-type": "application/json"}
-        request_id = _header(scope, REQUEST_ID_HEADER)
-        if request_id is not None:
-            headers[REQUEST_ID_HEADER] = request_id
+        # The request id, and its trace (the decode replica's span, when tracing): the prefill joins both.
+        for name in (REQUEST_ID_HEADER, TRACEPARENT_HEADER):
+            value = _header(scope, name)
+            if value is not None:
+                headers[name] = value
         try:
             response = await self.client.post(
                 prefill_url + route_path(scope),
