@@ -223,8 +223,8 @@ def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
         str(campaign.out / LOCUST_HTML),
     ]
     timeout = campaign.duration_s + 2 * STOP_TIMEOUT_S + 60
+    env = locust_env(campaign)
     if not campaign.worker_count:
-        env = locust_env(campaign)
         subprocess.run(
             [*locust, *run, "--run-time", f"{campaign.duration_s:g}s"], timeout=timeout, check=False, env=env
         )
@@ -233,10 +233,10 @@ def run_locust(campaign: Campaign, rows_dir: Path) -> list[StreamRow]:
     master = campaign.master or RemoteMaster(port=free_port(LOOPBACK), expect_workers=campaign.workers, wait_s=60)
     listen = ["--master-bind-host", master.bind_host, "--master-bind-port", str(master.port)]
     wait = ["--expect-workers", str(master.expect_workers), "--expect-workers-max-wait", f"{master.wait_s:g}"]
-    processes = [subprocess.Popen([*locust, *run, "--master", *listen, *wait], env=locust_env(campaign))]
+    processes = [subprocess.Popen([*locust, *run, "--master", *listen, *wait], env=env)]
     if campaign.master is None:
         worker = [*locust, "--worker", "--master-host", master.bind_host, "--master-port", str(master.port)]
-        processes += [subprocess.Popen(worker, env=locust_env(campaign)) for _ in range(campaign.workers)]
+        processes += [subprocess.Popen(worker, env=env) for _ in range(campaign.workers)]
     try:
         processes[0].wait(timeout=master.wait_s + timeout)
         for process in processes[1:]:
