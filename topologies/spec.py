@@ -67,12 +67,19 @@ class ModelBase(Section):
 
     @model_validator(mode="after")
     def _known_family(self) -> ModelBase:
-        if self.tool_call_parser(self.source) == AUTO_TOOL_CALL_PARSER:
-            raise ValueError(
-                f"engine.tool_call_parser: auto knows no tool-call parser for {self.source!r}: name one of vLLM's "
-                "`--tool-call-parser` choices (llama3_json, hermes, mistral, ...)"
-            )
+        why = self.unresolved_tool_call_parser()
+        if why is not None:
+            raise ValueError(f"engine.tool_call_parser: {why}")
         return self
+
+    def unresolved_tool_call_parser(self, overrides: EngineArgs | None = None) -> str | None:
+        """Why `tool_call_parser: auto` (of the model, or of these role overrides) names no parser; None if it does."""
+        if self.tool_call_parser(self.source, overrides) != AUTO_TOOL_CALL_PARSER:
+            return None
+        return (
+            f"auto knows no tool-call parser for {self.source!r}: name one of vLLM's `--tool-call-parser` choices "
+            "(llama3_json, hermes, mistral, ...)"
+        )
 
     def tool_call_parser(self, model_path: str, overrides: EngineArgs | None = None) -> str | None:
         """The engine's tool-call parser: the one the spec names, its family's for `auto` (`auto` itself when the

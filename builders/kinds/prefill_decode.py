@@ -69,6 +69,10 @@ class PrefillDecodeStack(StackBase):
 
 def _problems(spec: PrefillDecodeStack, index: int, model: PrefillDecodeModel) -> list[SpecProblem]:
     problems = []
+    for role, side in _roles(model):
+        why = model.unresolved_tool_call_parser(side.engine)
+        if why is not None:
+            problems.append(SpecProblem(f"models[{index}].{role}.engine.tool_call_parser", why))
     if model.simulated:
         message = "the simulator engine transfers no KV between replicas: use kind openai"
         problems.append(SpecProblem(f"models[{index}].engine", message))

@@ -61,3 +61,14 @@ def test_yaml_maps_for_vllms_json_arguments_validate_and_vllm_still_checks_them(
     refused = engine_problems(parse_spec(_team({"compilation_config": {"level": 0}})))
     assert [problem.path for problem in refused] == ["models[0].engine"]
     assert "CompilationConfig; level; Unexpected keyword" in refused[0].message
+
+
+def test_auto_in_a_roles_engine_is_refused_naming_the_roles_field() -> None:
+    spec = yaml.safe_load((TEAMS / "prefill-decode-cpu.yaml").read_text())
+    spec["models"][0].update(name="some-model", source="org/some-model-7b")
+    spec["models"][0]["decode"]["engine"] = {"tool_call_parser": "auto"}
+    with pytest.raises(SpecError) as refused:
+        parse_spec(spec)
+    assert "models[0].decode.engine.tool_call_parser" in str(refused.value)
+    assert "auto knows no tool-call parser for 'org/some-model-7b'" in str(refused.value)
+    assert "models[0].prefill" not in str(refused.value), "the prefill role asked for no tool calling"
