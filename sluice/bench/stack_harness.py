@@ -23,6 +23,7 @@ from base.contracts import (
     SESSION_HEADER_DEFAULT,
 )
 from base.runtime import cache_dir
+from base.tracing import Tracing
 from base.waiting import wait_until
 from infra.haproxy.apps import BODY_BUFFER_BYTES_DEFAULT, AppRoute
 from infra.haproxy.config import (
@@ -78,6 +79,9 @@ class DirectStreamSpec(BaseModel):
     workdir: Path | None = None
     # The LLM app's route prefix, which HAProxy puts before a client's `/v1/...` path ("": the app holds "/").
     replica_route_prefix: str = ""
+    # The routers' decisions as spans, and the frontend handing on their traceparent (base/tracing.py); off unless
+    # it names a receiver. The LLM app traces as it was deployed.
+    tracing: Tracing = Tracing()
 
     @property
     def router_app(self) -> str:
@@ -97,6 +101,7 @@ class DirectStreamSpec(BaseModel):
             route_timeout_s=self.route_timeout_s,
             check_inter_s=self.check_inter_s,
             protection=self.protection,
+            tracing=self.tracing.enabled,
             apps=[
                 AppRoute(
                     name=self.app,
@@ -154,6 +159,7 @@ class DirectStreamStack:
             policy=spec.policy,
             policy_kwargs=spec.policy_kwargs,
             session_header=spec.session_header,
+            tracing=spec.tracing,
         )
         serve.run(
             router_application(router, num_replicas=spec.routers),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from base.tiny_model import TINY_TOOL_CALL_PARSER
+from base.tracing import Tracing
 from services.replica.llm_config import EngineConfig, LLMAppConfig, ReplicaDeploymentConfig
 from services.serve_internals import ReplicaEndpoint
 from sluice.bench.stack_harness import DirectStreamSpec, DirectStreamStack
@@ -28,17 +29,24 @@ class LLMCluster:
 
 
 def deploy_llm_app(
-    name: str, model: Path, deployment: ReplicaDeploymentConfig, route_prefix: str = "/", **engine: Any
+    name: str,
+    model: Path,
+    deployment: ReplicaDeploymentConfig,
+    route_prefix: str = "/",
+    tracing: Tracing | None = None,
+    **engine: Any,
 ) -> LLMAppConfig:
-    """Deploy an LLM app; its replicas serve `route_prefix` + vLLM's paths on their own ports. `engine`: further
-    `EngineConfig` fields."""
+    """Deploy an LLM app; its replicas serve `route_prefix` + vLLM's paths on their own ports, and trace as `tracing`
+    says (None: off). `engine`: further `EngineConfig` fields."""
     from ray import serve
 
     from services.replica.llm_replica import llm_application
 
     # The tiny model's tool calling, as a spec serving it has (the forced tool call tests ask one).
     engine = {"tool_call_parser": TINY_TOOL_CALL_PARSER, **engine}
-    config = LLMAppConfig(engine=EngineConfig(model=str(model), **engine), deployment=deployment)
+    config = LLMAppConfig(
+        engine=EngineConfig(model=str(model), **engine), deployment=deployment, tracing=tracing or Tracing()
+    )
     serve.run(llm_application(config), name=name, route_prefix=route_prefix, blocking=False)
     return config
 
