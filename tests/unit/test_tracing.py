@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -32,8 +33,10 @@ from services.frontend.app import FrontendArgs
 from services.replica.llm_config import LLMAppConfig
 from services.replica.middleware.tracing import SPAN_NAME as REPLICA_SPAN
 from services.replica.middleware.tracing import TracingMiddleware
+from services.router.http_app import build_router_app
 from services.router.route_span import ATTR_CANDIDATES, ATTR_PICK, ATTR_REASON, ATTR_REFUSAL, RouteSpans
-from services.router.settings import RouterAppArgs
+from services.router.settings import RouterAppArgs, RouterSettings, build_policy
+from tests.support.router_service_client import route, unique_app, views
 
 TEAMS = Path(__file__).resolve().parents[2] / "topologies" / "teams"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -175,6 +178,25 @@ def test_an_unsampled_request_exports_no_decision_yet_passes_its_trace_on(
     assert exporter.get_finished_spans() == ()
     assert reply.traceparent is not None and reply.traceparent.startswith(f"00-{TRACE_ID}-")
     assert int(reply.traceparent.rsplit("-", 1)[1], 16) & 1 == 0
+
+
+def test_the_http_route_call_answers_its_decision_s_traceparent(
+    exported: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = exported
+    settings = RouterSettings(target_app=unique_app())
+    spans = RouteSpans(provider.get_tracer("t"), settings.target_app, settings.policy)
+    app = build_router_app(settings, build_policy(settings), lambda: views(), spans=spans)
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return await route(client, traceparent=SAMPLED)
+
+    response = asyncio.run(call())
+    (finished,) = exporter.get_finished_spans()
+    assert response.status_code == 200
+    assert response.json()["traceparent"] == f"00-{TRACE_ID}-{finished.context.span_id:016x}-01"
+    assert (finished.attributes or {})[ATTR_PICK] == response.json()["replica_id"]
 
 
 # The replica's request span.

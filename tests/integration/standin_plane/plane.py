@@ -98,10 +98,12 @@ def start_plane(
     staging_server_timeout_s: float | None = None,
     tls: FrontendTLS | None = None,
     internal_credential: str | None = None,
+    tracing: bool = False,
 ) -> Plane:
     settings = HAProxySettings(
         workdir=workdir,
         internal_credential=internal_credential,
+        tracing=tracing,
         apps=[app],
         port=free_port(),
         prometheus_port=free_port(),

@@ -259,6 +259,8 @@ class RouterBehavior:
     capacity_token: str | None = None
     # Prefill/decode: the (prefill replica id, prefill URL) every "choose" answer names.
     prefill: tuple[str, str] | None = None
+    # A tracing router's: the traceparent every "choose" answer names.
+    traceparent: str | None = None
     cursor: int = 0
     decisions: dict[str, str] = field(default_factory=dict)  # request id -> chosen replica id
     calls: list[tuple[str, Recorded]] = field(default_factory=list)  # (router name, request)
@@ -310,6 +312,7 @@ class RouterStandIn(StandIn):
                 capacity_token=b.capacity_token,
                 prefill_replica_id=prefill_id,
                 prefill_url=prefill_url,
+                traceparent=b.traceparent,
             )
             return await respond(send, 200, reply.model_dump_json().encode(), json_type)
         if mode == "http_500":
