@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from infra.haproxy.process import DATA_PLANE_NICENESS, HAProxyProcess, HAProxyStartError
 from services.frontend.background_loop import BackgroundLoop
+from services.orphan_guard import guard_descendants
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,9 @@ SUPERVISE_INTERVAL_S = 0.2
 
 
 async def start_until_up(start: Callable[[], HAProxyProcess]) -> HAProxyProcess:
-    """`start()` until HAProxy runs."""
+    """`start()` until HAProxy runs; it ends with this process, however that ends (`services.orphan_guard`, beside
+    its master's death signal, which a thread's end also sends)."""
+    guard_descendants()
     while True:
         try:
             haproxy = start()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from base.runtime import is_local_model
+from services.orphan_guard import guard_descendants
 from services.replica.llm_config import EngineConfig
 
 if TYPE_CHECKING:
@@ -70,11 +71,13 @@ def _parser_error(printed: str) -> str:
 
 
 def start_engine(args: argparse.Namespace, stat_loggers: list | None = None) -> AsyncLLM:
-    """The engine of `args`; `stat_loggers`: vLLM stat logger factories beside its own (the load board's)."""
+    """The engine of `args`; `stat_loggers`: vLLM stat logger factories beside its own (the load board's). The
+    engine's processes end with this one, however it ends (`services.orphan_guard`)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    guard_descendants()
     engine_args = AsyncEngineArgs.from_cli_args(args)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     return AsyncLLM.from_vllm_config(

@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
+from sluice.deploy.orphans import OrphanProcess
+
 
 class _Report(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -84,6 +86,8 @@ class StackEntry(_Report):
 
 class StackList(_Report):
     stacks: list[StackEntry]
+    # Engines and HAProxies on the node `sluice status` ran on whose replica has ended (`sluice.deploy.orphans`).
+    orphans: list[OrphanProcess] = []
 
 
 class Verdict(StrEnum):

@@ -27,6 +27,7 @@ from services.replica.middleware.remote_prefill import PREFILL_REQUESTS_METRIC
 from sluice.deploy import registry
 from sluice.deploy.apply import frontend_status, stack_name
 from sluice.deploy.json_reports import StackList, StackState, StatusReport, canary_state
+from sluice.deploy.orphans import orphan_lines, orphans
 from sluice.deploy.platforms import is_platform_record, show_platform
 from sluice.deploy.preflight import cluster_spans_nodes
 from topologies.spec import StackBase
@@ -195,6 +196,7 @@ def canary_line(ingress: dict[str, Any] | None) -> str | None:
 
 
 def list_stacks(as_json: bool) -> int:
+    """Every stack on the cluster, and the processes on this node that outlived their replica."""
     from ray import serve
 
     applications = serve.status().applications
@@ -202,8 +204,9 @@ def list_stacks(as_json: bool) -> int:
     for entry in registry.deployed_stacks():
         states = {app: applications[app].status.value if app in applications else "NOT_DEPLOYED" for app in entry.apps}
         stacks.append({"stack": entry.stack, "source": entry.source, "deployed_at": entry.deployed_at, "apps": states})
+    left = orphans()
     if as_json:
-        print(StackList.model_validate({"stacks": stacks}).model_dump_json(indent=2))
+        print(StackList.model_validate({"stacks": stacks, "orphans": left}).model_dump_json(indent=2))
         return 0
     if not stacks:
         print("no sluice stack on this cluster")
@@ -212,6 +215,8 @@ def list_stacks(as_json: bool) -> int:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stack["deployed_at"]))
         apps = f"{running} of {len(stack['apps'])} apps RUNNING"
         print(f"{stack['stack']}: {apps}, deployed {when} from {stack['source']}")
+    for line in orphan_lines(left):
+        print(line)
     return 0
 
 

@@ -15,11 +15,9 @@ import contextlib
 import ipaddress
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,7 +32,6 @@ import yaml
 
 from base.contracts import REPLICA_HEADER
 from base.route_wire import ComponentVersions
-from base.runtime import COMPATIBLE_RAY_START
 from base.waiting import WaitTimeout, wait_until
 from infra.haproxy.process import pid_alive
 from sluice.deploy.check.checklist import (
@@ -48,13 +45,12 @@ from sluice.deploy.check.checklist import (
 )
 from sluice.deploy.json_reports import check_schema, status_schema
 from sluice.deploy.preflight import PREFLIGHT_EXIT_CODE
-from tests.support.frontend_contract import register_frontend
 from tests.support.ports import free_port
 from tests.support.sse import chunks, data_lines
+from tests.support.user_ray import embedded_default_spec, sluice_cli, user_env, user_started_ray
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_ray]
 
-ROOT = Path(__file__).resolve().parents[2]
 STACK = "platform-own-cluster"
 BODY = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 STREAM = {"model": "sluice-tiny", "prompt": "ka lo", "max_tokens": 8, "ignore_eos": True, "stream": True}
@@ -63,98 +59,34 @@ REFUSED_WITHIN_S = 30
 STUCK_DEADLINE_S = 10
 
 
-def _user_env() -> dict[str, str]:
-    """A user's shell: none of sluice's process environment (the test process has it applied)."""
-    from base.runtime import process_env
-
-    return {key: value for key, value in os.environ.items() if key not in process_env() and key != "RAY_ADDRESS"}
-
-
-def _sluice(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "sluice.cli.main", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=_user_env())
-
-
-def _ours(folder: str) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if any(folder in part for part in process.info["cmdline"] or []):
-            found.append(process)
-    return found
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
-    """`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address 127.0.0.1` in the foreground."""
-    port = free_port()
-    folder = tempfile.mkdtemp(prefix="sluice-ray-", dir="/tmp")
-    env_part, command = COMPATIBLE_RAY_START.split(" ", 1)
-    key, value = env_part.split("=")
-    argv = [str(Path(sys.executable).parent / "ray"), *command.split()[1:]]
-    argv += ["--block", "--port", str(port), "--temp-dir", folder, "--include-dashboard=false"]
-    argv += ["--disable-usage-stats"]
-    # Token authentication on, as Ray 2.60's `ray start` turns it on wherever a token exists (`~/.ray/auth_token`).
-    # The test's own stop at the end is immediate: on SIGTERM, Ray 2.60's `ray start --block` first waits up to
-    # 30 s (`RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`) for the node to drain, which a head with Serve's controller
-    # never does.
-    env = {**_user_env(), key: value, "RAY_AUTH_MODE": "token", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    ray_start = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            assert ray_start.poll() is None, "ray start exited"
-            return _sluice("status", "--address", address, timeout_s=60).returncode == 0
-
-        wait_until(60, up, "ray start to come up", poll_s=1)
-        yield address
-    finally:
-        ray_start.send_signal(signal.SIGTERM)
-        try:
-            ray_start.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            ray_start.kill()
-        _, alive = psutil.wait_procs(_ours(folder), timeout=20)
-        for process in alive:
-            process.kill()
-        psutil.wait_procs(alive, timeout=10)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _spec(tmp: Path, name: str, **model: object) -> tuple[Path, int]:
-    spec = yaml.safe_load((ROOT / "topologies" / "teams" / "local-cpu.yaml").read_text())
-    port = free_port()
-    spec["name"] = name
-    spec["frontend"].update(port=port, metrics_port=free_port())
-    spec["models"][0].update(model)
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    register_frontend(port)
-    return path, port
+    with user_started_ray() as ray:
+        yield ray.address
 
 
 def _serve_driver(cluster: str, call: str) -> None:
     """Run `serve.<call>` from a plain driver of the user's (no sluice settings)."""
     code = f"import ray; ray.init(address='{cluster}'); from ray import serve; serve.{call}"
-    env = {**_user_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+    env = {**user_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_serve_without_sluices_settings_is_refused_in_seconds(cluster: str, tmp_path: Path) -> None:
     _serve_driver(cluster, f"start(http_options={{'host': '127.0.0.1', 'port': {free_port()}}})")
-    spec, _ = _spec(tmp_path, "refused")
+    spec, _ = embedded_default_spec(tmp_path, "refused")
     began = time.monotonic()
-    refused = _sluice("deploy", str(spec), "--address", cluster)
+    refused = sluice_cli("deploy", str(spec), "--address", cluster)
     took = time.monotonic() - began
     print(f"refused in {took:.1f} s")
     # A refusal takes a CLI's start and one question to the controller (3-4 s alone); a deploy that went ahead would
     # wait minutes. The bound is 10x the refusal's time: this module shares the cores with the session cluster's.
     assert refused.returncode == PREFLIGHT_EXIT_CODE and took < REFUSED_WITHIN_S, refused.stderr
     assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" in refused.stderr and "serve shutdown -y" in refused.stderr
-    assert _sluice("status", "--address", cluster).returncode == PREFLIGHT_EXIT_CODE
+    assert sluice_cli("status", "--address", cluster).returncode == PREFLIGHT_EXIT_CODE
     _serve_driver(cluster, "shutdown()")
-    assert "no sluice stack" in _sluice("status", "--address", cluster).stdout, "the refused deploy left a stack"
+    assert "no sluice stack" in sluice_cli("status", "--address", cluster).stdout, "the refused deploy left a stack"
 
 
 @dataclass
@@ -166,18 +98,18 @@ class Deployed:
 
 @pytest.fixture(scope="module")
 def deployed(cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
-    spec, port = _spec(tmp_path_factory.mktemp("own"), "own-cluster")
-    result = _sluice("deploy", str(spec), "--address", cluster, timeout_s=700)
+    spec, port = embedded_default_spec(tmp_path_factory.mktemp("own"), "own-cluster")
+    result = sluice_cli("deploy", str(spec), "--address", cluster, timeout_s=700)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "INFO" not in result.stdout + result.stderr, "Ray's own lines leaked into deploy's output"
     assert f"http://127.0.0.1:{port}" in result.stdout
     yield Deployed(spec, f"http://127.0.0.1:{port}", [f"{STACK}-{app}" for app in ("llm", "router", "frontend")])
-    _sluice("down", STACK, "--address", cluster)
+    sluice_cli("down", STACK, "--address", cluster)
 
 
 def _status(cluster: str) -> dict:
     """`sluice status STACK --json`, checked against its published schema."""
-    report = json.loads(_sluice("status", STACK, "--address", cluster, "--json").stdout)
+    report = json.loads(sluice_cli("status", STACK, "--address", cluster, "--json").stdout)
     jsonschema.validate(report, status_schema())
     return report
 
@@ -217,13 +149,13 @@ def test_a_second_stack_on_the_running_frontends_port_is_refused_in_seconds_nami
     cluster: str, deployed: Deployed, tmp_path: Path
 ) -> None:
     port = int(deployed.url.rsplit(":", 1)[1])
-    path, _ = _spec(tmp_path, "clash")
+    path, _ = embedded_default_spec(tmp_path, "clash")
     clash = yaml.safe_load(path.read_text())
     clash["frontend"]["port"] = port
     path.write_text(yaml.safe_dump(clash))
     replicas = _replica_ids(_status(cluster))
     began = time.monotonic()
-    refused = _sluice("deploy", str(path), "--address", cluster)
+    refused = sluice_cli("deploy", str(path), "--address", cluster)
     took = time.monotonic() - began
     print(f"refused in {took:.1f} s")
     assert refused.returncode == PREFLIGHT_EXIT_CODE and took < REFUSED_WITHIN_S, refused.stdout + refused.stderr
@@ -235,10 +167,10 @@ def test_a_second_stack_on_the_running_frontends_port_is_refused_in_seconds_nami
 
 
 def test_status_lists_the_stacks_and_reads_the_running_one(cluster: str, deployed: Deployed) -> None:
-    listed = _sluice("status", "--address", cluster, "--json")
+    listed = sluice_cli("status", "--address", cluster, "--json")
     assert [stack["stack"] for stack in json.loads(listed.stdout)["stacks"]] == [STACK]
     jsonschema.validate(json.loads(listed.stdout), status_schema())
-    by_name = _sluice("status", STACK, "--address", cluster, "--json")
+    by_name = sluice_cli("status", STACK, "--address", cluster, "--json")
     report = json.loads(by_name.stdout)
     jsonschema.validate(report, status_schema())
     assert by_name.returncode == 0 and report["state"] == "ready", report["state"]
@@ -256,7 +188,7 @@ def test_check_on_the_embedded_default_is_incomplete_naming_what_runs_the_skippe
     cluster: str, deployed: Deployed
 ) -> None:
     expect = ["--expect-ray", ComponentVersions.installed().ray]
-    result = _sluice("check", str(deployed.spec), "--address", cluster, "--json", *expect)
+    result = sluice_cli("check", str(deployed.spec), "--address", cluster, "--json", *expect)
     verdict = json.loads(result.stdout)
     jsonschema.validate(verdict, check_schema())
     assert result.returncode == CHECK_EXIT_INCOMPLETE and verdict["verdict"] == "incomplete", verdict
@@ -275,7 +207,7 @@ def test_check_on_the_embedded_default_is_incomplete_naming_what_runs_the_skippe
     assert not verdict["failed"] and not any(s["allowed"] for s in verdict["skipped"])
     # The user accepts the skips: the verdict passes, the skips still reported.
     allow = [flag for item in (FAULT_INJECTION, TIMEOUT_CLEANUP, LEGACY_SAME_TEXTS) for flag in ("--allow-skip", item)]
-    result = _sluice("check", str(deployed.spec), "--address", cluster, "--json", *allow)
+    result = sluice_cli("check", str(deployed.spec), "--address", cluster, "--json", *allow)
     verdict = json.loads(result.stdout)
     assert result.returncode == CHECK_EXIT_PASS and verdict["verdict"] == "pass", verdict
     assert len(verdict["skipped"]) == 3 and all(s["allowed"] for s in verdict["skipped"])
@@ -348,9 +280,9 @@ def test_haproxy_dies_with_its_replica_and_comes_back_with_the_next(cluster: str
 
 def test_down_by_name_removes_every_app_and_haproxy(cluster: str, deployed: Deployed) -> None:
     haproxy = _status(cluster)["frontend"]
-    result = _sluice("down", STACK, "--address", cluster)
+    result = sluice_cli("down", STACK, "--address", cluster)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "no sluice stack" in _sluice("status", "--address", cluster).stdout
+    assert "no sluice stack" in sluice_cli("status", "--address", cluster).stdout
     with contextlib.suppress(WaitTimeout):
         wait_until(10, lambda: not pid_alive(haproxy["master_pid"]), "HAProxy to end", poll_s=0.2)
     assert not pid_alive(haproxy["master_pid"]) and not pid_alive(haproxy["worker_pid"])
@@ -364,12 +296,12 @@ def test_a_stack_that_cannot_start_ends_deploy_at_its_deadline(cluster: str, tmp
     # deadline is inside that: the stack is still starting when it passes.
     weightless = tmp_path / "weightless-model"
     weightless.mkdir()
-    spec, _ = _spec(tmp_path, "stuck", source=str(weightless))
+    spec, _ = embedded_default_spec(tmp_path, "stuck", source=str(weightless))
     began = time.monotonic()
-    result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", str(STUCK_DEADLINE_S), timeout_s=180)
+    result = sluice_cli("deploy", str(spec), "--address", cluster, "--timeout", str(STUCK_DEADLINE_S), timeout_s=180)
     took = time.monotonic() - began
-    removed = _sluice("down", str(spec), "--address", cluster)
-    assert removed.returncode == 0 and "no sluice stack" in _sluice("status", "--address", cluster).stdout
+    removed = sluice_cli("down", str(spec), "--address", cluster)
+    assert removed.returncode == 0 and "no sluice stack" in sluice_cli("status", "--address", cluster).stdout
     # The message says the deadline ended it; the bound only catches a deploy that hung on past it.
     assert result.returncode == 1 and took < 120, result.stderr
     assert "deploy timed out" in result.stderr and "platform-stuck-llm/LLMReplica" in result.stderr
@@ -381,10 +313,10 @@ def test_a_stack_that_cannot_start_ends_deploy_at_its_deadline(cluster: str, tmp
 def test_a_deployment_serve_gives_up_on_ends_deploy_with_its_error(cluster: str, tmp_path: Path) -> None:
     # One replica: Serve gives up after its 3 failed starts instead of 6; what deploy says does not depend on the count.
     # A model folder the node lacks fails each start before vLLM is imported.
-    spec, _ = _spec(tmp_path, "failing", source=str(tmp_path / "no-such-model"), replicas=1)
-    result = _sluice("deploy", str(spec), "--address", cluster, "--timeout", "400", timeout_s=500)
-    removed = _sluice("down", str(spec), "--address", cluster)
-    assert removed.returncode == 0 and "no sluice stack" in _sluice("status", "--address", cluster).stdout
+    spec, _ = embedded_default_spec(tmp_path, "failing", source=str(tmp_path / "no-such-model"), replicas=1)
+    result = sluice_cli("deploy", str(spec), "--address", cluster, "--timeout", "400", timeout_s=500)
+    removed = sluice_cli("down", str(spec), "--address", cluster)
+    assert removed.returncode == 0 and "no sluice stack" in sluice_cli("status", "--address", cluster).stdout
     assert result.returncode == 1 and "deploy failed: Serve gave up" in result.stderr, result.stderr
     # The replica's own error (the model folder it could not find) and the tail of its log, not only Serve's summary.
     assert "platform-failing-llm/LLMReplica" in result.stderr and "no-such-model" in result.stderr
