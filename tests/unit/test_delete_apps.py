@@ -31,6 +31,13 @@ class FakeServe:
             self.draining.add(name)
 
 
+@pytest.fixture(autouse=True)
+def no_ledgers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ledger actors to end: Ray's named-actor list would start a Ray in this test process, whose address its
+    later subprocesses would inherit (a `sluice deploy --address 127.0.0.1:1` then found a cluster)."""
+    monkeypatch.setattr("routers.ledger_actor.end_ledgers", lambda apps: [])
+
+
 def test_the_frontend_goes_first_and_the_rest_drain_together(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeServe(["s-llm", "s-router", "s-frontend", "other-frontend"])
     monkeypatch.setattr("ray.serve.status", fake.status)
