@@ -223,7 +223,7 @@ def test_a_rate_sweep_of_a_dataset_against_a_keyed_target_writes_one_report_with
     process, url = start("--api-key", "sk-sweep", "--tokens", "4", "--record", str(truth))
     out = tmp_path / "sweep"
     load = _sluice("load", "mixed", "--target", url, "--api-key", "sk-sweep", "--dataset", str(dataset))
-    load += ["--rate", "2,4", "--duration", "3", "--users", "4", "--out", str(out)]
+    load += ["--rate", "4,40", "--duration", "3", "--users", "8", "--out", str(out)]
     load += ["--tokenizer", str(tiny_model_dir / "tokenizer.json")]
     try:
         result = subprocess.run(load, capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -232,7 +232,7 @@ def test_a_rate_sweep_of_a_dataset_against_a_keyed_target_writes_one_report_with
         process.wait(timeout=10)
     assert result.returncode == 0, result.stderr
     sweep = json.loads((out / "summary.json").read_text())
-    assert sweep["rates"] == [2.0, 4.0] and [step["folder"] for step in sweep["steps"]] == ["rate-2", "rate-4"]
+    assert sweep["rates"] == [4.0, 40.0] and [step["folder"] for step in sweep["steps"]] == ["rate-4", "rate-40"]
     for step in sweep["steps"]:
         saved = json.loads((out / step["folder"] / "summary.json").read_text())
         assert saved["failed"] == 0 and saved["completed"] == step["completed"] >= 3, "every request carried the key"
@@ -240,16 +240,18 @@ def test_a_rate_sweep_of_a_dataset_against_a_keyed_target_writes_one_report_with
         with (out / step["folder"] / "rows.csv").open() as handle:
             rows = list(csv.DictReader(handle))
         assert {int(row["output_tokens"]) for row in rows} == {4} and all(row["planned_at"] for row in rows)
-    assert sweep["steps"][1]["completed"] > sweep["steps"][0]["completed"], "the faster step sent more"
+    assert sweep["steps"][1]["completed"] > sweep["steps"][0]["completed"], (
+        "the faster step sent more (Poisson means 12 and 120: apart by far more than chance)"
+    )
     asked = [json.loads(line) for line in truth.read_text().splitlines()]
     assert {(a["prompt"], a["max_tokens"]) for a in asked} == {(f"question {i}", 4) for i in range(5)}
     page = (out / "report.html").read_text()
-    assert page.count("<tr><td>2</td>") == 1 and page.count("<tr><td>4</td>") == 1, "a row per step"
+    assert page.count("<tr><td>4</td>") == 1 and page.count("<tr><td>40</td>") == 1, "a row per step"
     assert (
-        'src="sweep.png"' in page and 'src="rate-2/latency_cdf.png"' in page and 'src="rate-4/latency_cdf.png"' in page
+        'src="sweep.png"' in page and 'src="rate-4/latency_cdf.png"' in page and 'src="rate-40/latency_cdf.png"' in page
     )
     compared = subprocess.run(
-        _sluice("load", "compare", str(out / "rate-2"), str(out / "rate-4")), capture_output=True, text=True, cwd=ROOT
+        _sluice("load", "compare", str(out / "rate-4"), str(out / "rate-40")), capture_output=True, text=True, cwd=ROOT
     )
     assert compared.returncode == 0 and any(
         line.startswith("request_throughput") for line in compared.stdout.splitlines()
