@@ -30,6 +30,7 @@ pytestmark = pytest.mark.integration
 
 SEED = 2812
 REQUEST_TIMEOUT_S = 1.0
+CHECK_INTER_S = 2.0
 # A case's answer must come within the request timeout and this margin (HAProxy answers a stalled request at it).
 ANSWER_MARGIN_S = 4.0
 SMUGGLED_PATH = "/smuggled"
@@ -155,6 +156,10 @@ def plane(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]
         app,
         [env.r1.endpoint, env.r2.endpoint],
         [env.router_a.endpoint],
+        # The stand-ins answer their health checks from this process, whose 16 fuzzing threads hold its GIL: at the
+        # planes' 0.5 s (the check's own timeout too) a starved fast tier twice saw the router marked DOWN
+        # (router_unreachable). The deployed default's checks are slower still (`CHECK_INTER_S_DEFAULT`).
+        check_inter_s=CHECK_INTER_S,
         protection=FrontendProtection(request_timeout_s=REQUEST_TIMEOUT_S),
     )
     yield started
