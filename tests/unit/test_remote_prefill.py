@@ -21,6 +21,7 @@ from base.contracts import (
     REQUEST_ID_HEADER,
     SERVE_REASON_HEADER,
     SERVED_PREFILL_HEADER,
+    TRACEPARENT_HEADER,
 )
 from services.replica.asgi_call import route_path
 from services.replica.middleware.remote_prefill import REMOTE_DECODE_PARAMS, RemotePrefillMiddleware, prefill_body
@@ -288,3 +289,12 @@ def test_a_new_prefill_replica_is_known_after_one_look_up_and_look_ups_are_space
 
     assert asyncio.run(run()) == [True, True, False, True, False]
     assert looked_up == [100.0, 101.5]
+
+
+def test_the_prefill_call_carries_the_decode_requests_trace() -> None:
+    prefill = PrefillReplica()
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    status, _, _, _ = call(prefill, headers={**ROUTED, TRACEPARENT_HEADER: traceparent})
+    assert status == 200 and prefill.requests[0].headers[TRACEPARENT_HEADER] == traceparent
+    call(untraced := PrefillReplica())
+    assert TRACEPARENT_HEADER not in untraced.requests[0].headers, "no trace: none made up"
