@@ -93,16 +93,18 @@ def test_scale_2_3_2_while_streams_run_without_a_reload(
         _wait(lambda: len(streamers.served) >= STREAMERS, 120, "streams never got going")
         for cycle in range(REPEATS):
             original = {e.replica_id for e in llm_cluster.endpoints}
-            deploy_llm_app(
-                llm_cluster.app, tiny_model_dir, llm_cluster.config.deployment.model_copy(update={"num_replicas": 3})
-            )
+            # The session's app as it was deployed (its tracing too), but for the count: Serve scales, not restarts.
+            three_replicas = llm_cluster.config.deployment.model_copy(update={"num_replicas": 3})
+            deploy_llm_app(llm_cluster.app, tiny_model_dir, three_replicas, tracing=llm_cluster.config.tracing)
             three = {e.replica_id for e in wait_for_endpoints(llm_cluster.app, 3, timeout_s=300)}
             assert original < three, f"cycle {cycle}: scaling up restarted the running replicas instead of adding one"
             (added,) = three - original
             stack.wait_until_serving(replicas=3, routers=1, timeout_s=60)
             _wait(lambda: added in streamers.served, 60, "the new replica never received traffic")  # noqa: B023
 
-            deploy_llm_app(llm_cluster.app, tiny_model_dir, llm_cluster.config.deployment)
+            deploy_llm_app(
+                llm_cluster.app, tiny_model_dir, llm_cluster.config.deployment, tracing=llm_cluster.config.tracing
+            )
             llm_cluster.endpoints[:] = wait_for_endpoints(llm_cluster.app, 2, timeout_s=120)
             assert {e.replica_id for e in llm_cluster.endpoints} < three
             _wait(lambda: stack.up_servers(REPLICA_BACKEND) == 2, 60, "HAProxy still balances to the removed replica")
